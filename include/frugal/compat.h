@@ -1,0 +1,94 @@
+// The one place that knows which LibTorch version frugal is built against.
+//
+// Everything that differs between LibTorch 1.13 and 2.x goes through here: the CPU
+// allocator interface, the autocast API (device-generic from 2.4 on) and the CUDA caching
+// allocator's statistics. No other file tests a version.
+#pragma once
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
+#include <torch/version.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#define FRUGAL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||         \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace frugal::compat {
+
+/// A c10::Allocator whose subclasses implement `allocate_bytes` once for every version
+/// (`allocate` is const before 2.3; `copy_data` must be defined from 2.3 on).
+class AllocatorBase : public c10::Allocator {
+ public:
+  virtual c10::DataPtr allocate_bytes(std::size_t n) const = 0;
+
+#if FRUGAL_TORCH_AT_LEAST(2, 3)
+  c10::DataPtr allocate(std::size_t n) override { return allocate_bytes(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#else
+  c10::DataPtr allocate(std::size_t n) const override { return allocate_bytes(n); }
+#endif
+};
+
+// Autocast state of one device type.
+inline bool autocast_enabled(c10::DeviceType type) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(type);
+#else
+  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled()
+                                      : at::autocast::is_enabled();
+#endif
+}
+
+inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(type, enabled);
+#else
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(enabled);
+  } else {
+    at::autocast::set_enabled(enabled);
+  }
+#endif
+}
+
+inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(type);
+#else
+  return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                      : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
+inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(type, dtype);
+#else
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+#endif
+}
+
+/// The CUDA caching allocator's figures for one device, aggregated over pool kinds.
+struct CudaAllocatorStats {
+  std::int64_t allocated = 0, allocated_peak = 0;
+  std::int64_t reserved = 0, reserved_peak = 0;
+  std::int64_t active = 0, active_peak = 0;
+  std::int64_t allocations = 0, alloc_retries = 0, ooms = 0;
+};
+
+#ifdef FRUGAL_WITH_CUDA
+CudaAllocatorStats cuda_allocator_stats(int device);
+void cuda_reset_peak(int device);
+void cuda_empty_cache();
+#endif
+
+}  // namespace frugal::compat

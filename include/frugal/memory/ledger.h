@@ -1,0 +1,38 @@
+// Where the allocated bytes went: weights, gradients, optimizer state, the rest.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <string>
+
+#include "frugal/memory/probe.h"
+
+namespace frugal {
+
+/// A split of a device's allocated bytes. Each storage is counted once, in the first of
+/// weights, gradients, optimizer state that holds it, however many tensors view it.
+/// `other` is the rest: activations, temporaries, anything else alive on the device.
+/// On the CPU the parts are exact: with nothing else alive, `other` is 0.
+struct Ledger {
+  std::int64_t weights = 0;    ///< parameters and buffers
+  std::int64_t gradients = 0;  ///< parameters' .grad
+  std::int64_t optimizer = 0;  ///< optimizer state (momentum, Adam's moments, ...)
+  std::int64_t other = 0;      ///< allocated - the three above
+  std::int64_t allocated = 0;  ///< the probe's allocated bytes when measured
+
+  std::string summary() const;
+  std::string to_json() const;
+};
+
+/// Measures the ledger of `module` and, if given, `optimizer` on the probe's device.
+/// Optimizer state is read for SGD, Adam, AdamW, Adagrad, RMSprop and LBFGS; other
+/// optimizers' state lands in `other`.
+///
+/// Example:
+///   auto ledger = frugal::measure_ledger(probe, *model, &optimizer);
+Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
+                      const torch::optim::Optimizer* optimizer = nullptr);
+
+}  // namespace frugal

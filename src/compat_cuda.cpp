@@ -1,0 +1,32 @@
+// CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
+#include "frugal/compat.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+namespace frugal::compat {
+
+namespace {
+// StatType::AGGREGATE is the first entry in every version's stat arrays.
+constexpr std::size_t kAggregate = 0;
+}  // namespace
+
+CudaAllocatorStats cuda_allocator_stats(int device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  CudaAllocatorStats out;
+  out.allocated = stats.allocated_bytes[kAggregate].current;
+  out.allocated_peak = stats.allocated_bytes[kAggregate].peak;
+  out.reserved = stats.reserved_bytes[kAggregate].current;
+  out.reserved_peak = stats.reserved_bytes[kAggregate].peak;
+  out.active = stats.active_bytes[kAggregate].current;
+  out.active_peak = stats.active_bytes[kAggregate].peak;
+  out.allocations = stats.allocation[kAggregate].current;
+  out.alloc_retries = stats.num_alloc_retries;
+  out.ooms = stats.num_ooms;
+  return out;
+}
+
+void cuda_reset_peak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
+
+void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+}  // namespace frugal::compat
