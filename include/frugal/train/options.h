@@ -1,0 +1,50 @@
+// Options of the step engine, in LibTorch's chained-setter style.
+#pragma once
+
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+
+#include "frugal/train/batch.h"
+
+namespace frugal {
+
+/// How the loss function reduces over a micro-batch.
+enum class LossReduction {
+  Mean,  ///< mean over the micro-batch's count: weighted by count / global count
+  Sum,   ///< sum over the micro-batch: divided by the global count
+};
+
+/// Options of frugal::Trainer.
+///
+/// Example:
+///   auto options = frugal::TrainerOptions().micro_batch(16).accumulate(2).set_to_none(true);
+struct TrainerOptions {
+  /// Split each batch into micro-batches of at most this many samples (>= 1).
+  /// Larger than the batch means one micro-batch. Unset: the whole batch at once.
+  TORCH_ARG(c10::optional<std::int64_t>, micro_batch) = c10::nullopt;
+  /// Or split each batch into this many near-equal parts (>= 1); exclusive with micro_batch.
+  TORCH_ARG(c10::optional<std::int64_t>, micro_batches) = c10::nullopt;
+  /// Batches per optimizer step (>= 1). The gradient is that of the mean loss over all
+  /// their samples (or counts); `Trainer::flush` steps a last partial window.
+  TORCH_ARG(std::int64_t, accumulate) = 1;
+  /// Release gradients after each optimizer step instead of filling them with zeros.
+  TORCH_ARG(bool, set_to_none) = true;
+  /// How the loss function reduces; see LossReduction.
+  TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
+  /// The global count of a (micro-)batch, e.g. non-padding tokens. Unset: samples.
+  TORCH_ARG(std::function<std::int64_t(const Batch&)>, count) = nullptr;
+  /// Where micro-batches are moved before the forward pass, one at a time.
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Samples per evaluation batch. Unset: the micro-batch size, else the whole set.
+  TORCH_ARG(c10::optional<std::int64_t>, eval_batch) = c10::nullopt;
+  /// Evaluate under c10::InferenceMode rather than torch::NoGradGuard.
+  TORCH_ARG(bool, inference_mode) = false;
+  /// Measure the ledger (weights, gradients, optimizer state) in every report.
+  TORCH_ARG(bool, ledger) = true;
+};
+
+}  // namespace frugal

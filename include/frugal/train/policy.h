@@ -1,0 +1,108 @@
+// Policies: code that hooks the named phases of a training step.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "frugal/memory/probe.h"
+#include "frugal/train/batch.h"
+#include "frugal/train/step_report.h"
+
+namespace frugal {
+
+/// The phases of one step, in order. Forward and backward phases run once per micro-batch;
+/// the optimizer phases once per optimizer step.
+enum class Phase {
+  StepBegin,
+  BeforeForward,
+  AfterForward,
+  BeforeBackward,
+  AfterBackward,
+  BeforeOptimizerStep,
+  AfterOptimizerStep,
+  AfterZeroGrad,
+  StepEnd,
+};
+
+const char* phase_name(Phase phase);
+
+/// What a policy sees of the step in progress.
+struct StepContext {
+  torch::nn::Module& module;
+  torch::optim::Optimizer& optimizer;
+  const MemoryProbe& probe;
+  const Batch& batch;           ///< the whole batch of this call
+  Batch micro;                  ///< the micro-batch in flight (forward/backward phases)
+  std::int64_t micro_index = 0;
+  std::int64_t micro_count = 0;
+  /// After forward: the micro-batch's loss, already weighted by its share of the global
+  /// count. A policy may replace it before backward (a GradScaler multiplies it).
+  torch::Tensor loss;
+  /// Set in BeforeOptimizerStep to skip the optimizer step (e.g. inf/NaN gradients).
+  bool skip_optimizer_step = false;
+  StepReport& report;
+};
+
+/// A policy hooks phases of the step. Override what you need; the engine calls every
+/// policy's hook in the order the policies were added, and the After* hooks of forward in
+/// reverse order, even when the forward threw, so a policy can pair them like a guard.
+///
+/// Example:
+///   struct PrintLoss : frugal::Policy {
+///     std::string name() const override { return "print-loss"; }
+///     void on_step_end(frugal::StepContext& c) override { fmt::print("{}\n", c.report.loss); }
+///   };
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual std::string name() const = 0;
+
+  virtual void on_step_begin(StepContext&) {}
+  virtual void before_forward(StepContext&) {}
+  virtual void after_forward(StepContext&) {}
+  virtual void before_backward(StepContext&) {}
+  virtual void after_backward(StepContext&) {}
+  virtual void before_optimizer_step(StepContext&) {}
+  virtual void after_optimizer_step(StepContext&) {}
+  virtual void after_zero_grad(StepContext&) {}
+  virtual void on_step_end(StepContext&) {}
+};
+
+/// A policy made of one user function at one phase: the engine's hooks.
+///
+/// Example:
+///   trainer.add_hook(frugal::Phase::AfterBackward, [](frugal::StepContext& c) {
+///     torch::nn::utils::clip_grad_norm_(c.module.parameters(), 1.0);
+///   });
+class HookPolicy : public Policy {
+ public:
+  using Fn = std::function<void(StepContext&)>;
+  HookPolicy(Phase phase, Fn fn, std::string name = "hook");
+
+  std::string name() const override { return name_; }
+  void on_step_begin(StepContext& c) override { call(Phase::StepBegin, c); }
+  void before_forward(StepContext& c) override { call(Phase::BeforeForward, c); }
+  void after_forward(StepContext& c) override { call(Phase::AfterForward, c); }
+  void before_backward(StepContext& c) override { call(Phase::BeforeBackward, c); }
+  void after_backward(StepContext& c) override { call(Phase::AfterBackward, c); }
+  void before_optimizer_step(StepContext& c) override { call(Phase::BeforeOptimizerStep, c); }
+  void after_optimizer_step(StepContext& c) override { call(Phase::AfterOptimizerStep, c); }
+  void after_zero_grad(StepContext& c) override { call(Phase::AfterZeroGrad, c); }
+  void on_step_end(StepContext& c) override { call(Phase::StepEnd, c); }
+
+ private:
+  void call(Phase phase, StepContext& c) {
+    if (phase == phase_) {
+      fn_(c);
+    }
+  }
+  Phase phase_;
+  Fn fn_;
+  std::string name_;
+};
+
+}  // namespace frugal

@@ -1,0 +1,115 @@
+// The step engine: one optimizer step per call, under composable policies.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "frugal/memory/probe.h"
+#include "frugal/train/batch.h"
+#include "frugal/train/options.h"
+#include "frugal/train/policy.h"
+#include "frugal/train/step_report.h"
+
+namespace frugal {
+
+class ReportSink;
+
+/// Runs training steps: splits a batch into micro-batches, weights each loss by its share
+/// of the global count so the accumulated gradient equals the full batch's, steps the
+/// optimizer, releases gradients, and reports numbers (never tensors) with the probe's
+/// memory figures. Policies hook the step's phases; sinks receive every report.
+///
+/// A step that throws leaves parameters and optimizer state as they were, and gradients
+/// as they were when it began a new accumulation window.
+///
+/// Example:
+///   torch::nn::Linear model(784, 10);
+///   torch::optim::SGD sgd(model->parameters(), 0.1);
+///   frugal::Trainer trainer(model, sgd, torch::nn::functional::cross_entropy,
+///                           frugal::TrainerOptions().micro_batch(16));
+///   auto report = trainer.step({images, labels});
+///   fmt::print("loss {} peak {}\n", report.loss, report.peak);
+class Trainer {
+ public:
+  using ForwardFn = std::function<torch::Tensor(const torch::Tensor& inputs)>;
+  using LossFn = std::function<torch::Tensor(const torch::Tensor& output,
+                                             const torch::Tensor& targets)>;
+  using BatchLossFn = std::function<torch::Tensor(const Batch& batch)>;
+
+  /// A module holder with a forward(Tensor), its optimizer and a loss of (output, targets).
+  template <typename ModuleHolder>
+  Trainer(ModuleHolder model, torch::optim::Optimizer& optimizer, LossFn loss,
+          TrainerOptions options = {})
+      : Trainer(model.ptr(),
+                [model](const torch::Tensor& x) mutable { return model->forward(x); },
+                optimizer, std::move(loss), std::move(options)) {}
+
+  Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
+          torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options = {});
+
+  /// A user callable computes the loss of a (micro-)batch; evaluate() reports its loss only.
+  Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+          BatchLossFn batch_loss, TrainerOptions options = {});
+
+  /// Runs one batch: forward and backward per micro-batch, and the optimizer step when the
+  /// accumulation window is full.
+  StepReport step(const Batch& batch);
+  /// Steps a partial accumulation window, normalised by its own count. Returns whether
+  /// there was one.
+  bool flush();
+  /// Loss (and accuracy, for class targets) under no_grad in eval mode, in batches of
+  /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
+  EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
+
+  Trainer& add_policy(std::shared_ptr<Policy> policy);
+  Trainer& add_hook(Phase phase, HookPolicy::Fn fn);
+  Trainer& add_sink(std::shared_ptr<ReportSink> sink);
+
+  /// The micro-batch size in use (0: the whole batch); policies may change it.
+  std::int64_t micro_batch() const { return micro_batch_; }
+  void set_micro_batch(std::int64_t size);
+
+  const TrainerOptions& options() const { return options_; }
+  const MemoryProbe& probe() const { return probe_; }
+  torch::nn::Module& module() { return *module_; }
+  torch::optim::Optimizer& optimizer() { return optimizer_; }
+  std::int64_t steps() const { return steps_; }
+  std::int64_t skipped_steps() const { return skipped_; }
+
+ private:
+  Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
+          torch::optim::Optimizer& optimizer, LossFn loss, BatchLossFn batch_loss,
+          TrainerOptions options);
+
+  torch::Tensor loss_of(const Batch& micro) const;
+  std::int64_t count_of(const Batch& micro) const;
+  std::vector<std::int64_t> plan(std::int64_t samples) const;
+  void run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
+                         const std::vector<std::int64_t>& counts, std::int64_t total);
+  void optimizer_phase(StepContext& ctx);
+  void zero_grads();
+  void finish_report(StepReport& report);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  ForwardFn forward_;
+  torch::optim::Optimizer& optimizer_;
+  LossFn loss_;
+  BatchLossFn batch_loss_;
+  TrainerOptions options_;
+  MemoryProbe probe_;
+  std::vector<std::shared_ptr<Policy>> policies_;
+  std::vector<std::shared_ptr<ReportSink>> sinks_;
+
+  std::int64_t micro_batch_ = 0;
+  std::int64_t steps_ = 0;
+  std::int64_t skipped_ = 0;
+  std::int64_t batches_ = 0;
+  std::int64_t window_batches_ = 0;
+  std::int64_t window_count_ = 0;
+};
+
+}  // namespace frugal

@@ -1,0 +1,63 @@
+#include "frugal/report/sink.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "../report_json.h"
+
+namespace frugal {
+
+ConsoleSink::ConsoleSink(std::FILE* out, std::int64_t every) : out_(out), every_(every) {
+  TORCH_CHECK(out_ != nullptr, "frugal: ConsoleSink needs a stream");
+  TORCH_CHECK(every_ >= 1, "frugal: ConsoleSink prints every N steps, N >= 1, got ", every_);
+}
+
+void ConsoleSink::write(const StepReport& report) {
+  if (report.batch % every_ == 0) {
+    fmt::print(out_, "{}\n", report.summary());
+    std::fflush(out_);
+  }
+}
+
+void ConsoleSink::write(const EvalReport& report) {
+  fmt::print(out_, "{}\n", report.summary());
+  std::fflush(out_);
+}
+
+JsonLinesSink::JsonLinesSink(const std::string& path) : path_(path), out_(path) {
+  TORCH_CHECK(out_.good(), "frugal: cannot open the report file '", path, "' for writing");
+}
+
+void JsonLinesSink::set(const std::string& key, double value) {
+  extra_[key] = nlohmann::json(value).dump();
+}
+
+void JsonLinesSink::set(const std::string& key, const std::string& value) {
+  extra_[key] = nlohmann::json(value).dump();
+}
+
+void JsonLinesSink::set(const std::string& key, std::int64_t value) {
+  extra_[key] = nlohmann::json(value).dump();
+}
+
+void JsonLinesSink::write(const StepReport& report) {
+  write_line(detail::to_json_object(report).dump());
+}
+
+void JsonLinesSink::write(const EvalReport& report) {
+  write_line(detail::to_json_object(report).dump());
+}
+
+void JsonLinesSink::write_line(const std::string& json) {
+  auto line = nlohmann::json::parse(json);
+  for (const auto& [key, value] : extra_) {
+    line[key] = nlohmann::json::parse(value);
+  }
+  out_ << line.dump() << '\n';
+  out_.flush();
+  TORCH_CHECK(out_.good(), "frugal: writing the report file '", path_, "' failed");
+}
+
+}  // namespace frugal

@@ -1,0 +1,417 @@
+#include "frugal/train/trainer.h"
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "frugal/report/sink.h"
+
+namespace frugal {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+void check_positive(const c10::optional<std::int64_t>& value, const char* name) {
+  TORCH_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ",
+              *value);
+}
+
+// Calls the policies' forward-exit hooks in reverse order when the forward ends, also
+// by an exception, so that policies can pair before/after like a guard.
+class ForwardScope {
+ public:
+  ForwardScope(std::vector<std::shared_ptr<Policy>>& policies, StepContext& ctx)
+      : policies_(policies), ctx_(ctx) {
+    for (; entered_ < policies_.size(); ++entered_) {
+      policies_[entered_]->before_forward(ctx_);
+    }
+  }
+  ~ForwardScope() noexcept(false) {
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    while (entered_ > 0) {
+      auto& policy = policies_[--entered_];
+      if (unwinding) {
+        try {
+          policy->after_forward(ctx_);
+        } catch (...) {
+        }
+      } else {
+        policy->after_forward(ctx_);
+      }
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<Policy>>& policies_;
+  StepContext& ctx_;
+  std::size_t entered_ = 0;
+};
+
+}  // namespace
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
+                 torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options)
+    : Trainer(std::move(module), std::move(forward), optimizer, std::move(loss), nullptr,
+              std::move(options)) {}
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+                 BatchLossFn batch_loss, TrainerOptions options)
+    : Trainer(std::move(module), nullptr, optimizer, nullptr, std::move(batch_loss),
+              std::move(options)) {}
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
+                 torch::optim::Optimizer& optimizer, LossFn loss, BatchLossFn batch_loss,
+                 TrainerOptions options)
+    : module_(std::move(module)),
+      forward_(std::move(forward)),
+      optimizer_(optimizer),
+      loss_(std::move(loss)),
+      batch_loss_(std::move(batch_loss)),
+      options_(std::move(options)),
+      probe_(options_.device()) {
+  TORCH_CHECK(module_ != nullptr, "frugal: Trainer needs a module, got a null pointer");
+  TORCH_CHECK((forward_ && loss_) || batch_loss_,
+              "frugal: Trainer needs a forward and a loss function, or a batch loss function");
+  check_positive(options_.micro_batch(), "micro_batch");
+  check_positive(options_.micro_batches(), "micro_batches");
+  check_positive(options_.eval_batch(), "eval_batch");
+  TORCH_CHECK(!(options_.micro_batch() && options_.micro_batches()),
+              "frugal: set micro_batch (", *options_.micro_batch(), ") or micro_batches (",
+              *options_.micro_batches(), "), not both");
+  TORCH_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
+              options_.accumulate());
+  micro_batch_ = options_.micro_batch().value_or(0);
+}
+
+void Trainer::set_micro_batch(std::int64_t size) {
+  TORCH_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
+  micro_batch_ = size;
+}
+
+Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
+  TORCH_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
+  policies_.push_back(std::move(policy));
+  return *this;
+}
+
+Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {
+  TORCH_CHECK(fn != nullptr, "frugal: add_hook(", phase_name(phase), ") got an empty function");
+  return add_policy(std::make_shared<HookPolicy>(phase, std::move(fn)));
+}
+
+Trainer& Trainer::add_sink(std::shared_ptr<ReportSink> sink) {
+  TORCH_CHECK(sink != nullptr, "frugal: add_sink got a null sink");
+  sinks_.push_back(std::move(sink));
+  return *this;
+}
+
+torch::Tensor Trainer::loss_of(const Batch& micro) const {
+  return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro.inputs), micro.targets);
+}
+
+std::int64_t Trainer::count_of(const Batch& micro) const {
+  if (!options_.count()) {
+    return micro.inputs.size(0);
+  }
+  const std::int64_t n = options_.count()(micro);
+  TORCH_CHECK(n >= 0, "frugal: the count function returned ", n, " for a micro-batch");
+  return n;
+}
+
+std::vector<std::int64_t> Trainer::plan(std::int64_t samples) const {
+  std::vector<std::int64_t> sizes;
+  if (options_.micro_batches() && micro_batch_ == 0) {  // unless a policy set a size
+    // K near-equal parts, the first ones one larger (torch::tensor_split's rule).
+    const std::int64_t parts = std::min(*options_.micro_batches(), samples);
+    for (std::int64_t i = 0; i < parts; ++i) {
+      sizes.push_back(samples / parts + (i < samples % parts ? 1 : 0));
+    }
+    return sizes;
+  }
+  const std::int64_t m = micro_batch_ > 0 ? std::min(micro_batch_, samples) : samples;
+  for (std::int64_t start = 0; start < samples; start += m) {
+    sizes.push_back(std::min(m, samples - start));
+  }
+  return sizes;
+}
+
+void Trainer::zero_grads() {
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer_.param_groups()) {
+    for (auto& p : group.params()) {
+      auto& grad = p.mutable_grad();
+      if (!grad.defined()) {
+        continue;
+      }
+      if (options_.set_to_none()) {
+        grad.reset();
+      } else {
+        grad = grad.detach();
+        grad.zero_();
+      }
+    }
+  }
+}
+
+StepReport Trainer::step(const Batch& batch) {
+  const auto start = Clock::now();
+  const std::int64_t samples = batch.size();
+  TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
+
+  // Slice and count up front: a bad count fails before anything is computed.
+  auto data_start = Clock::now();
+  std::vector<Batch> micros;
+  std::vector<std::int64_t> counts;
+  std::int64_t total = 0;
+  std::int64_t offset = 0;
+  for (const auto size : plan(samples)) {
+    micros.push_back(batch.slice(offset, size));
+    counts.push_back(count_of(micros.back()));
+    total += counts.back();
+    offset += size;
+  }
+  TORCH_CHECK(total > 0, "frugal: the batch's global count is ", total,
+              "; it must be positive to normalise the loss");
+
+  StepReport report;
+  report.samples = samples;
+  report.count = total;
+  report.micro_batches = static_cast<std::int64_t>(micros.size());
+  report.micro_batch = micros.front().inputs.size(0);
+  report.time.data_ms = ms_since(data_start);
+
+  const bool window_start = window_batches_ == 0;
+  if (window_start) {
+    zero_grads();  // a window accumulates from nothing, whatever the caller left
+  }
+  ScopedPeak step_peak(probe_);
+  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, report.micro_batches, {}, false,
+                  report};
+  try {
+    for (auto& policy : policies_) {
+      policy->on_step_begin(ctx);
+    }
+    run_micro_batches(ctx, micros, counts, total);
+  } catch (...) {
+    ctx.loss = torch::Tensor();
+    ctx.micro = Batch();
+    const bool dropped_window = !window_start;
+    window_batches_ = 0;
+    window_count_ = 0;
+    zero_grads();
+    if (dropped_window) {
+      TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
+                 "gradients were dropped and the next batch starts a new one");
+    }
+    throw;
+  }
+  micros.clear();
+  window_count_ += total;
+  ++window_batches_;
+  ++batches_;
+  report.batch = batches_;
+  if (window_batches_ == options_.accumulate()) {
+    optimizer_phase(ctx);
+  }
+  report.peak = step_peak.end();
+  report.time.total_ms = ms_since(start);
+  finish_report(report);
+  for (auto& policy : policies_) {
+    policy->on_step_end(ctx);
+  }
+  for (auto& sink : sinks_) {
+    sink->write(report);
+  }
+  return report;
+}
+
+void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
+                                const std::vector<std::int64_t>& counts, std::int64_t total) {
+  auto& report = ctx.report;
+  const bool windowed = options_.accumulate() > 1;
+  const bool mean = options_.reduction() == LossReduction::Mean;
+  torch::Tensor loss_sum;
+  for (std::size_t i = 0; i < micros.size(); ++i) {
+    auto t = Clock::now();
+    ctx.micro = micros[i].to(options_.device());
+    ctx.micro_index = static_cast<std::int64_t>(i);
+    report.time.data_ms += ms_since(t);
+
+    t = Clock::now();
+    torch::Tensor loss;
+    {
+      ScopedPeak forward_peak(probe_);
+      {
+        ForwardScope scope(policies_, ctx);
+        loss = loss_of(ctx.micro);
+      }
+      report.forward_peak = std::max(report.forward_peak, forward_peak.end());
+    }
+    TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                "frugal: the loss must be a scalar, got a tensor of shape ",
+                loss.defined() ? loss.sizes() : torch::IntArrayRef{});
+    TORCH_CHECK(loss.requires_grad(),
+                "frugal: the loss does not require grad (is the module frozen, or was the "
+                "forward run under no_grad?)");
+    // The weight makes the sum over micro-batches the gradient of the batch's mean loss;
+    // within an accumulation window, the division by the window's count waits for its end.
+    const double share = mean ? static_cast<double>(counts[i]) : 1.0;
+    const double weight = windowed ? share : share / static_cast<double>(total);
+    const auto detached = loss.detach().to(torch::kDouble) * share;
+    loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+    ctx.loss = loss.reshape({}) * weight;
+    loss = torch::Tensor();
+    report.time.forward_ms += ms_since(t);
+
+    t = Clock::now();
+    for (auto& policy : policies_) {
+      policy->before_backward(ctx);
+    }
+    {
+      ScopedPeak backward_peak(probe_);
+      ctx.loss.backward();
+      ctx.loss = torch::Tensor();
+      report.backward_peak = std::max(report.backward_peak, backward_peak.end());
+    }
+    for (auto& policy : policies_) {
+      policy->after_backward(ctx);
+    }
+    ctx.micro = Batch();
+    report.time.backward_ms += ms_since(t);
+  }
+  report.loss = loss_sum.item<double>() / static_cast<double>(total);
+}
+
+void Trainer::optimizer_phase(StepContext& ctx) {
+  const auto t = Clock::now();
+  if (options_.accumulate() > 1) {
+    torch::NoGradGuard no_grad;
+    const double inv = 1.0 / static_cast<double>(window_count_);
+    for (auto& group : optimizer_.param_groups()) {
+      for (auto& p : group.params()) {
+        if (p.grad().defined()) {
+          p.mutable_grad().mul_(inv);
+        }
+      }
+    }
+  }
+  ctx.skip_optimizer_step = false;
+  for (auto& policy : policies_) {
+    policy->before_optimizer_step(ctx);
+  }
+  if (ctx.skip_optimizer_step) {
+    ++skipped_;
+  } else {
+    optimizer_.step();
+  }
+  ++steps_;
+  for (auto& policy : policies_) {
+    policy->after_optimizer_step(ctx);
+  }
+  zero_grads();
+  for (auto& policy : policies_) {
+    policy->after_zero_grad(ctx);
+  }
+  window_batches_ = 0;
+  window_count_ = 0;
+  ctx.report.stepped = true;
+  ctx.report.skipped = ctx.skip_optimizer_step;
+  ctx.report.time.optimizer_ms = ms_since(t);
+}
+
+bool Trainer::flush() {
+  if (window_batches_ == 0) {
+    return false;
+  }
+  StepReport report;
+  Batch none;
+  StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report};
+  optimizer_phase(ctx);
+  return true;
+}
+
+void Trainer::finish_report(StepReport& report) {
+  report.step = steps_;
+  report.skipped_total = skipped_;
+  const auto& groups = optimizer_.param_groups();
+  report.lr = groups.empty() ? 0.0 : groups.front().options().get_lr();
+  report.memory = probe_.snapshot();
+  if (options_.ledger()) {
+    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
+  }
+}
+
+EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
+  const auto start = Clock::now();
+  const std::int64_t samples = data.size();
+  TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
+  check_positive(batch_size, "the evaluation batch size");
+  std::int64_t size = batch_size.value_or(options_.eval_batch().value_or(micro_batch_));
+  size = size > 0 ? std::min(size, samples) : samples;
+
+  EvalReport report;
+  report.step = steps_;
+  report.samples = samples;
+  report.batch_size = size;
+
+  const bool was_training = module_->is_training();
+  module_->eval();
+  struct RestoreMode {
+    torch::nn::Module& m;
+    bool training;
+    ~RestoreMode() { m.train(training); }
+  } restore{*module_, was_training};
+  std::unique_ptr<torch::NoGradGuard> no_grad;
+  std::unique_ptr<c10::InferenceMode> inference;
+  if (options_.inference_mode()) {
+    inference = std::make_unique<c10::InferenceMode>();
+  } else {
+    no_grad = std::make_unique<torch::NoGradGuard>();
+  }
+
+  ScopedPeak peak(probe_);
+  double loss_sum = 0;
+  std::int64_t correct = 0;
+  std::int64_t total = 0;
+  bool classes = forward_ != nullptr;
+  const bool mean = options_.reduction() == LossReduction::Mean;
+  for (std::int64_t offset = 0; offset < samples; offset += size) {
+    const auto micro = data.slice(offset, std::min(size, samples - offset)).to(options_.device());
+    const std::int64_t count = count_of(micro);
+    torch::Tensor loss;
+    if (forward_) {
+      const auto output = forward_(micro.inputs);
+      loss = loss_(output, micro.targets);
+      classes = classes && micro.targets.defined() && output.dim() == 2 &&
+                micro.targets.dim() == 1 && !micro.targets.is_floating_point();
+      if (classes) {
+        correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
+      }
+    } else {
+      loss = batch_loss_(micro);
+    }
+    loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+    total += count;
+    ++report.batches;
+  }
+  report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
+  report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
+  report.peak = peak.end();
+  report.memory = probe_.snapshot();
+  if (options_.ledger()) {
+    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
+  }
+  report.time_ms = ms_since(start);
+  for (auto& sink : sinks_) {
+    sink->write(report);
+  }
+  return report;
+}
+
+}  // namespace frugal
