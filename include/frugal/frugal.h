@@ -14,3 +14,4 @@
 #include "frugal/train/running_mean.h"
 #include "frugal/train/step_report.h"
 #include "frugal/train/trainer.h"
+#include "frugal/data/idx.h"

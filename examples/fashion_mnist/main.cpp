@@ -1,0 +1,230 @@
+// Trains a CNN or an MLP on Fashion-MNIST with frugal's step engine and memory probe.
+//
+//   fashion_mnist --data-dir /usr/share/datasets/fashion-mnist --model cnn --epochs 1
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <optional>
+
+#include "models.h"
+
+namespace {
+
+struct Args {
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string model = "cnn";
+  int epochs = 1;
+  std::int64_t batch = 64;
+  std::int64_t micro_batch = 0;
+  std::int64_t eval_batch = 1000;
+  double lr = 1e-3;
+  double dropout = 0.4;
+  std::string set_to_none = "on";
+  std::string device = "cpu";
+  std::int64_t memory_cap = 0;
+  int threads = 0;
+  std::uint64_t seed = 1;
+  std::int64_t max_steps = 0;
+  std::string report;
+  bool quiet = false;
+};
+
+// A one-line progress bar, redrawn in place on a terminal.
+class Progress {
+ public:
+  Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total) {}
+  void update(std::int64_t done, double steps_per_s, double loss, std::int64_t allocated,
+              std::int64_t peak) {
+    if (!enabled_) {
+      return;
+    }
+    constexpr int kWidth = 30;
+    const int filled = static_cast<int>(kWidth * done / std::max<std::int64_t>(total_, 1));
+    fmt::print(stderr, "\r[{:<{}}] {}/{} {:.1f} steps/s loss {:.4f} mem {} peak {}  ",
+               std::string(filled, '#'), kWidth, done, total_, steps_per_s, loss,
+               frugal::format_bytes(allocated), frugal::format_bytes(peak));
+    if (done == total_) {
+      fmt::print(stderr, "\n");
+    }
+  }
+
+ private:
+  bool enabled_;
+  std::int64_t total_;
+};
+
+int run(const Args& args) {
+  torch::manual_seed(args.seed);
+  if (args.threads > 0) {
+    torch::set_num_threads(args.threads);
+  }
+  const torch::Device device(args.device);
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    throw std::invalid_argument("--device cuda: CUDA is not available on this machine");
+  }
+  auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
+  const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
+
+  auto model = args.model == "cnn" ? fashion::make_cnn(args.dropout)
+                                   : fashion::make_mlp(args.dropout);
+  model->to(device);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(args.lr));
+
+  auto options = frugal::TrainerOptions()
+                     .device(device)
+                     .set_to_none(args.set_to_none == "on")
+                     .eval_batch(args.eval_batch);
+  if (args.micro_batch > 0) {
+    options.micro_batch(args.micro_batch);
+  }
+  std::optional<frugal::ScopedCpuCap> cap;
+  if (args.memory_cap > 0) {
+    cap.emplace(args.memory_cap);
+  }
+  frugal::Trainer trainer(
+      model, adam,
+      [](const torch::Tensor& out, const torch::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      options);
+  std::shared_ptr<frugal::JsonLinesSink> jsonl;
+  if (!args.report.empty()) {
+    jsonl = std::make_shared<frugal::JsonLinesSink>(args.report);
+    trainer.add_sink(jsonl);
+  }
+
+  const std::int64_t n = train.inputs.size(0);
+  const std::int64_t per_epoch = (n + args.batch - 1) / args.batch;
+  const bool terminal = !args.quiet && isatty(fileno(stderr));
+  fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
+             "{} threads, LibTorch {}.{}\n",
+             args.model, device.str(), n, test.inputs.size(0), args.batch,
+             args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off",
+             torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+
+  const auto start = std::chrono::steady_clock::now();
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(args.seed);
+  std::int64_t step = 0;
+  std::int64_t peak = 0;
+  frugal::EvalReport eval;
+  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+    if (jsonl) {
+      jsonl->set("epoch", static_cast<std::int64_t>(epoch));
+    }
+    const auto order = torch::randperm(n, generator);
+    const std::int64_t steps =
+        args.max_steps > 0 ? std::min(per_epoch, args.max_steps - step) : per_epoch;
+    Progress progress(terminal, steps);
+    frugal::RunningMean loss;
+    const auto epoch_start = std::chrono::steady_clock::now();
+    for (std::int64_t i = 0; i < steps; ++i) {
+      const auto idx = order.narrow(0, i * args.batch, std::min(args.batch, n - i * args.batch));
+      const auto report = trainer.step({train.inputs.index_select(0, idx),
+                                        train.targets.index_select(0, idx)});
+      ++step;
+      peak = std::max(peak, report.peak);
+      loss.add(report.loss, static_cast<double>(report.samples));
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                        epoch_start).count();
+      progress.update(i + 1, static_cast<double>(i + 1) / secs, loss.mean(),
+                      report.memory.allocated, report.peak);
+      if (!terminal && !args.quiet && (i + 1) % 100 == 0) {
+        fmt::print("epoch {} step {}/{} loss {:.4f} | {}\n", epoch, i + 1, steps, loss.mean(),
+                   report.memory.summary());
+      }
+    }
+    eval = trainer.evaluate(test);
+    peak = std::max(peak, eval.peak);
+    if (!args.quiet) {
+      fmt::print("epoch {}: train loss {:.4f} | test loss {:.4f} accuracy {:.4f}\n", epoch,
+                 loss.mean(), eval.loss, eval.accuracy);
+    }
+    if (args.max_steps > 0 && step >= args.max_steps) {
+      break;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fmt::print("done: {} steps, test accuracy {:.4f}, peak memory {}, {:.1f} s\n", step,
+             eval.accuracy, frugal::format_bytes(peak), seconds);
+  return 0;
+}
+
+const CLI::Validator kPositive(
+    [](const std::string& text) {
+      try {
+        return std::stod(text) > 0 ? std::string() : "must be > 0, got " + text;
+      } catch (const std::exception&) {
+        return "must be a number, got '" + text + "'";
+      }
+    },
+    "> 0");
+
+const CLI::Validator kNonNegative(
+    [](const std::string& text) {
+      try {
+        return std::stod(text) >= 0 ? std::string() : "must be >= 0, got " + text;
+      } catch (const std::exception&) {
+        return "must be a number, got '" + text + "'";
+      }
+    },
+    ">= 0");
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  CLI::App app{"Trains a CNN or an MLP on Fashion-MNIST with frugal"};
+  app.add_option("--data-dir", args.data_dir, "Folder with the gzipped IDX files")
+      ->check(CLI::ExistingDirectory)
+      ->capture_default_str();
+  app.add_option("--model", args.model, "cnn or mlp")
+      ->check(CLI::IsMember({"cnn", "mlp"}))
+      ->capture_default_str();
+  app.add_option("--epochs", args.epochs, "Epochs")->check(kPositive)->capture_default_str();
+  app.add_option("--batch", args.batch, "Samples per optimizer step")
+      ->check(kPositive)
+      ->capture_default_str();
+  app.add_option("--micro-batch", args.micro_batch, "Samples per forward/backward (0: the batch)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--eval-batch", args.eval_batch, "Samples per evaluation batch")
+      ->check(kPositive)
+      ->capture_default_str();
+  app.add_option("--lr", args.lr, "Adam's learning rate")->check(kPositive)->capture_default_str();
+  app.add_option("--dropout", args.dropout, "Dropout probability")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--set-to-none", args.set_to_none, "Release gradients after each step: on|off")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  app.add_option("--device", args.device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--memory-cap", args.memory_cap, "Cap on CPU tensor bytes (0: none)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--threads", args.threads, "Intra-op threads (0: LibTorch's choice)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--seed", args.seed, "Seed of weights, shuffling and dropout")->capture_default_str();
+  app.add_option("--max-steps", args.max_steps, "Stop after this many steps (0: no limit)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_option("--report", args.report, "Write a JSON-lines report to this file");
+  app.add_flag("--quiet", args.quiet, "Print the last line only");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(args);
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "fashion_mnist: {}\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "fashion_mnist: {}\n", e.what());
+  }
+  return 1;
+}

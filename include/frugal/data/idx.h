@@ -1,0 +1,26 @@
+// The IDX format of (Fashion-)MNIST, plain or gzipped.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+
+#include "frugal/train/batch.h"
+
+namespace frugal::data {
+
+/// Reads an IDX file of unsigned bytes (gzipped or not) into a uint8 tensor of its shape.
+/// A missing, truncated or malformed file throws an error naming the path and the fault.
+torch::Tensor read_idx(const std::string& path);
+
+enum class Split { Train, Test };
+
+/// Fashion-MNIST (or MNIST) from `dir`: `train-images-idx3-ubyte.gz` and friends.
+/// Inputs are float images (N, 1, 28, 28) scaled to [0, 1]; targets int64 labels.
+///
+/// Example:
+///   auto train = frugal::data::load_mnist_dir("/usr/share/datasets/fashion-mnist",
+///                                             frugal::data::Split::Train);
+Batch load_mnist_dir(const std::string& dir, Split split);
+
+}  // namespace frugal::data
