@@ -1,0 +1,30 @@
+# The two commands of the README:
+#   make demo   trains the Fashion-MNIST CNN for one epoch on LibTorch 2.x
+#   make test   builds and tests frugal on both LibTorch builds (2.x wheel, Debian 1.13)
+# Both install what is missing first (scripts/setup.sh) and reuse earlier build trees.
+
+BUILDS ?= torch2 debian
+DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2
+
+.PHONY: demo test clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))
+
+demo: build-torch2
+	@echo "demo: training the Fashion-MNIST CNN for one epoch ($(DEMO_FLAGS))"
+	./build/torch2/examples/fashion_mnist $(DEMO_FLAGS)
+
+test: $(addprefix test-,$(BUILDS))
+	@echo "test: all builds passed: $(BUILDS)"
+
+$(addprefix build-,$(BUILDS)): build-%:
+	@scripts/setup.sh $*
+	@echo "build: configuring and building the '$*' preset"
+	cmake --preset $* > build-$*.log 2>&1 || (cat build-$*.log; exit 1)
+	cmake --build --preset $*
+	@rm -f build-$*.log
+
+$(addprefix test-,$(BUILDS)): test-%: build-%
+	@echo "test: running the '$*' suite"
+	ctest --preset $*
+
+clean:
+	rm -rf build

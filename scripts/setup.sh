@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs what frugal needs on Debian 12, and nothing that is there already.
+#   scripts/setup.sh [torch2|debian|all]   (default: all)
+# torch2: LibTorch 2.x from PyPI's torch wheel, in a virtual environment outside the
+#         repository ($FRUGAL_VENV, default ~/.cache/frugal/venv).
+# debian: LibTorch 1.13 from Debian's libtorch-dev, with OpenBLAS for its BLAS calls.
+set -euo pipefail
+
+which_builds=${1:-all}
+venv=${FRUGAL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/frugal/venv}
+torch_version=${FRUGAL_TORCH_VERSION:-2.15.0}
+
+say() { printf 'setup: %s\n' "$*"; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+packages=(cmake ninja-build g++ make python3 zlib1g-dev libfmt-dev libcli11-dev
+          nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev dataset-fashion-mnist)
+case "$which_builds" in
+  torch2) ;;
+  debian|all) packages+=(libtorch-dev libopenblas0-pthread) ;;
+  *) echo "setup: unknown build '$which_builds' (torch2, debian or all)" >&2; exit 2 ;;
+esac
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  as_root apt-get update -q
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "${missing[@]}"
+else
+  say "Debian packages: all ${#packages[@]} present"
+fi
+
+if [ "$which_builds" = debian ]; then
+  exit 0
+fi
+if "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  say "torch $torch_version present in $venv"
+else
+  if ! python3 -m venv --help >/dev/null 2>&1; then
+    say "installing python3-venv"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
+  fi
+  say "installing torch==$torch_version (and matplotlib for the plots) into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" matplotlib
+fi
