@@ -77,6 +77,19 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 #endif
 }
 
+/// Whether autocast on `type` can run in `dtype`: CPU autocast takes bfloat16, and
+/// float16 too from LibTorch 2.4 on; CUDA takes both.
+inline bool autocast_supports(c10::DeviceType type, c10::ScalarType dtype) {
+  if (dtype == c10::ScalarType::BFloat16) {
+    return type == c10::DeviceType::CPU || type == c10::DeviceType::CUDA;
+  }
+  if (dtype == c10::ScalarType::Half) {
+    return type == c10::DeviceType::CUDA ||
+           (type == c10::DeviceType::CPU && FRUGAL_TORCH_AT_LEAST(2, 4));
+  }
+  return false;
+}
+
 /// The CUDA caching allocator's figures for one device, aggregated over pool kinds.
 struct CudaAllocatorStats {
   std::int64_t allocated = 0, allocated_peak = 0;

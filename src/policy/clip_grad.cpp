@@ -1,0 +1,39 @@
+#include "frugal/policy/clip_grad.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+
+namespace frugal {
+
+ClipGradPolicy::ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler)
+    : options_(options), scaler_(std::move(scaler)) {
+  TORCH_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
+              options_.max_norm());
+  TORCH_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
+              options_.max_value());
+  TORCH_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
+              "frugal: ClipGradPolicy needs max_norm or max_value > 0");
+}
+
+void ClipGradPolicy::before_optimizer_step(StepContext& ctx) {
+  if (scaler_ && scaler_->is_enabled() && !scaler_->unscaled(ctx.optimizer)) {
+    scaler_->unscale_(ctx.optimizer);
+  }
+  std::vector<torch::Tensor> params;
+  for (auto& group : ctx.optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) {
+        params.push_back(p);
+      }
+    }
+  }
+  if (options_.max_value() > 0) {
+    torch::nn::utils::clip_grad_value_(params, options_.max_value());
+  }
+  if (options_.max_norm() > 0) {
+    last_norm_ = torch::nn::utils::clip_grad_norm_(params, options_.max_norm(),
+                                                   options_.norm_type());
+  }
+}
+
+}  // namespace frugal
