@@ -1,7 +1,10 @@
 // CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
 #include "frugal/compat.h"
 
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+
+#include <mutex>
 
 namespace frugal::compat {
 
@@ -9,6 +12,18 @@ namespace {
 // StatType::AGGREGATE is the first entry in every version's stat arrays.
 constexpr std::size_t kAggregate = 0;
 }  // namespace
+
+at::Tensor cuda_rng_state(int device) {
+  auto gen = at::cuda::detail::getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(device));
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cuda_rng_state(int device, const at::Tensor& state) {
+  auto gen = at::cuda::detail::getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(device));
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
 
 CudaAllocatorStats cuda_allocator_stats(int device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);

@@ -99,6 +99,10 @@ struct CudaAllocatorStats {
 };
 
 #ifdef FRUGAL_WITH_CUDA
+/// The state of a CUDA device's default generator, and setting it back.
+at::Tensor cuda_rng_state(int device);
+void set_cuda_rng_state(int device, const at::Tensor& state);
+
 CudaAllocatorStats cuda_allocator_stats(int device);
 void cuda_reset_peak(int device);
 void cuda_empty_cache();

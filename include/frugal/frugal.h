@@ -1,12 +1,15 @@
 // frugal: composable memory policies and a memory probe for LibTorch training steps.
 #pragma once
 
+#include "frugal/checkpoint.h"
 #include "frugal/compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
+#include "frugal/nn/checkpoint.h"
 #include "frugal/policy/autocast.h"
+#include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/clip_grad.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/leak_guard.h"

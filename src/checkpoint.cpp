@@ -1,0 +1,255 @@
+#include "frugal/checkpoint.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+
+#include "frugal/compat.h"
+#include "frugal/policy/autocast.h"
+
+namespace frugal {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct AutocastState {
+  bool enabled = false;
+  torch::Dtype dtype = torch::kBFloat16;
+
+  static AutocastState of(torch::DeviceType type) {
+    return {compat::autocast_enabled(type), compat::autocast_dtype(type)};
+  }
+};
+
+// RNG states of the CPU generator and of the CUDA generators of some devices.
+struct RngStates {
+  torch::Tensor cpu;
+  std::map<int, torch::Tensor> cuda;
+
+  static RngStates capture(const std::set<int>& cuda_devices) {
+    RngStates s;
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      s.cpu = gen.get_state();
+    }
+#ifdef FRUGAL_WITH_CUDA
+    for (int d : cuda_devices) {
+      s.cuda[d] = compat::cuda_rng_state(d);
+    }
+#else
+    (void)cuda_devices;
+#endif
+    return s;
+  }
+
+  void restore() const {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(cpu);
+    }
+#ifdef FRUGAL_WITH_CUDA
+    for (const auto& [d, state] : cuda) {
+      compat::set_cuda_rng_state(d, state);
+    }
+#endif
+  }
+};
+
+// What the backward needs of the forward: the block, the RNG and autocast states it ran
+// under, and how many of the saved tensors are inputs (the rest are parameters).
+struct CheckpointState : torch::CustomClassHolder {
+  TensorsFn run;
+  bool preserve_rng = true;
+  std::set<int> cuda_devices;
+  RngStates rng;
+  AutocastState cpu_autocast;
+  AutocastState cuda_autocast;
+  std::size_t inputs = 0;
+};
+
+std::set<int> cuda_devices_of(at::TensorList a, at::TensorList b) {
+  std::set<int> devices;
+  for (const auto& list : {a, b}) {
+    for (const auto& t : list) {
+      if (t.defined() && t.is_cuda()) {
+        devices.insert(t.get_device());
+      }
+    }
+  }
+  return devices;
+}
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<CheckpointState> state,
+                               at::TensorList inputs, at::TensorList params) {
+    state->inputs = inputs.size();
+    state->cuda_devices = cuda_devices_of(inputs, params);
+    if (state->preserve_rng) {
+      state->rng = RngStates::capture(state->cuda_devices);
+    }
+    state->cpu_autocast = AutocastState::of(torch::kCPU);
+    state->cuda_autocast = AutocastState::of(torch::kCUDA);
+    variable_list saved(inputs.begin(), inputs.end());
+    saved.insert(saved.end(), params.begin(), params.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    torch::NoGradGuard no_grad;
+    return state->run(std::vector<torch::Tensor>(inputs.begin(), inputs.end()));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!torch::GradMode::is_enabled(),
+                "frugal: checkpoint does not support double backward (backward with "
+                "create_graph=true through a checkpointed block)");
+    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
+        ctx->saved_data.at("state").toCapsule());
+    variable_list saved;
+    try {
+      saved = ctx->get_saved_variables();
+    } catch (const c10::Error&) {
+      TORCH_CHECK(false, "frugal: backward through a checkpointed block a second time: the "
+                  "first backward freed its saved inputs (pass retain_graph=true to the first "
+                  "backward to go through it again)");
+    }
+    const std::vector<torch::Tensor> params(saved.begin() + state->inputs, saved.end());
+    std::vector<torch::Tensor> detached;
+    for (std::size_t i = 0; i < state->inputs; ++i) {
+      const auto& x = saved[i];
+      detached.push_back(x.detach().requires_grad_(x.requires_grad()));
+    }
+
+    // Recompute under the forward's RNG and autocast state, leaving the caller's RNG
+    // stream as it was.
+    variable_list outputs;
+    {
+      c10::optional<RngStates> caller;
+      if (state->preserve_rng) {
+        caller = RngStates::capture(state->cuda_devices);
+        state->rng.restore();
+      }
+      try {
+        AutocastGuard cpu(torch::kCPU, state->cpu_autocast.dtype, state->cpu_autocast.enabled);
+        AutocastGuard cuda(torch::kCUDA, state->cuda_autocast.dtype,
+                           state->cuda_autocast.enabled);
+        torch::AutoGradMode grad(true);
+        outputs = state->run(detached);
+      } catch (...) {
+        if (caller) {
+          caller->restore();
+        }
+        throw;
+      }
+      if (caller) {
+        caller->restore();
+      }
+    }
+
+    std::vector<torch::Tensor> roots, root_grads, targets;
+    std::vector<std::size_t> target_slots;
+    for (std::size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+    for (std::size_t i = 0; i < detached.size(); ++i) {
+      if (detached[i].requires_grad()) {
+        targets.push_back(detached[i]);
+        target_slots.push_back(i);
+      }
+    }
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (params[i].defined() && params[i].requires_grad()) {
+        targets.push_back(params[i]);
+        target_slots.push_back(state->inputs + i);
+      }
+    }
+    // Slot 0 is the state argument; then inputs, then parameters.
+    variable_list result(1 + saved.size());
+    if (targets.empty()) {
+      return result;
+    }
+    TORCH_CHECK(!roots.empty(), "frugal: none of the checkpointed block's outputs requires "
+                "grad in the recompute, though ", targets.size(), " of its inputs and "
+                "parameters do: the block detaches its outputs, or checkpointing it is "
+                "unnecessary");
+    const auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
+                                             /*create_graph=*/false, /*allow_unused=*/true);
+    for (std::size_t k = 0; k < grads.size(); ++k) {
+      result[1 + target_slots[k]] = grads[k];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<torch::Tensor>& inputs,
+                                              const CheckpointOptions& options) {
+  TORCH_CHECK(fn != nullptr, "frugal: checkpoint needs a function");
+  // Undefined inputs cannot be autograd inputs: they are put back in their slots for the
+  // block, which sees exactly what it was given.
+  std::vector<torch::Tensor> present;
+  std::vector<std::size_t> slots;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined()) {
+      present.push_back(inputs[i]);
+      slots.push_back(i);
+    }
+  }
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->run = [fn = std::move(fn), slots, n = inputs.size()](const std::vector<torch::Tensor>& in) {
+    std::vector<torch::Tensor> full(n);
+    for (std::size_t k = 0; k < slots.size(); ++k) {
+      full[slots[k]] = in[k];
+    }
+    return fn(full);
+  };
+  state->preserve_rng = options.preserve_rng_state();
+  return CheckpointFunction::apply(state, at::TensorList(present),
+                                   at::TensorList(options.params()));
+}
+
+torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t segments,
+                                    const torch::Tensor& input, CheckpointOptions options) {
+  const auto n = static_cast<std::int64_t>(seq->size());
+  TORCH_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ",
+              segments);
+  TORCH_CHECK(n >= 1, "frugal: checkpoint_sequential of an empty Sequential");
+  auto run_range = [&seq](std::int64_t from, std::int64_t to, torch::Tensor x) {
+    for (std::int64_t i = from; i < to; ++i) {
+      x = (seq->begin() + i)->forward(x);
+    }
+    return x;
+  };
+  if (!torch::GradMode::is_enabled()) {
+    return run_range(0, n, input);
+  }
+  const std::int64_t size = n / segments;
+  std::int64_t start = 0;
+  torch::Tensor x = input;
+  for (; size > 0 && start < size * (segments - 1); start += size) {
+    std::vector<torch::Tensor> params;
+    for (std::int64_t i = start; i < start + size; ++i) {
+      const auto p = seq->ptr(static_cast<std::size_t>(i))->parameters();
+      params.insert(params.end(), p.begin(), p.end());
+    }
+    const std::int64_t end = start + size;
+    x = checkpoint_tensors(
+            [run_range, start, end](const std::vector<torch::Tensor>& in) {
+              return std::vector<torch::Tensor>{run_range(start, end, in.at(0))};
+            },
+            {x}, CheckpointOptions(options).params(params))
+            .at(0);
+  }
+  return run_range(start, n, x);
+}
+
+}  // namespace frugal
