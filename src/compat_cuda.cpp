@@ -1,6 +1,7 @@
 // CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
 #include "frugal/compat.h"
 
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 
@@ -41,6 +42,14 @@ CudaAllocatorStats cuda_allocator_stats(int device) {
 }
 
 void cuda_reset_peak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
+
+void cuda_set_memory_fraction(double fraction, int device) {
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device);
+}
+
+std::int64_t cuda_total_memory(int device) {
+  return static_cast<std::int64_t>(at::cuda::getDeviceProperties(device)->totalGlobalMem);
+}
 
 void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
 

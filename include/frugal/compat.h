@@ -105,6 +105,9 @@ void set_cuda_rng_state(int device, const at::Tensor& state);
 
 CudaAllocatorStats cuda_allocator_stats(int device);
 void cuda_reset_peak(int device);
+/// Caps the caching allocator of `device` at `fraction` of its memory (emulates a smaller card).
+void cuda_set_memory_fraction(double fraction, int device);
+std::int64_t cuda_total_memory(int device);
 void cuda_empty_cache();
 #endif
 

@@ -14,6 +14,7 @@
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/leak_guard.h"
 #include "frugal/policy/mixed_precision.h"
+#include "frugal/policy/oom_recovery.h"
 #include "frugal/report/sink.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"

@@ -182,7 +182,7 @@ void MemoryProbe::reset_peak() {
   detail::reset_device_peak(device_);
 }
 
-void MemoryProbe::empty_cache() {
+void MemoryProbe::empty_cache() const {
 #ifdef FRUGAL_WITH_CUDA
   if (device_.is_cuda()) {
     compat::cuda_empty_cache();

@@ -73,6 +73,7 @@ nlohmann::json to_json_object(const EvalReport& r) {
   nlohmann::json j = {{"event", "eval"},        {"step", r.step},
                       {"loss", r.loss},         {"samples", r.samples},
                       {"batch_size", r.batch_size}, {"batches", r.batches},
+                      {"oom_retries", r.oom_retries},
                       {"time_ms", r.time_ms}};
   if (r.accuracy >= 0) {
     j["accuracy"] = r.accuracy;

@@ -87,6 +87,12 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
   TORCH_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
               options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
+  eval_batch_ = options_.eval_batch().value_or(0);
+}
+
+void Trainer::set_eval_batch(std::int64_t size) {
+  TORCH_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
+  eval_batch_ = size;
 }
 
 void Trainer::set_micro_batch(std::int64_t size) {
@@ -159,60 +165,140 @@ void Trainer::zero_grads() {
   }
 }
 
+Trainer::Split Trainer::split(const Batch& batch) const {
+  Split out;
+  std::int64_t offset = 0;
+  for (const auto size : plan(batch.inputs.size(0))) {
+    out.micros.push_back(batch.slice(offset, size));
+    out.counts.push_back(count_of(out.micros.back()));
+    out.total += out.counts.back();
+    offset += size;
+  }
+  TORCH_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
+              "; it must be positive to normalise the loss");
+  return out;
+}
+
+std::vector<torch::Tensor> Trainer::take_grads() {
+  std::vector<torch::Tensor> taken;
+  for (auto& group : optimizer_.param_groups()) {
+    for (auto& p : group.params()) {
+      taken.push_back(p.grad());
+      p.mutable_grad().reset();
+    }
+  }
+  return taken;
+}
+
+void Trainer::put_back_grads(std::vector<torch::Tensor> aside, bool add) {
+  torch::NoGradGuard no_grad;
+  std::size_t i = 0;
+  for (auto& group : optimizer_.param_groups()) {
+    for (auto& p : group.params()) {
+      auto& old = aside.at(i++);
+      auto& grad = p.mutable_grad();
+      if (add && grad.defined() && old.defined()) {
+        grad.add_(old);
+      } else if (!grad.defined() || !add) {
+        grad = old;
+      }
+      old = torch::Tensor();
+    }
+  }
+}
+
+bool Trainer::retries_steps() const {
+  return std::any_of(policies_.begin(), policies_.end(),
+                     [](const auto& p) { return p->retries_steps(); });
+}
+
+void Trainer::run_batch(StepContext& ctx, bool isolate) {
+  auto& report = ctx.report;
+  // Gradients of earlier batches of the window wait aside, so that a failed attempt
+  // cannot spoil them; they are added back when the batch succeeds.
+  std::vector<torch::Tensor> aside;
+  if (isolate) {
+    aside = take_grads();
+  }
+  for (;;) {
+    const auto data_start = Clock::now();
+    auto parts = split(ctx.batch);
+    report.count = parts.total;
+    report.micro_batches = static_cast<std::int64_t>(parts.micros.size());
+    report.micro_batch = parts.micros.front().inputs.size(0);
+    ctx.micro_count = report.micro_batches;
+    report.time.data_ms += ms_since(data_start);
+    try {
+      run_micro_batches(ctx, parts.micros, parts.counts, parts.total);
+      break;
+    } catch (const std::exception& error) {
+      // Drop everything the failed attempt made: its graph, outputs and gradients.
+      ctx.loss = torch::Tensor();
+      ctx.micro = Batch();
+      parts = Split();
+      for (auto& p : module_->parameters()) {
+        p.mutable_grad().reset();
+      }
+      bool retry = false;
+      try {
+        for (auto& policy : policies_) {
+          if (policy->on_step_error(*this, ctx, error)) {
+            retry = true;
+            break;
+          }
+        }
+      } catch (...) {  // a policy that gives up says why
+        if (isolate) {
+          put_back_grads(std::move(aside), /*add=*/false);
+        }
+        throw;
+      }
+      if (!retry) {
+        if (isolate) {
+          put_back_grads(std::move(aside), /*add=*/false);
+        }
+        throw;
+      }
+      ++report.oom_retries;
+    }
+  }
+  if (isolate) {
+    put_back_grads(std::move(aside), /*add=*/true);
+  }
+}
+
 StepReport Trainer::step(const Batch& batch) {
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
-
-  // Slice and count up front: a bad count fails before anything is computed.
-  auto data_start = Clock::now();
-  std::vector<Batch> micros;
-  std::vector<std::int64_t> counts;
-  std::int64_t total = 0;
-  std::int64_t offset = 0;
-  for (const auto size : plan(samples)) {
-    micros.push_back(batch.slice(offset, size));
-    counts.push_back(count_of(micros.back()));
-    total += counts.back();
-    offset += size;
-  }
-  TORCH_CHECK(total > 0, "frugal: the batch's global count is ", total,
-              "; it must be positive to normalise the loss");
+  (void)split(batch);  // a bad count fails before anything is computed
 
   StepReport report;
   report.samples = samples;
-  report.count = total;
-  report.micro_batches = static_cast<std::int64_t>(micros.size());
-  report.micro_batch = micros.front().inputs.size(0);
-  report.time.data_ms = ms_since(data_start);
-
   const bool window_start = window_batches_ == 0;
   if (window_start) {
     zero_grads();  // a window accumulates from nothing, whatever the caller left
   }
   ScopedPeak step_peak(probe_);
-  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, report.micro_batches, {}, false,
-                  report};
+  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report};
   try {
     for (auto& policy : policies_) {
       policy->on_step_begin(ctx);
     }
-    run_micro_batches(ctx, micros, counts, total);
+    run_batch(ctx, !window_start && retries_steps());
   } catch (...) {
-    ctx.loss = torch::Tensor();
-    ctx.micro = Batch();
-    const bool dropped_window = !window_start;
-    window_batches_ = 0;
-    window_count_ = 0;
-    zero_grads();
-    if (dropped_window) {
+    if (!window_start && !retries_steps()) {
+      window_batches_ = 0;
+      window_count_ = 0;
       TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
                  "gradients were dropped and the next batch starts a new one");
     }
+    if (window_start) {
+      zero_grads();
+    }
     throw;
   }
-  micros.clear();
-  window_count_ += total;
+  window_count_ += report.count;
   ++window_batches_;
   ++batches_;
   report.batch = batches_;
@@ -228,6 +314,37 @@ StepReport Trainer::step(const Batch& batch) {
   for (auto& sink : sinks_) {
     sink->write(report);
   }
+  return report;
+}
+
+StepReport Trainer::trial(const Batch& batch) {
+  const auto start = Clock::now();
+  const std::int64_t samples = batch.size();
+  TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
+  StepReport report;
+  report.samples = samples;
+  auto aside = take_grads();
+  {
+    ScopedPeak peak(probe_);
+    StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report};
+    try {
+      for (auto& policy : policies_) {
+        policy->on_step_begin(ctx);
+      }
+      run_batch(ctx, /*isolate=*/false);
+    } catch (...) {
+      put_back_grads(std::move(aside), /*add=*/false);
+      throw;
+    }
+    for (auto& p : module_->parameters()) {
+      p.mutable_grad().reset();
+    }
+    report.peak = peak.end();
+  }
+  put_back_grads(std::move(aside), /*add=*/false);
+  report.time.total_ms = ms_since(start);
+  report.step = steps_;
+  report.memory = probe_.snapshot();
   return report;
 }
 
@@ -352,13 +469,12 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
   const std::int64_t samples = data.size();
   TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
   check_positive(batch_size, "the evaluation batch size");
-  std::int64_t size = batch_size.value_or(options_.eval_batch().value_or(micro_batch_));
+  std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
   size = size > 0 ? std::min(size, samples) : samples;
 
   EvalReport report;
   report.step = steps_;
   report.samples = samples;
-  report.batch_size = size;
 
   const bool was_training = module_->is_training();
   module_->eval();
@@ -381,25 +497,40 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
   std::int64_t total = 0;
   bool classes = forward_ != nullptr;
   const bool mean = options_.reduction() == LossReduction::Mean;
-  for (std::int64_t offset = 0; offset < samples; offset += size) {
-    const auto micro = data.slice(offset, std::min(size, samples - offset)).to(options_.device());
-    const std::int64_t count = count_of(micro);
-    torch::Tensor loss;
-    if (forward_) {
-      const auto output = forward_(micro.inputs);
-      loss = loss_(output, micro.targets);
-      classes = classes && micro.targets.defined() && output.dim() == 2 &&
-                micro.targets.dim() == 1 && !micro.targets.is_floating_point();
-      if (classes) {
-        correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
+  for (std::int64_t offset = 0; offset < samples;) {
+    const std::int64_t n = std::min(size, samples - offset);
+    try {
+      const auto micro = data.slice(offset, n).to(options_.device());
+      const std::int64_t count = count_of(micro);
+      torch::Tensor loss;
+      if (forward_) {
+        const auto output = forward_(micro.inputs);
+        loss = loss_(output, micro.targets);
+        classes = classes && micro.targets.defined() && output.dim() == 2 &&
+                  micro.targets.dim() == 1 && !micro.targets.is_floating_point();
+        if (classes) {
+          correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
+        }
+      } else {
+        loss = batch_loss_(micro);
       }
-    } else {
-      loss = batch_loss_(micro);
+      loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+      total += count;
+      ++report.batches;
+      offset += n;
+    } catch (const std::exception& error) {
+      // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
+      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
+        return p->on_eval_error(*this, error);
+      });
+      if (!retry) {
+        throw;
+      }
+      size = std::min(eval_batch_, size);
+      ++report.oom_retries;
     }
-    loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
-    total += count;
-    ++report.batches;
   }
+  report.batch_size = size;
   report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
   report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
   report.peak = peak.end();

@@ -57,7 +57,7 @@ class MemoryProbe {
   /// Starts a new peak at the current allocated bytes. Not allowed inside a ScopedPeak.
   void reset_peak();
   /// Returns cached blocks to the device (CUDA); nothing to do on the CPU.
-  void empty_cache();
+  void empty_cache() const;
 
  private:
   friend class ScopedPeak;

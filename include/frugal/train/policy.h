@@ -14,6 +14,8 @@
 
 namespace frugal {
 
+class Trainer;
+
 /// The phases of one step, in order. Forward and backward phases run once per micro-batch;
 /// the optimizer phases once per optimizer step.
 enum class Phase {
@@ -70,6 +72,18 @@ class Policy {
   virtual void after_optimizer_step(StepContext&) {}
   virtual void after_zero_grad(StepContext&) {}
   virtual void on_step_end(StepContext&) {}
+
+  /// The step's forward or backward threw `error`. The engine has dropped everything the
+  /// attempt made (graph, outputs, gradients). Return true to retry the same batch (the
+  /// first policy that does wins); false lets the error through.
+  virtual bool on_step_error(Trainer&, StepContext&, const std::exception&) { return false; }
+  /// An evaluation chunk threw; return true to go on from that chunk (with a new
+  /// Trainer::eval_batch, say).
+  virtual bool on_eval_error(Trainer&, const std::exception&) { return false; }
+  /// True when this policy may ask for retries. The engine then keeps the gradients of
+  /// an accumulation window's earlier batches aside while a batch runs (costing a second
+  /// set of gradient buffers meanwhile), so that a failed attempt cannot spoil them.
+  virtual bool retries_steps() const { return false; }
 };
 
 /// A policy made of one user function at one phase: the engine's hooks.

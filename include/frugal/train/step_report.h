@@ -51,8 +51,9 @@ struct EvalReport {
   double loss = 0;            ///< mean loss over the samples
   double accuracy = -1;       ///< share of argmax hits for class targets; -1 when n/a
   std::int64_t samples = 0;
-  std::int64_t batch_size = 0;
+  std::int64_t batch_size = 0;   ///< evaluation batch size at the end
   std::int64_t batches = 0;
+  std::int64_t oom_retries = 0;  ///< chunks retried with a smaller batch
   double time_ms = 0;
   MemorySnapshot memory;  ///< after evaluation
   std::int64_t peak = 0;  ///< peak allocated bytes during evaluation

@@ -58,6 +58,10 @@ class Trainer {
   /// Runs one batch: forward and backward per micro-batch, and the optimizer step when the
   /// accumulation window is full.
   StepReport step(const Batch& batch);
+  /// Runs forward and backward of a batch as step() would, under the same policies, but
+  /// neither steps the optimizer nor keeps the gradients: parameters, gradients and the
+  /// accumulation window are as before. The report gives peaks and phase times.
+  StepReport trial(const Batch& batch);
   /// Steps a partial accumulation window, normalised by its own count. Returns whether
   /// there was one.
   bool flush();
@@ -72,6 +76,9 @@ class Trainer {
   /// The micro-batch size in use (0: the whole batch); policies may change it.
   std::int64_t micro_batch() const { return micro_batch_; }
   void set_micro_batch(std::int64_t size);
+  /// The evaluation batch size in use (0: the micro-batch, else the whole set).
+  std::int64_t eval_batch() const { return eval_batch_; }
+  void set_eval_batch(std::int64_t size);
 
   const TrainerOptions& options() const { return options_; }
   const MemoryProbe& probe() const { return probe_; }
@@ -85,6 +92,16 @@ class Trainer {
           torch::optim::Optimizer& optimizer, LossFn loss, BatchLossFn batch_loss,
           TrainerOptions options);
 
+  struct Split {
+    std::vector<Batch> micros;
+    std::vector<std::int64_t> counts;
+    std::int64_t total = 0;
+  };
+  Split split(const Batch& batch) const;
+  void run_batch(StepContext& ctx, bool isolate);
+  std::vector<torch::Tensor> take_grads();
+  void put_back_grads(std::vector<torch::Tensor> aside, bool add);
+  bool retries_steps() const;
   torch::Tensor loss_of(const Batch& micro) const;
   std::int64_t count_of(const Batch& micro) const;
   std::vector<std::int64_t> plan(std::int64_t samples) const;
@@ -105,6 +122,7 @@ class Trainer {
   std::vector<std::shared_ptr<ReportSink>> sinks_;
 
   std::int64_t micro_batch_ = 0;
+  std::int64_t eval_batch_ = 0;
   std::int64_t steps_ = 0;
   std::int64_t skipped_ = 0;
   std::int64_t batches_ = 0;

@@ -1,0 +1,83 @@
+#include "frugal/policy/oom_recovery.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/format.h"
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+namespace {
+
+bool is_oom(const std::exception& error) {
+  return dynamic_cast<const c10::OutOfMemoryError*>(&error) != nullptr;
+}
+
+std::string memory_figures(const MemoryProbe& probe) {
+  const auto s = probe.snapshot();
+  std::string out = fmt::format("allocated {}, peak {}, reserved {}", format_bytes(s.allocated),
+                                format_bytes(s.peak_allocated), format_bytes(s.reserved));
+  if (s.device.is_cpu() && CountingAllocator::cap() > 0) {
+    out += fmt::format(", cap {}", format_bytes(CountingAllocator::cap()));
+  }
+  return out;
+}
+
+}  // namespace
+
+OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
+  TORCH_CHECK(options_.min_micro_batch() >= 1, "frugal: OomRecovery min_micro_batch must be "
+              ">= 1, got ", options_.min_micro_batch());
+  TORCH_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
+              options_.grow_after());
+}
+
+bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) {
+  if (!is_oom(error)) {
+    return false;
+  }
+  trainer_ = &trainer;
+  const std::int64_t current = ctx.report.micro_batch;
+  TORCH_CHECK_WITH(OutOfMemoryError, current > options_.min_micro_batch(),
+                   "frugal: out of memory at micro-batch ", current, " (the floor is ",
+                   options_.min_micro_batch(), "): ", memory_figures(ctx.probe),
+                   ". The model and optimizer are as before the step. The error was: ",
+                   error.what());
+  if (largest_ == 0) {
+    largest_ = current;
+  }
+  ctx.probe.empty_cache();
+  trainer.set_micro_batch(std::max(options_.min_micro_batch(), current / 2));
+  clean_steps_ = 0;
+  ++recovered_;
+  return true;
+}
+
+bool OomRecovery::on_eval_error(Trainer& trainer, const std::exception& error) {
+  if (!is_oom(error)) {
+    return false;
+  }
+  const std::int64_t current = trainer.eval_batch() > 0 ? trainer.eval_batch()
+                                                        : std::max<std::int64_t>(
+                                                              trainer.micro_batch(), 2);
+  TORCH_CHECK_WITH(OutOfMemoryError, current > 1, "frugal: out of memory in evaluate() at "
+                   "batch size 1: ", memory_figures(trainer.probe()), ". The error was: ",
+                   error.what());
+  trainer.probe().empty_cache();
+  trainer.set_eval_batch(current / 2);
+  ++recovered_;
+  return true;
+}
+
+void OomRecovery::on_step_end(StepContext& ctx) {
+  if (ctx.report.oom_retries > 0 || options_.grow_after() == 0 || trainer_ == nullptr) {
+    return;
+  }
+  if (++clean_steps_ >= options_.grow_after() && trainer_->micro_batch() < largest_) {
+    trainer_->set_micro_batch(std::min(largest_, trainer_->micro_batch() * 2));
+    clean_steps_ = 0;
+  }
+}
+
+}  // namespace frugal
