@@ -15,6 +15,7 @@
 #include "frugal/policy/leak_guard.h"
 #include "frugal/policy/mixed_precision.h"
 #include "frugal/policy/oom_recovery.h"
+#include "frugal/policy/planner.h"
 #include "frugal/report/sink.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"

@@ -47,7 +47,7 @@ std::string AutocastPolicy::name() const {
 }
 
 void AutocastPolicy::before_forward(StepContext&) {
-  active_.push_back(std::make_unique<AutocastGuard>(type_, dtype_));
+  active_.push_back(std::make_unique<AutocastGuard>(type_, dtype_, enabled_));
 }
 
 void AutocastPolicy::after_forward(StepContext&) {

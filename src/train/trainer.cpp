@@ -88,6 +88,13 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
               options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
+  const auto ledger = measure_ledger(probe_, *module_);
+  if (ledger.weights > ledger.allocated) {
+    TORCH_WARN("frugal: the module's weights (", ledger.weights, " bytes) were allocated "
+               "before the counting CPU allocator was installed, so the probe does not count "
+               "them; install it first (frugal::CountingAllocator::install() or a "
+               "MemoryProbe) for exact figures");
+  }
 }
 
 void Trainer::set_eval_batch(std::int64_t size) {

@@ -48,10 +48,14 @@ class AutocastPolicy : public Policy {
 
   torch::DeviceType device_type() const { return type_; }
   torch::Dtype dtype() const { return dtype_; }
+  /// Turns the policy off (forward in the parameters' precision) or on again.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
 
  private:
   torch::DeviceType type_;
   torch::Dtype dtype_;
+  bool enabled_ = true;
   std::vector<std::unique_ptr<AutocastGuard>> active_;
 };
 

@@ -1,0 +1,87 @@
+// Chooses micro-batch size, checkpointing and autocast so that a step fits a memory budget.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "frugal/policy/autocast.h"
+#include "frugal/policy/checkpoint_policy.h"
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+
+struct PlannerOptions {
+  /// The predicted peak must stay below budget * (1 - margin).
+  TORCH_ARG(double, margin) = 0.1;
+  /// Blocks that may be checkpointed (all or none); no rule: checkpointing is not an option.
+  TORCH_ARG(CheckpointSelect, checkpoint) = CheckpointSelect();
+  /// A dtype autocast may use; unset: autocast is not an option.
+  TORCH_ARG(c10::optional<torch::Dtype>, autocast) = c10::nullopt;
+};
+
+/// One configuration the planner considered.
+struct PlanOption {
+  std::int64_t micro_batch = 0;
+  std::int64_t micro_batches = 0;
+  bool checkpoint = false;
+  bool autocast = false;
+  std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
+  double predicted_ms = 0;          ///< forward and backward of the whole batch
+  bool fits = false;
+
+  std::string describe() const;  ///< "micro-batch 32 (x8) + checkpoint + autocast"
+};
+
+struct MemoryPlan {
+  std::int64_t budget = 0;
+  double margin = 0;
+  std::int64_t optimizer_bytes = 0;  ///< optimizer state expected after the first step
+  std::vector<PlanOption> options;   ///< everything considered, measured or interpolated
+  PlanOption chosen;
+  std::int64_t measured_peak = 0;    ///< the chosen plan's peak, measured (with the state)
+
+  /// A markdown table of the options with the chosen one marked, and the measured peak.
+  std::string table() const;
+};
+
+/// Measures the trainer's step on a sample batch under each candidate configuration and
+/// chooses the cheapest whose predicted peak fits the budget, keeping the global batch.
+///
+/// Measured (with Trainer::trial, which leaves parameters and optimizer alone): the whole
+/// batch, and micro-batches of a half and a quarter of it, each with and without
+/// checkpointing and autocast where those are options. Smaller micro-batches are
+/// predicted from the last two: activations grow linearly with the micro-batch. Optimizer
+/// state not allocated yet is added from the optimizer's kind (SGD with momentum: one
+/// buffer per parameter; Adam and AdamW: two, three with amsgrad; Adagrad and RMSprop: as
+/// their options say).
+///
+/// Cheapest: the least predicted time; plans within 5% of it count as equal and the one
+/// with the fewest policies wins. Autocast changes the numerics, so it is chosen only when
+/// nothing fits without it. The chosen plan is applied to the trainer (its micro-batch and
+/// the planner's policies, added to the trainer once) and measured.
+///
+/// Example:
+///   frugal::MemoryPlanner planner(trainer, frugal::PlannerOptions().checkpoint(
+///       frugal::CheckpointSelect().types({"ResidualBlock"})));
+///   auto plan = planner.plan(512 << 20, sample_batch);
+///   fmt::print("{}\n", plan.table());
+class MemoryPlanner {
+ public:
+  explicit MemoryPlanner(Trainer& trainer, PlannerOptions options = {});
+  MemoryPlan plan(std::int64_t budget, const Batch& sample);
+
+ private:
+  void configure(std::int64_t micro_batch, bool checkpoint, bool autocast);
+  std::int64_t pending_optimizer_bytes();
+
+  Trainer& trainer_;
+  PlannerOptions options_;
+  std::shared_ptr<CheckpointPolicy> checkpoint_;
+  std::shared_ptr<AutocastPolicy> autocast_;
+};
+
+}  // namespace frugal

@@ -1,0 +1,230 @@
+#include "frugal/policy/planner.h"
+
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <torch/optim.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "frugal/memory/format.h"
+
+namespace frugal {
+namespace {
+
+bool chooses_something(const CheckpointSelect& s) {
+  return !s.names().empty() || !s.types().empty() || s.every() > 0;
+}
+
+// Buffers per parameter that the optimizer allocates at its first step.
+double state_buffers(const torch::optim::OptimizerOptions& o) {
+  using namespace torch::optim;
+  if (auto* sgd = dynamic_cast<const SGDOptions*>(&o)) {
+    return sgd->momentum() > 0 ? 1 : 0;
+  }
+  if (auto* adam = dynamic_cast<const AdamOptions*>(&o)) {
+    return adam->amsgrad() ? 3 : 2;
+  }
+  if (auto* adamw = dynamic_cast<const AdamWOptions*>(&o)) {
+    return adamw->amsgrad() ? 3 : 2;
+  }
+  if (dynamic_cast<const AdagradOptions*>(&o) != nullptr) {
+    return 1;
+  }
+  if (auto* rms = dynamic_cast<const RMSpropOptions*>(&o)) {
+    return 1 + (rms->momentum() > 0 ? 1 : 0) + (rms->centered() ? 1 : 0);
+  }
+  return 2;  // unknown: as much as Adam
+}
+
+int policies_in(const PlanOption& o) {
+  return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0);
+}
+
+}  // namespace
+
+std::string PlanOption::describe() const {
+  std::string out = micro_batches > 1
+                        ? fmt::format("micro-batch {} (x{})", micro_batch, micro_batches)
+                        : std::string("whole batch");
+  if (checkpoint) {
+    out += " + checkpoint";
+  }
+  if (autocast) {
+    out += " + autocast";
+  }
+  return out;
+}
+
+std::string MemoryPlan::table() const {
+  std::string out = fmt::format(
+      "Budget {} (plans must predict under {} with a {:.0f}% margin); optimizer state to "
+      "come: {}\n\n| plan | predicted peak | predicted time (ms) | fits |\n|---|---|---|---|\n",
+      format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
+      margin * 100, format_bytes(optimizer_bytes));
+  for (const auto& o : options) {
+    const bool is_chosen = o.micro_batch == chosen.micro_batch &&
+                           o.checkpoint == chosen.checkpoint && o.autocast == chosen.autocast;
+    out += fmt::format("| {}{}{} | {} | {:.1f} | {} |\n", is_chosen ? "**" : "", o.describe(),
+                       is_chosen ? "** (chosen)" : "", format_bytes(o.predicted_peak),
+                       o.predicted_ms, o.fits ? "yes" : "no");
+  }
+  out += fmt::format("\nChosen: {}; predicted peak {}, measured {}\n", chosen.describe(),
+                     format_bytes(chosen.predicted_peak), format_bytes(measured_peak));
+  return out;
+}
+
+MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
+    : trainer_(trainer), options_(std::move(options)) {
+  TORCH_CHECK(options_.margin() >= 0 && options_.margin() < 1,
+              "frugal: the planner's margin must be in [0, 1), got ", options_.margin());
+  if (chooses_something(options_.checkpoint())) {
+    checkpoint_ = std::make_shared<CheckpointPolicy>(options_.checkpoint());
+    TORCH_CHECK(!checkpoint_->apply(trainer_.module()).empty(),
+                "frugal: the planner's checkpoint rule matches no block of the model");
+    checkpoint_->set_enabled(false);
+    trainer_.add_policy(checkpoint_);
+  }
+  if (options_.autocast()) {
+    autocast_ = std::make_shared<AutocastPolicy>(trainer_.options().device().type(),
+                                                 *options_.autocast());
+    autocast_->set_enabled(false);
+    trainer_.add_policy(autocast_);
+  }
+}
+
+void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast) {
+  trainer_.set_micro_batch(micro_batch);
+  if (checkpoint_) {
+    checkpoint_->set_enabled(checkpoint);
+  }
+  if (autocast_) {
+    autocast_->set_enabled(autocast);
+  }
+}
+
+std::int64_t MemoryPlanner::pending_optimizer_bytes() {
+  auto& optimizer = trainer_.optimizer();
+  if (!optimizer.state().empty()) {
+    return 0;  // allocated already, and part of what the trials start from
+  }
+  double bytes = 0;
+  for (auto& group : optimizer.param_groups()) {
+    const double buffers = state_buffers(group.options());
+    for (const auto& p : group.params()) {
+      bytes += buffers * static_cast<double>(p.numel() * p.element_size());
+    }
+  }
+  return static_cast<std::int64_t>(bytes);
+}
+
+MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
+  TORCH_CHECK(budget > 0, "frugal: the memory budget must be > 0 bytes, got ", budget);
+  const std::int64_t batch = sample.size();
+  TORCH_CHECK(batch > 0, "frugal: the planner's sample batch is empty");
+  MemoryPlan plan;
+  plan.budget = budget;
+  plan.margin = options_.margin();
+  plan.optimizer_bytes = pending_optimizer_bytes();
+  const double limit = static_cast<double>(budget) * (1 - options_.margin());
+
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t m = batch; m >= 1; m /= 2) {
+    sizes.push_back(m);
+  }
+  const std::int64_t half = sizes.size() > 1 ? sizes[1] : batch;
+  const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
+
+  configure(batch, false, false);
+  (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
+  std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
+  for (const bool checkpoint : {false, true}) {
+    for (const bool autocast : {false, true}) {
+      if ((checkpoint && !checkpoint_) || (autocast && !autocast_)) {
+        continue;
+      }
+      std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
+      for (const auto m : {batch, half, quarter}) {
+        if (measured.count(m) == 0) {
+          configure(m, checkpoint, autocast);
+          const auto r = trainer_.trial(sample);
+          measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
+        }
+      }
+      for (const auto m : sizes) {
+        PlanOption o;
+        o.micro_batch = m;
+        o.micro_batches = (batch + m - 1) / m;
+        o.checkpoint = checkpoint;
+        o.autocast = autocast;
+        double peak, ms;
+        if (measured.count(m) != 0 || half == quarter) {
+          std::tie(peak, ms) = measured.count(m) ? measured[m] : measured[quarter];
+        } else {
+          // Several micro-batches: activations linear in the micro-batch, time linear in
+          // the number of micro-batches (and never falling with it).
+          const auto [p2, t2] = measured[half];
+          const auto [p4, t4] = measured[quarter];
+          peak = p4 + (p2 - p4) * static_cast<double>(m - quarter) /
+                          static_cast<double>(half - quarter);
+          const double n2 = static_cast<double>((batch + half - 1) / half);
+          const double n4 = static_cast<double>((batch + quarter - 1) / quarter);
+          const double per_micro = std::max(0.0, (t4 - t2) / (n4 - n2));
+          ms = t4 + per_micro * (static_cast<double>(o.micro_batches) - n4);
+        }
+        // A policy never makes a step faster: a measured gain is noise.
+        if (m != batch) {
+          ms = std::max(ms, times[{batch, checkpoint, autocast}]);
+        }
+        if (checkpoint) {
+          ms = std::max(ms, times[{m, false, autocast}]);
+        }
+        times[{m, checkpoint, autocast}] = ms;
+        o.predicted_peak = static_cast<std::int64_t>(peak) + plan.optimizer_bytes;
+        o.predicted_ms = ms;
+        o.fits = static_cast<double>(o.predicted_peak) <= limit;
+        plan.options.push_back(o);
+      }
+    }
+  }
+
+  // The cheapest that fits: least time, the simplest within 5% of it; autocast last.
+  const PlanOption* best = nullptr;
+  for (const bool autocast : {false, true}) {
+    double fastest = -1;
+    for (const auto& o : plan.options) {
+      if (o.fits && o.autocast == autocast && (fastest < 0 || o.predicted_ms < fastest)) {
+        fastest = o.predicted_ms;
+      }
+    }
+    for (const auto& o : plan.options) {
+      if (!o.fits || o.autocast != autocast || o.predicted_ms > fastest * 1.05) {
+        continue;
+      }
+      if (best == nullptr || policies_in(o) < policies_in(*best) ||
+          (policies_in(o) == policies_in(*best) && o.micro_batches < best->micro_batches)) {
+        best = &o;
+      }
+    }
+    if (best != nullptr) {
+      break;
+    }
+  }
+  if (best == nullptr) {
+    const auto smallest = std::min_element(
+        plan.options.begin(), plan.options.end(),
+        [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
+    configure(batch, false, false);
+    TORCH_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
+                format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
+                "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
+                smallest->describe());
+  }
+  plan.chosen = *best;
+  configure(best->micro_batch, best->checkpoint, best->autocast);
+  plan.measured_peak = trainer_.trial(sample).peak + plan.optimizer_bytes;
+  return plan;
+}
+
+}  // namespace frugal

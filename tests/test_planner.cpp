@@ -1,0 +1,109 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <iostream>
+
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/policy/planner.h"
+#include "residual_mlp.h"
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+struct Setup {
+  torch::nn::Sequential net = nullptr;
+  std::unique_ptr<torch::optim::SGD> sgd;
+  std::unique_ptr<frugal::Trainer> trainer;
+};
+
+Setup setup() {
+  frugal::CountingAllocator::install();  // before the model: its weights are counted too
+  Setup s;
+  torch::manual_seed(4);
+  s.net = models::make_residual_mlp(8, 128, 1024, 10);
+  s.sgd = std::make_unique<torch::optim::SGD>(s.net->parameters(),
+                                               torch::optim::SGDOptions(0.01).momentum(0.9));
+  s.trainer = std::make_unique<frugal::Trainer>(
+      s.net, *s.sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
+        return F::cross_entropy(o, t);
+      });
+  return s;
+}
+
+frugal::Batch sample() {
+  torch::manual_seed(5);
+  return {torch::randn({1024, 128}), torch::randint(0, 10, {1024}, torch::kLong)};
+}
+
+frugal::PlannerOptions planner_options() {
+  return frugal::PlannerOptions().checkpoint(frugal::CheckpointSelect().types({"ResidualBlock"}));
+}
+
+// Plans for `budget`, then trains three real steps; returns the plan and the real peak.
+std::pair<frugal::MemoryPlan, std::int64_t> plan_and_train(std::int64_t budget) {
+  auto s = setup();
+  frugal::MemoryPlanner planner(*s.trainer, planner_options());
+  const auto batch = sample();
+  auto plan = planner.plan(budget, batch);
+  std::int64_t peak = 0;
+  for (int i = 0; i < 3; ++i) {
+    peak = std::max(peak, s.trainer->step(batch).peak);
+  }
+  std::cout << plan.table() << "real step peak: " << peak << " bytes\n\n";
+  return {plan, peak};
+}
+
+TEST(Planner, TightMediumAndLooseBudgetsFitAndPredictWithinFifteenPercent) {
+  // Survey the options with an unbounded budget, then derive the three budgets.
+  frugal::MemoryPlan survey;
+  {
+    auto s = setup();
+    frugal::MemoryPlanner planner(*s.trainer, planner_options());
+    survey = planner.plan(std::int64_t{1} << 40, sample());
+  }
+  std::cout << survey.table() << "\n";
+  std::int64_t plain = 0, smallest = survey.options.front().predicted_peak;
+  for (const auto& o : survey.options) {
+    if (o.micro_batches == 1 && !o.checkpoint) {
+      plain = o.predicted_peak;
+    }
+    smallest = std::min(smallest, o.predicted_peak);
+  }
+  ASSERT_LT(smallest, plain);
+  const double keep = 1 - survey.margin;
+  const auto loose = static_cast<std::int64_t>(2.0 * plain);
+  const auto medium = static_cast<std::int64_t>((plain + smallest) / 2 / keep);
+  const auto tight = static_cast<std::int64_t>(smallest / keep * 1.02);
+
+  for (const auto budget : {tight, medium, loose}) {
+    SCOPED_TRACE(::testing::Message() << "budget " << budget);
+    const auto [plan, real_peak] = plan_and_train(budget);
+    EXPECT_LE(real_peak, budget);
+    EXPECT_LE(plan.measured_peak, budget);
+    EXPECT_NEAR(static_cast<double>(plan.chosen.predicted_peak), static_cast<double>(real_peak),
+                0.15 * static_cast<double>(real_peak));
+    if (budget == loose) {
+      EXPECT_EQ(plan.chosen.micro_batches, 1);
+      EXPECT_FALSE(plan.chosen.checkpoint);
+      EXPECT_FALSE(plan.chosen.autocast);
+    } else {
+      EXPECT_TRUE(plan.chosen.micro_batches > 1 || plan.chosen.checkpoint);
+    }
+  }
+}
+
+TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {
+  auto s = setup();
+  frugal::MemoryPlanner planner(*s.trainer, planner_options());
+  try {
+    planner.plan(1 << 20, sample());
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no plan fits the budget of 1.00 MiB"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(planner.plan(0, sample()), c10::Error);
+}
+
+}  // namespace
