@@ -31,6 +31,8 @@ struct Args {
   std::uint64_t seed = 1;
   std::int64_t max_steps = 0;
   std::string report;
+  std::string autocast = "off";
+  bool checkpoint = false;
   bool quiet = false;
 };
 
@@ -69,6 +71,8 @@ int run(const Args& args) {
   }
   auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
+  // Counted from here: the model and training, not the data set held in memory.
+  frugal::CountingAllocator::install();
 
   auto model = args.model == "cnn" ? fashion::make_cnn(args.dropout)
                                    : fashion::make_mlp(args.dropout);
@@ -92,6 +96,14 @@ int run(const Args& args) {
         return torch::nn::functional::cross_entropy(out, y);
       },
       options);
+  trainer.add_policy(std::make_shared<frugal::OomRecovery>());
+  if (args.checkpoint) {  // every block but the output layer
+    trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+        frugal::CheckpointSelect().types({"fashion::Block"})));
+  }
+  if (args.autocast != "off") {
+    frugal::use_mixed_precision(trainer, args.autocast == "bf16" ? torch::kBFloat16 : torch::kHalf);
+  }
   std::shared_ptr<frugal::JsonLinesSink> jsonl;
   if (!args.report.empty()) {
     jsonl = std::make_shared<frugal::JsonLinesSink>(args.report);
@@ -102,10 +114,11 @@ int run(const Args& args) {
   const std::int64_t per_epoch = (n + args.batch - 1) / args.batch;
   const bool terminal = !args.quiet && isatty(fileno(stderr));
   fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
-             "{} threads, LibTorch {}.{}\n",
+             "autocast {}, checkpoint {}, {} threads, LibTorch {}.{}\n",
              args.model, device.str(), n, test.inputs.size(0), args.batch,
-             args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off",
-             torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+             args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
+             args.checkpoint ? "on" : "off", torch::get_num_threads(), TORCH_VERSION_MAJOR,
+             TORCH_VERSION_MINOR);
 
   const auto start = std::chrono::steady_clock::now();
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(args.seed);
@@ -216,6 +229,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", args.max_steps, "Stop after this many steps (0: no limit)")
       ->check(kNonNegative)
       ->capture_default_str();
+  app.add_option("--autocast", args.autocast, "Mixed precision: off|bf16|fp16 (fp16 adds a GradScaler)")
+      ->check(CLI::IsMember({"off", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");
   app.add_option("--report", args.report, "Write a JSON-lines report to this file");
   app.add_flag("--quiet", args.quiet, "Print the last line only");
   CLI11_PARSE(app, argc, argv);
