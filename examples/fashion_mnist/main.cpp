@@ -168,25 +168,24 @@ int run(const Args& args) {
   return 0;
 }
 
-const CLI::Validator kPositive(
-    [](const std::string& text) {
-      try {
-        return std::stod(text) > 0 ? std::string() : "must be > 0, got " + text;
-      } catch (const std::exception&) {
-        return "must be a number, got '" + text + "'";
-      }
-    },
-    "> 0");
+// A number above (strictly or not) a bound, with a message that names the bad value.
+CLI::Validator number_above(double bound, bool strict) {
+  const std::string rule = (strict ? "> " : ">= ") + fmt::format("{}", bound);
+  return CLI::Validator(
+      [bound, strict, rule](const std::string& text) {
+        try {
+          const double v = std::stod(text);
+          return (strict ? v > bound : v >= bound) ? std::string()
+                                                   : "must be " + rule + ", got " + text;
+        } catch (const std::exception&) {
+          return "must be a number, got '" + text + "'";
+        }
+      },
+      rule);
+}
 
-const CLI::Validator kNonNegative(
-    [](const std::string& text) {
-      try {
-        return std::stod(text) >= 0 ? std::string() : "must be >= 0, got " + text;
-      } catch (const std::exception&) {
-        return "must be a number, got '" + text + "'";
-      }
-    },
-    ">= 0");
+const CLI::Validator kPositive = number_above(0, true);
+const CLI::Validator kNonNegative = number_above(0, false);
 
 }  // namespace
 
