@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   int rounds = 15, steps = 50, threads = 0;
   std::int64_t batch = 64;
   std::string model = "mlp";
+  bool ledger = true;
   CLI::App app{"Step engine overhead against a hand-written loop"};
   app.add_option("--rounds", rounds)->capture_default_str();
   app.add_option("--steps", steps, "Steps per round and variant")->capture_default_str();
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"mlp", "cnn"}))
       ->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  app.add_option("--ledger", ledger, "Measure the ledger in every report")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) {
     torch::set_num_threads(threads);
@@ -54,7 +56,8 @@ int main(int argc, char** argv) {
 
   auto engine_model = make();
   torch::optim::Adam engine_adam(engine_model->parameters(), 1e-3);
-  frugal::Trainer trainer(engine_model, engine_adam, loss_fn);
+  frugal::Trainer trainer(engine_model, engine_adam, loss_fn,
+                          frugal::TrainerOptions().ledger(ledger));
   double engine_loss = 0;
   auto engine_step = [&] { engine_loss = trainer.step({x, y}).loss; };
 

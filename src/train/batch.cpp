@@ -27,6 +27,9 @@ Batch Batch::slice(std::int64_t start, std::int64_t length) const {
 }
 
 Batch Batch::to(torch::Device device) const {
+  if (inputs.device() == device && (!targets.defined() || targets.device() == device)) {
+    return *this;
+  }
   Batch out;
   out.inputs = inputs.to(device);
   if (targets.defined()) {

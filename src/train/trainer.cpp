@@ -175,7 +175,8 @@ void Trainer::zero_grads() {
 Trainer::Split Trainer::split(const Batch& batch) const {
   Split out;
   std::int64_t offset = 0;
-  for (const auto size : plan(batch.inputs.size(0))) {
+  const std::int64_t samples = batch.inputs.size(0);
+  for (const auto size : plan(samples)) {
     out.micros.push_back(batch.slice(offset, size));
     out.counts.push_back(count_of(out.micros.back()));
     out.total += out.counts.back();
@@ -219,7 +220,7 @@ bool Trainer::retries_steps() const {
                      [](const auto& p) { return p->retries_steps(); });
 }
 
-void Trainer::run_batch(StepContext& ctx, bool isolate) {
+void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
   auto& report = ctx.report;
   // Gradients of earlier batches of the window wait aside, so that a failed attempt
   // cannot spoil them; they are added back when the batch succeeds.
@@ -227,9 +228,11 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
   if (isolate) {
     aside = take_grads();
   }
-  for (;;) {
+  for (bool first = true;; first = false) {
     const auto data_start = Clock::now();
-    auto parts = split(ctx.batch);
+    if (!first) {
+      parts = split(ctx.batch);  // with the micro-batch size a policy chose
+    }
     report.count = parts.total;
     report.micro_batches = static_cast<std::int64_t>(parts.micros.size());
     report.micro_batch = parts.micros.front().inputs.size(0);
@@ -278,7 +281,7 @@ StepReport Trainer::step(const Batch& batch) {
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
-  (void)split(batch);  // a bad count fails before anything is computed
+  auto parts = split(batch);  // a bad count fails here, before anything is computed
 
   StepReport report;
   report.samples = samples;
@@ -292,7 +295,7 @@ StepReport Trainer::step(const Batch& batch) {
     for (auto& policy : policies_) {
       policy->on_step_begin(ctx);
     }
-    run_batch(ctx, !window_start && retries_steps());
+    run_batch(ctx, !window_start && retries_steps(), std::move(parts));
   } catch (...) {
     if (!window_start && !retries_steps()) {
       window_batches_ = 0;
@@ -338,7 +341,7 @@ StepReport Trainer::trial(const Batch& batch) {
       for (auto& policy : policies_) {
         policy->on_step_begin(ctx);
       }
-      run_batch(ctx, /*isolate=*/false);
+      run_batch(ctx, /*isolate=*/false, split(batch));
     } catch (...) {
       put_back_grads(std::move(aside), /*add=*/false);
       throw;
@@ -360,7 +363,8 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
   auto& report = ctx.report;
   const bool windowed = options_.accumulate() > 1;
   const bool mean = options_.reduction() == LossReduction::Mean;
-  torch::Tensor loss_sum;
+  torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
+  double logged = 0;
   for (std::size_t i = 0; i < micros.size(); ++i) {
     auto t = Clock::now();
     ctx.micro = micros[i].to(options_.device());
@@ -387,9 +391,13 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     // within an accumulation window, the division by the window's count waits for its end.
     const double share = mean ? static_cast<double>(counts[i]) : 1.0;
     const double weight = windowed ? share : share / static_cast<double>(total);
-    const auto detached = loss.detach().to(torch::kDouble) * share;
-    loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
-    ctx.loss = loss.reshape({}) * weight;
+    if (micros.size() == 1) {
+      logged = loss.detach().item<double>() * share;  // one read, as a plain loop does
+    } else {
+      const auto detached = loss.detach().to(torch::kDouble) * share;
+      loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+    }
+    ctx.loss = weight == 1.0 ? loss.reshape({}) : loss.reshape({}) * weight;
     loss = torch::Tensor();
     report.time.forward_ms += ms_since(t);
 
@@ -409,7 +417,10 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     ctx.micro = Batch();
     report.time.backward_ms += ms_since(t);
   }
-  report.loss = loss_sum.item<double>() / static_cast<double>(total);
+  if (loss_sum.defined()) {
+    logged = loss_sum.item<double>();
+  }
+  report.loss = logged / static_cast<double>(total);
 }
 
 void Trainer::optimizer_phase(StepContext& ctx) {

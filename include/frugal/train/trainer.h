@@ -98,7 +98,7 @@ class Trainer {
     std::int64_t total = 0;
   };
   Split split(const Batch& batch) const;
-  void run_batch(StepContext& ctx, bool isolate);
+  void run_batch(StepContext& ctx, bool isolate, Split parts);
   std::vector<torch::Tensor> take_grads();
   void put_back_grads(std::vector<torch::Tensor> aside, bool add);
   bool retries_steps() const;
