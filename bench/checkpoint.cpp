@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   if (threads > 0) {
     torch::set_num_threads(threads);
   }
+  frugal::CountingAllocator::install();  // before the models: their weights are counted
   torch::manual_seed(0);
   const frugal::Batch data{torch::randn({batch, width}),
                            torch::randint(0, 10, {batch}, torch::kLong)};
