@@ -97,11 +97,6 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
   }
 }
 
-void Trainer::set_eval_batch(std::int64_t size) {
-  TORCH_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
-  eval_batch_ = size;
-}
-
 void Trainer::set_micro_batch(std::int64_t size) {
   TORCH_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
   micro_batch_ = size;
@@ -154,24 +149,6 @@ std::vector<std::int64_t> Trainer::plan(std::int64_t samples) const {
   return sizes;
 }
 
-void Trainer::zero_grads() {
-  torch::NoGradGuard no_grad;
-  for (auto& group : optimizer_.param_groups()) {
-    for (auto& p : group.params()) {
-      auto& grad = p.mutable_grad();
-      if (!grad.defined()) {
-        continue;
-      }
-      if (options_.set_to_none()) {
-        grad.reset();
-      } else {
-        grad = grad.detach();
-        grad.zero_();
-      }
-    }
-  }
-}
-
 Trainer::Split Trainer::split(const Batch& batch) const {
   Split out;
   std::int64_t offset = 0;
@@ -185,34 +162,6 @@ Trainer::Split Trainer::split(const Batch& batch) const {
   TORCH_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
               "; it must be positive to normalise the loss");
   return out;
-}
-
-std::vector<torch::Tensor> Trainer::take_grads() {
-  std::vector<torch::Tensor> taken;
-  for (auto& group : optimizer_.param_groups()) {
-    for (auto& p : group.params()) {
-      taken.push_back(p.grad());
-      p.mutable_grad().reset();
-    }
-  }
-  return taken;
-}
-
-void Trainer::put_back_grads(std::vector<torch::Tensor> aside, bool add) {
-  torch::NoGradGuard no_grad;
-  std::size_t i = 0;
-  for (auto& group : optimizer_.param_groups()) {
-    for (auto& p : group.params()) {
-      auto& old = aside.at(i++);
-      auto& grad = p.mutable_grad();
-      if (add && grad.defined() && old.defined()) {
-        grad.add_(old);
-      } else if (!grad.defined() || !add) {
-        grad = old;
-      }
-      old = torch::Tensor();
-    }
-  }
 }
 
 bool Trainer::retries_steps() const {
@@ -480,87 +429,6 @@ void Trainer::finish_report(StepReport& report) {
   if (options_.ledger()) {
     report.ledger = measure_ledger(probe_, *module_, &optimizer_);
   }
-}
-
-EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
-  const auto start = Clock::now();
-  const std::int64_t samples = data.size();
-  TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
-  check_positive(batch_size, "the evaluation batch size");
-  std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
-  size = size > 0 ? std::min(size, samples) : samples;
-
-  EvalReport report;
-  report.step = steps_;
-  report.samples = samples;
-
-  const bool was_training = module_->is_training();
-  module_->eval();
-  struct RestoreMode {
-    torch::nn::Module& m;
-    bool training;
-    ~RestoreMode() { m.train(training); }
-  } restore{*module_, was_training};
-  std::unique_ptr<torch::NoGradGuard> no_grad;
-  std::unique_ptr<c10::InferenceMode> inference;
-  if (options_.inference_mode()) {
-    inference = std::make_unique<c10::InferenceMode>();
-  } else {
-    no_grad = std::make_unique<torch::NoGradGuard>();
-  }
-
-  ScopedPeak peak(probe_);
-  double loss_sum = 0;
-  std::int64_t correct = 0;
-  std::int64_t total = 0;
-  bool classes = forward_ != nullptr;
-  const bool mean = options_.reduction() == LossReduction::Mean;
-  for (std::int64_t offset = 0; offset < samples;) {
-    const std::int64_t n = std::min(size, samples - offset);
-    try {
-      const auto micro = data.slice(offset, n).to(options_.device());
-      const std::int64_t count = count_of(micro);
-      torch::Tensor loss;
-      if (forward_) {
-        const auto output = forward_(micro.inputs);
-        loss = loss_(output, micro.targets);
-        classes = classes && micro.targets.defined() && output.dim() == 2 &&
-                  micro.targets.dim() == 1 && !micro.targets.is_floating_point();
-        if (classes) {
-          correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
-        }
-      } else {
-        loss = batch_loss_(micro);
-      }
-      loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
-      total += count;
-      ++report.batches;
-      offset += n;
-    } catch (const std::exception& error) {
-      // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
-        return p->on_eval_error(*this, error);
-      });
-      if (!retry) {
-        throw;
-      }
-      size = std::min(eval_batch_, size);
-      ++report.oom_retries;
-    }
-  }
-  report.batch_size = size;
-  report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
-  report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
-  report.peak = peak.end();
-  report.memory = probe_.snapshot();
-  if (options_.ledger()) {
-    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
-  }
-  report.time_ms = ms_since(start);
-  for (auto& sink : sinks_) {
-    sink->write(report);
-  }
-  return report;
 }
 
 }  // namespace frugal

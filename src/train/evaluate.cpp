@@ -1,0 +1,102 @@
+// Trainer::evaluate: loss and accuracy under no_grad, in its own batch size.
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "frugal/report/sink.h"
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+
+void Trainer::set_eval_batch(std::int64_t size) {
+  TORCH_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
+  eval_batch_ = size;
+}
+
+EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t samples = data.size();
+  TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
+  TORCH_CHECK(!batch_size || *batch_size >= 1,
+              "frugal: the evaluation batch size must be >= 1, got ", batch_size.value_or(0));
+  std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
+  size = size > 0 ? std::min(size, samples) : samples;
+
+  EvalReport report;
+  report.step = steps_;
+  report.samples = samples;
+
+  const bool was_training = module_->is_training();
+  module_->eval();
+  struct RestoreMode {
+    torch::nn::Module& m;
+    bool training;
+    ~RestoreMode() { m.train(training); }
+  } restore{*module_, was_training};
+  std::unique_ptr<torch::NoGradGuard> no_grad;
+  std::unique_ptr<c10::InferenceMode> inference;
+  if (options_.inference_mode()) {
+    inference = std::make_unique<c10::InferenceMode>();
+  } else {
+    no_grad = std::make_unique<torch::NoGradGuard>();
+  }
+
+  ScopedPeak peak(probe_);
+  double loss_sum = 0;
+  std::int64_t correct = 0;
+  std::int64_t total = 0;
+  bool classes = forward_ != nullptr;
+  const bool mean = options_.reduction() == LossReduction::Mean;
+  for (std::int64_t offset = 0; offset < samples;) {
+    const std::int64_t n = std::min(size, samples - offset);
+    try {
+      const auto micro = data.slice(offset, n).to(options_.device());
+      const std::int64_t count = count_of(micro);
+      torch::Tensor loss;
+      if (forward_) {
+        const auto output = forward_(micro.inputs);
+        loss = loss_(output, micro.targets);
+        classes = classes && micro.targets.defined() && output.dim() == 2 &&
+                  micro.targets.dim() == 1 && !micro.targets.is_floating_point();
+        if (classes) {
+          correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
+        }
+      } else {
+        loss = batch_loss_(micro);
+      }
+      loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+      total += count;
+      ++report.batches;
+      offset += n;
+    } catch (const std::exception& error) {
+      // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
+      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
+        return p->on_eval_error(*this, error);
+      });
+      if (!retry) {
+        throw;
+      }
+      size = std::min(eval_batch_, size);
+      ++report.oom_retries;
+    }
+  }
+  report.batch_size = size;
+  report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
+  report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
+  report.peak = peak.end();
+  report.memory = probe_.snapshot();
+  if (options_.ledger()) {
+    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
+  }
+  report.time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                             start)
+                       .count();
+  for (auto& sink : sinks_) {
+    sink->write(report);
+  }
+  return report;
+}
+
+}  // namespace frugal
