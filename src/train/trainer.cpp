@@ -346,7 +346,10 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
       const auto detached = loss.detach().to(torch::kDouble) * share;
       loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
     }
-    ctx.loss = weight == 1.0 ? loss.reshape({}) : loss.reshape({}) * weight;
+    if (loss.dim() != 0) {
+      loss = loss.reshape({});
+    }
+    ctx.loss = weight == 1.0 ? loss : loss * weight;
     loss = torch::Tensor();
     report.time.forward_ms += ms_since(t);
 
