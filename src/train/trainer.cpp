@@ -1,11 +1,11 @@
 #include "frugal/train/trainer.h"
 
-#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
 #include <chrono>
 
+#include "forward_scope.h"
 #include "frugal/report/sink.h"
 
 namespace frugal {
@@ -21,37 +21,6 @@ void check_positive(const c10::optional<std::int64_t>& value, const char* name) 
   TORCH_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ",
               *value);
 }
-
-// Calls the policies' forward-exit hooks in reverse order when the forward ends, also
-// by an exception, so that policies can pair before/after like a guard.
-class ForwardScope {
- public:
-  ForwardScope(std::vector<std::shared_ptr<Policy>>& policies, StepContext& ctx)
-      : policies_(policies), ctx_(ctx) {
-    for (; entered_ < policies_.size(); ++entered_) {
-      policies_[entered_]->before_forward(ctx_);
-    }
-  }
-  ~ForwardScope() noexcept(false) {
-    const bool unwinding = std::uncaught_exceptions() > 0;
-    while (entered_ > 0) {
-      auto& policy = policies_[--entered_];
-      if (unwinding) {
-        try {
-          policy->after_forward(ctx_);
-        } catch (...) {
-        }
-      } else {
-        policy->after_forward(ctx_);
-      }
-    }
-  }
-
- private:
-  std::vector<std::shared_ptr<Policy>>& policies_;
-  StepContext& ctx_;
-  std::size_t entered_ = 0;
-};
 
 }  // namespace
 
@@ -325,7 +294,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     {
       ScopedPeak forward_peak(probe_);
       {
-        ForwardScope scope(policies_, ctx);
+        detail::ForwardScope scope(policies_, ctx);
         loss = loss_of(ctx.micro);
       }
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
