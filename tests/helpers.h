@@ -6,6 +6,12 @@
 
 #include <vector>
 
+/// Skips a `gpu`-labelled test, with a message, where CUDA is not available.
+#define FRUGAL_SKIP_WITHOUT_CUDA()                          \
+  if (!torch::cuda::is_available()) {                       \
+    GTEST_SKIP() << "CUDA is not available on this machine"; \
+  }
+
 namespace frugal::testing {
 
 /// A deterministic MLP (no dropout): the same seed gives the same weights.

@@ -119,9 +119,7 @@ TEST(Autocast, Fp16MixedPrecisionAddsAScalerByDefault) {
 }
 
 TEST(CudaAutocast, Fp16StepWithScalerKeepsFloatGradients) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   auto model = make_mlp(16, 32, 4);
   model->to(torch::kCUDA);
   torch::optim::SGD sgd(model->parameters(), 0.1);

@@ -255,9 +255,7 @@ TEST(Checkpoint, BlockThatDetachesItsOutputIsNamed) {
 }
 
 TEST(CudaCheckpoint, DropoutMasksMatchThePlainRun) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   auto grad = [](bool checkpointed) {
     torch::manual_seed(42);
     auto x = torch::randn({20000}, torch::TensorOptions().device(torch::kCUDA).requires_grad(true));

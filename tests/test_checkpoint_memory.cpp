@@ -3,6 +3,7 @@
 
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/train/trainer.h"
+#include "helpers.h"
 #include "residual_mlp.h"
 
 namespace {
@@ -90,9 +91,7 @@ TEST(CheckpointMemory, StepPeakFallsAsPredictedWhereActivationsDominate) {
 }
 
 TEST(CudaCheckpointMemory, ForwardKeepsOnlyBlockInputsAtBatch128) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   const auto batch = batch_of(128);
   const auto block = measure_block(batch);  // the same tensors' bytes as on the CPU
   const auto plain = step_of(false, batch, torch::kCUDA);

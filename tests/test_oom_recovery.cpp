@@ -188,9 +188,7 @@ TEST(OomRecovery, OtherErrorsAreNotRetried) {
 
 #ifdef FRUGAL_WITH_CUDA
 TEST(CudaOomRecovery, MemoryFractionBetweenMicroBatch16AndBatch64) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   // Large enough that the activations of a batch of 64 dominate the caching allocator.
   auto run = [](std::int64_t micro, double fraction) {
     torch::manual_seed(8);

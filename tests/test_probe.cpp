@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "frugal/memory/probe.h"
+#include "helpers.h"
 
 namespace {
 
@@ -101,9 +102,7 @@ TEST(MemoryProbe, UnsupportedDeviceIsNamed) {
 }
 
 TEST(CudaMemoryProbe, AllocatedFollowsTheCachingAllocator) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   frugal::MemoryProbe probe(torch::kCUDA);
   probe.reset_peak();
   const auto base = probe.allocated();

@@ -170,9 +170,7 @@ TEST(Accumulation, ReportedLossIsTheBatchMean) {
 }
 
 TEST(CudaAccumulation, MicroBatchGradientsEqualTheFullBatch) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   const auto batch = regression_batch(64, 1);
   const auto expected = full_batch_gradient(batch);
   auto model = make_mlp(10, 32, 3);

@@ -158,9 +158,7 @@ TEST(LeakGuard, CatchesAHookThatKeepsTheLossTensor) {
 }
 
 TEST(CudaTrainerMemory, SetToNoneReleasesTheGradientBytes) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "CUDA is not available on this machine";
-  }
+  FRUGAL_SKIP_WITHOUT_CUDA();
   auto run = [](bool set_to_none) {
     auto model = make_mlp(64, 256, 8);
     model->to(torch::kCUDA);

@@ -54,18 +54,16 @@ bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::e
   return true;
 }
 
-bool OomRecovery::on_eval_error(Trainer& trainer, const std::exception& error) {
+bool OomRecovery::on_eval_error(Trainer& trainer, std::int64_t batch_size,
+                                const std::exception& error) {
   if (!is_oom(error)) {
     return false;
   }
-  const std::int64_t current = trainer.eval_batch() > 0 ? trainer.eval_batch()
-                                                        : std::max<std::int64_t>(
-                                                              trainer.micro_batch(), 2);
-  TORCH_CHECK_WITH(OutOfMemoryError, current > 1, "frugal: out of memory in evaluate() at "
+  TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1, "frugal: out of memory in evaluate() at "
                    "batch size 1: ", memory_figures(trainer.probe()), ". The error was: ",
                    error.what());
   trainer.probe().empty_cache();
-  trainer.set_eval_batch(current / 2);
+  trainer.set_eval_batch(batch_size / 2);
   ++recovered_;
   return true;
 }

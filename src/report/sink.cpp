@@ -8,6 +8,17 @@
 #include "../report_json.h"
 
 namespace frugal {
+namespace {
+
+// One report line: the report's fields and the sink's extra fields (kept as JSON text).
+std::string line_with(nlohmann::json line, const std::map<std::string, std::string>& extra) {
+  for (const auto& [key, value] : extra) {
+    line[key] = nlohmann::json::parse(value);
+  }
+  return line.dump();
+}
+
+}  // namespace
 
 ConsoleSink::ConsoleSink(std::FILE* out, std::int64_t every) : out_(out), every_(every) {
   TORCH_CHECK(out_ != nullptr, "frugal: ConsoleSink needs a stream");
@@ -43,19 +54,15 @@ void JsonLinesSink::set(const std::string& key, std::int64_t value) {
 }
 
 void JsonLinesSink::write(const StepReport& report) {
-  write_line(detail::to_json_object(report).dump());
+  write_line(line_with(detail::to_json_object(report), extra_));
 }
 
 void JsonLinesSink::write(const EvalReport& report) {
-  write_line(detail::to_json_object(report).dump());
+  write_line(line_with(detail::to_json_object(report), extra_));
 }
 
-void JsonLinesSink::write_line(const std::string& json) {
-  auto line = nlohmann::json::parse(json);
-  for (const auto& [key, value] : extra_) {
-    line[key] = nlohmann::json::parse(value);
-  }
-  out_ << line.dump() << '\n';
+void JsonLinesSink::write_line(const std::string& line) {
+  out_ << line << '\n';
   out_.flush();
   TORCH_CHECK(out_.good(), "frugal: writing the report file '", path_, "' failed");
 }

@@ -3,10 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include <chrono>
-
 #include "frugal/report/sink.h"
 #include "frugal/train/trainer.h"
+#include "internal.h"
 
 namespace frugal {
 
@@ -16,11 +15,10 @@ void Trainer::set_eval_batch(std::int64_t size) {
 }
 
 EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = detail::Clock::now();
   const std::int64_t samples = data.size();
   TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
-  TORCH_CHECK(!batch_size || *batch_size >= 1,
-              "frugal: the evaluation batch size must be >= 1, got ", batch_size.value_or(0));
+  detail::check_positive(batch_size, "the evaluation batch size");
   std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
   size = size > 0 ? std::min(size, samples) : samples;
 
@@ -73,7 +71,7 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
       const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
-        return p->on_eval_error(*this, error);
+        return p->on_eval_error(*this, size, error);
       });
       if (!retry) {
         throw;
@@ -90,9 +88,7 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
   if (options_.ledger()) {
     report.ledger = measure_ledger(probe_, *module_, &optimizer_);
   }
-  report.time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                             start)
-                       .count();
+  report.time_ms = detail::ms_since(start);
   for (auto& sink : sinks_) {
     sink->write(report);
   }

@@ -3,26 +3,17 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include <chrono>
+#include <algorithm>
 
 #include "forward_scope.h"
+#include "internal.h"
 #include "frugal/report/sink.h"
 
 namespace frugal {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-void check_positive(const c10::optional<std::int64_t>& value, const char* name) {
-  TORCH_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ",
-              *value);
-}
-
-}  // namespace
+using detail::check_positive;
+using detail::Clock;
+using detail::ms_since;
 
 Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
                  torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options)
@@ -146,6 +137,11 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
   if (isolate) {
     aside = take_grads();
   }
+  auto give_up = [&] {
+    if (isolate) {
+      put_back_grads(std::move(aside), /*add=*/false);
+    }
+  };
   for (bool first = true;; first = false) {
     const auto data_start = Clock::now();
     if (!first) {
@@ -167,24 +163,18 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
       for (auto& p : module_->parameters()) {
         p.mutable_grad().reset();
       }
+      // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
       try {
-        for (auto& policy : policies_) {
-          if (policy->on_step_error(*this, ctx, error)) {
-            retry = true;
-            break;
-          }
-        }
-      } catch (...) {  // a policy that gives up says why
-        if (isolate) {
-          put_back_grads(std::move(aside), /*add=*/false);
-        }
+        retry = std::any_of(policies_.begin(), policies_.end(), [&](const auto& policy) {
+          return policy->on_step_error(*this, ctx, error);
+        });
+      } catch (...) {
+        give_up();
         throw;
       }
       if (!retry) {
-        if (isolate) {
-          put_back_grads(std::move(aside), /*add=*/false);
-        }
+        give_up();
         throw;
       }
       ++report.oom_retries;
@@ -220,9 +210,6 @@ StepReport Trainer::step(const Batch& batch) {
       window_count_ = 0;
       TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
                  "gradients were dropped and the next batch starts a new one");
-    }
-    if (window_start) {
-      zero_grads();
     }
     throw;
   }

@@ -33,7 +33,8 @@ class OomRecovery : public Policy {
   explicit OomRecovery(OomRecoveryOptions options = {});
   std::string name() const override { return "oom-recovery"; }
   bool on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) override;
-  bool on_eval_error(Trainer& trainer, const std::exception& error) override;
+  bool on_eval_error(Trainer& trainer, std::int64_t batch_size,
+                     const std::exception& error) override;
   bool retries_steps() const override { return true; }
   void on_step_end(StepContext& ctx) override;
 

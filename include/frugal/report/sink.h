@@ -50,7 +50,7 @@ class JsonLinesSink : public ReportSink {
   void write(const EvalReport& report) override;
 
  private:
-  void write_line(const std::string& json);
+  void write_line(const std::string& line);
   std::string path_;
   std::ofstream out_;
   std::map<std::string, std::string> extra_;  // key -> JSON text of the value

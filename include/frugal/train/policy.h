@@ -77,9 +77,11 @@ class Policy {
   /// attempt made (graph, outputs, gradients). Return true to retry the same batch (the
   /// first policy that does wins); false lets the error through.
   virtual bool on_step_error(Trainer&, StepContext&, const std::exception&) { return false; }
-  /// An evaluation chunk threw; return true to go on from that chunk (with a new
-  /// Trainer::eval_batch, say).
-  virtual bool on_eval_error(Trainer&, const std::exception&) { return false; }
+  /// An evaluation chunk of `batch_size` samples threw; return true to go on from that
+  /// chunk (with a smaller Trainer::eval_batch, say).
+  virtual bool on_eval_error(Trainer&, std::int64_t /*batch_size*/, const std::exception&) {
+    return false;
+  }
   /// True when this policy may ask for retries. The engine then keeps the gradients of
   /// an accumulation window's earlier batches aside while a batch runs (costing a second
   /// set of gradient buffers meanwhile), so that a failed attempt cannot spoil them.
