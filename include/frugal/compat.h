@@ -7,10 +7,16 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <type_traits>
 
 #define FRUGAL_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
@@ -89,6 +95,36 @@ inline bool autocast_supports(c10::DeviceType type, c10::ScalarType dtype) {
   }
   return false;
 }
+
+/// The key of a parameter's entry in torch::optim::Optimizer::state(): its TensorImpl, as
+/// a pointer in 2.x and as the pointer's text in 1.13.
+using OptimizerStateKey =
+    std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+
+template <typename Key = OptimizerStateKey>
+Key optimizer_state_key(const at::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;  // as c10::guts::to_string writes a pointer
+    text << static_cast<const void*>(param.unsafeGetTensorImpl());
+    return text.str();
+  } else {
+    return param.unsafeGetTensorImpl();
+  }
+}
+
+/// A hook that runs each time autograd has accumulated a gradient into a leaf's `.grad`,
+/// while the hook is alive: LibTorch 2.x's post-accumulate-grad hook on the tensor, or on
+/// 1.13 a post hook on the leaf's gradient accumulator (kept alive by the hook, as c10d's
+/// Reducer does). One such hook per tensor: a second one is refused with an error.
+class GradAccumulatedHook {
+ public:
+  using Fn = std::function<void(const at::Tensor& leaf)>;
+  virtual ~GradAccumulatedHook() = default;
+};
+
+/// Installs `fn` on `leaf` (a tensor that requires grad and has no grad_fn).
+std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,
+                                                         GradAccumulatedHook::Fn fn);
 
 /// The CUDA caching allocator's figures for one device, aggregated over pool kinds.
 struct CudaAllocatorStats {

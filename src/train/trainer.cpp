@@ -4,8 +4,10 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "forward_scope.h"
+#include "grad_ready.h"
 #include "internal.h"
 #include "frugal/report/sink.h"
 
@@ -57,6 +59,8 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
   }
 }
 
+Trainer::~Trainer() = default;
+
 void Trainer::set_micro_batch(std::int64_t size) {
   TORCH_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
   micro_batch_ = size;
@@ -64,8 +68,56 @@ void Trainer::set_micro_batch(std::int64_t size) {
 
 Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
   TORCH_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
+  for (const auto& other : policies_) {
+    for (const auto& [all, early] : {std::pair{policy.get(), other.get()},
+                                     std::pair{other.get(), policy.get()}}) {
+      TORCH_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
+                  "frugal: policy '", all->name(), "' needs every gradient of a step before "
+                  "any parameter changes, but '", early->name(), "' updates parameters during "
+                  "backward; use one of them");
+    }
+  }
+  policy->on_add(*this);
+  if (policy->wants_grad_ready() && !grad_ready_) {
+    grad_ready_ = std::make_unique<detail::GradReady>(
+        optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
+  }
   policies_.push_back(std::move(policy));
   return *this;
+}
+
+void Trainer::grad_ready(const torch::Tensor& param) {
+  TORCH_INTERNAL_ASSERT(backward_ctx_ != nullptr, "gradient-ready call outside a step");
+  for (auto& policy : policies_) {
+    if (policy->wants_grad_ready()) {
+      policy->on_grad_ready(*backward_ctx_, param);
+    }
+  }
+}
+
+void Trainer::throw_partial(const StepContext& ctx, const std::exception& error) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& item : module_->named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  std::vector<std::string> updated;
+  for (const auto& p : ctx.updated_in_backward) {
+    const auto it = names.find(p.unsafeGetTensorImpl());
+    updated.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
+  }
+  std::string list;
+  for (const auto& name : updated) {
+    list += (list.empty() ? "" : ", ") + name;
+  }
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  throw PartialStepError(
+      "frugal: the step failed during backward after " + std::to_string(updated.size()) +
+          " parameter(s) had been updated in backward" + (list.empty() ? "" : ": " + list) +
+          ". Those and their optimizer state hold the new values, the others the old ones; "
+          "the step count is as before and the window's gradients were dropped, so the "
+          "step was not retried. The error was: " +
+          (c10_error != nullptr ? c10_error->what_without_backtrace() : error.what()),
+      std::move(updated));
 }
 
 Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {
@@ -153,7 +205,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
     ctx.micro_count = report.micro_batches;
     report.time.data_ms += ms_since(data_start);
     try {
-      run_micro_batches(ctx, parts.micros, parts.counts, parts.total);
+      run_micro_batches(ctx, parts.micros, parts.counts, parts.total, &aside);
       break;
     } catch (const std::exception& error) {
       // Drop everything the failed attempt made: its graph, outputs and gradients.
@@ -162,6 +214,12 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
       parts = Split();
       for (auto& p : module_->parameters()) {
         p.mutable_grad().reset();
+      }
+      // Gradients handed out in backward may have changed parameters: no retry then.
+      if (grad_ready_ && grad_ready_->delivered_count() > 0) {
+        grad_ready_->clear();
+        give_up();
+        throw_partial(ctx, error);
       }
       // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
@@ -198,12 +256,17 @@ StepReport Trainer::step(const Batch& batch) {
     zero_grads();  // a window accumulates from nothing, whatever the caller left
   }
   ScopedPeak step_peak(probe_);
-  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report};
+  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report, false, {}};
   try {
     for (auto& policy : policies_) {
       policy->on_step_begin(ctx);
     }
     run_batch(ctx, !window_start && retries_steps(), std::move(parts));
+  } catch (const PartialStepError&) {
+    window_batches_ = 0;
+    window_count_ = 0;
+    zero_grads();
+    throw;
   } catch (...) {
     if (!window_start && !retries_steps()) {
       window_batches_ = 0;
@@ -241,7 +304,7 @@ StepReport Trainer::trial(const Batch& batch) {
   auto aside = take_grads();
   {
     ScopedPeak peak(probe_);
-    StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report};
+    StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report, true, {}};
     try {
       for (auto& policy : policies_) {
         policy->on_step_begin(ctx);
@@ -264,9 +327,15 @@ StepReport Trainer::trial(const Batch& batch) {
 }
 
 void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
-                                const std::vector<std::int64_t>& counts, std::int64_t total) {
+                                const std::vector<std::int64_t>& counts, std::int64_t total,
+                                std::vector<torch::Tensor>* aside) {
   auto& report = ctx.report;
   const bool windowed = options_.accumulate() > 1;
+  // Gradient-ready calls go out in the backward that completes the optimizer step, with
+  // the window's division done there rather than before the optimizer step.
+  const bool completes_step = ctx.trial || window_batches_ + 1 == options_.accumulate();
+  const double ready_scale =
+      windowed && !ctx.trial ? 1.0 / static_cast<double>(window_count_ + total) : 1.0;
   const bool mean = options_.reduction() == LossReduction::Mean;
   torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
   double logged = 0;
@@ -315,6 +384,12 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     }
     {
       ScopedPeak backward_peak(probe_);
+      const bool armed = grad_ready_ && completes_step && i + 1 == micros.size();
+      if (armed) {
+        grad_ready_->clear();
+      }
+      backward_ctx_ = &ctx;
+      detail::ArmedScope arm(armed ? grad_ready_.get() : nullptr, aside, ready_scale);
       ctx.loss.backward();
       ctx.loss = torch::Tensor();
       report.backward_peak = std::max(report.backward_peak, backward_peak.end());
@@ -338,7 +413,7 @@ void Trainer::optimizer_phase(StepContext& ctx) {
     const double inv = 1.0 / static_cast<double>(window_count_);
     for (auto& group : optimizer_.param_groups()) {
       for (auto& p : group.params()) {
-        if (p.grad().defined()) {
+        if (p.grad().defined() && !(grad_ready_ && grad_ready_->delivered(p))) {
           p.mutable_grad().mul_(inv);
         }
       }
@@ -363,6 +438,9 @@ void Trainer::optimizer_phase(StepContext& ctx) {
   }
   window_batches_ = 0;
   window_count_ = 0;
+  if (grad_ready_) {
+    grad_ready_->clear();
+  }
   ctx.report.stepped = true;
   ctx.report.skipped = ctx.skip_optimizer_step;
   ctx.report.time.optimizer_ms = ms_since(t);
@@ -374,7 +452,7 @@ bool Trainer::flush() {
   }
   StepReport report;
   Batch none;
-  StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report};
+  StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report, false, {}};
   optimizer_phase(ctx);
   return true;
 }

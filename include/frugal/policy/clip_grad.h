@@ -31,6 +31,8 @@ class ClipGradPolicy : public Policy {
  public:
   explicit ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler = nullptr);
   std::string name() const override { return "clip-grad"; }
+  /// Acts on every gradient before any parameter changes.
+  bool needs_all_gradients() const override { return true; }
   void before_optimizer_step(StepContext& ctx) override;
   double last_norm() const { return last_norm_; }
 

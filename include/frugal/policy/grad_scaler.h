@@ -92,6 +92,8 @@ class GradScalerPolicy : public Policy {
  public:
   explicit GradScalerPolicy(std::shared_ptr<GradScaler> scaler);
   std::string name() const override { return "grad-scaler"; }
+  /// Acts on every gradient before any parameter changes.
+  bool needs_all_gradients() const override { return true; }
   void before_backward(StepContext& ctx) override;
   void before_optimizer_step(StepContext& ctx) override;
   void after_optimizer_step(StepContext& ctx) override;

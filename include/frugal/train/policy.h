@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
@@ -47,6 +48,11 @@ struct StepContext {
   /// Set in BeforeOptimizerStep to skip the optimizer step (e.g. inf/NaN gradients).
   bool skip_optimizer_step = false;
   StepReport& report;
+  /// A Trainer::trial: measure only; parameters and optimizer must not change.
+  bool trial = false;
+  /// Parameters that a policy updated during this step's backward (on_grad_ready). After
+  /// the first, a failed attempt cannot be retried: the engine raises PartialStepError.
+  std::vector<torch::Tensor> updated_in_backward;
 };
 
 /// A policy hooks phases of the step. Override what you need; the engine calls every
@@ -86,6 +92,23 @@ class Policy {
   /// an accumulation window's earlier batches aside while a batch runs (costing a second
   /// set of gradient buffers meanwhile), so that a failed attempt cannot spoil them.
   virtual bool retries_steps() const { return false; }
+
+  /// Trainer::add_policy calls it first; throw to refuse the trainer (its optimizer, say).
+  virtual void on_add(Trainer&) {}
+  /// True to receive on_grad_ready: the engine then hooks every parameter's gradient.
+  virtual bool wants_grad_ready() const { return false; }
+  /// Inside the backward that completes an optimizer step (the last micro-batch of the
+  /// accumulation window's last batch), as soon as `param`'s gradient for that step is
+  /// final: accumulated over the window and divided by its count, as the optimizer would
+  /// see it. Runs inside autograd's backward, once per parameter that gets a gradient
+  /// there; parameters whose gradient came only from earlier micro-batches get none.
+  virtual void on_grad_ready(StepContext&, const torch::Tensor& /*param*/) {}
+  /// True when the policy needs every gradient of a step before any parameter changes
+  /// (clipping by the global norm, GradScaler's inf/NaN check).
+  virtual bool needs_all_gradients() const { return false; }
+  /// True when the policy changes parameters during backward. The engine refuses it
+  /// together with a policy that needs all gradients.
+  virtual bool updates_in_backward() const { return false; }
 };
 
 /// A policy made of one user function at one phase: the engine's hooks.

@@ -6,6 +6,8 @@
 
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "frugal/memory/probe.h"
@@ -17,6 +19,21 @@
 namespace frugal {
 
 class ReportSink;
+namespace detail {
+class GradReady;
+}
+
+/// A step failed after a policy had updated some parameters during backward (the optimizer
+/// step in backward): those parameters and their optimizer state hold the new values, all
+/// others the old ones. The trainer's counters are as before the step and the accumulation
+/// window's gradients are dropped; what to do next (go on, or load a saved state) is the
+/// caller's decision. `updated` names the parameters that changed.
+class PartialStepError : public std::runtime_error {
+ public:
+  PartialStepError(const std::string& what, std::vector<std::string> updated)
+      : std::runtime_error(what), updated(std::move(updated)) {}
+  std::vector<std::string> updated;
+};
 
 /// Runs training steps: splits a batch into micro-batches, weights each loss by its share
 /// of the global count so the accumulated gradient equals the full batch's, steps the
@@ -54,6 +71,9 @@ class Trainer {
   /// A user callable computes the loss of a (micro-)batch; evaluate() reports its loss only.
   Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
           BatchLossFn batch_loss, TrainerOptions options = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
   /// Runs one batch: forward and backward per micro-batch, and the optimizer step when the
   /// accumulation window is full.
@@ -69,7 +89,11 @@ class Trainer {
   /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
 
+  /// Adds a policy after the others. Refused (with an error naming both) where it cannot
+  /// work with one already added, e.g. a policy that needs all gradients at once beside
+  /// one that updates parameters during backward.
   Trainer& add_policy(std::shared_ptr<Policy> policy);
+  const std::vector<std::shared_ptr<Policy>>& policies() const { return policies_; }
   Trainer& add_hook(Phase phase, HookPolicy::Fn fn);
   Trainer& add_sink(std::shared_ptr<ReportSink> sink);
 
@@ -106,7 +130,10 @@ class Trainer {
   std::int64_t count_of(const Batch& micro) const;
   std::vector<std::int64_t> plan(std::int64_t samples) const;
   void run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
-                         const std::vector<std::int64_t>& counts, std::int64_t total);
+                         const std::vector<std::int64_t>& counts, std::int64_t total,
+                         std::vector<torch::Tensor>* aside);
+  void grad_ready(const torch::Tensor& param);
+  [[noreturn]] void throw_partial(const StepContext& ctx, const std::exception& error);
   void optimizer_phase(StepContext& ctx);
   void zero_grads();
   void finish_report(StepReport& report);
@@ -120,6 +147,8 @@ class Trainer {
   MemoryProbe probe_;
   std::vector<std::shared_ptr<Policy>> policies_;
   std::vector<std::shared_ptr<ReportSink>> sinks_;
+  std::unique_ptr<detail::GradReady> grad_ready_;  // while a policy wants gradient-ready calls
+  StepContext* backward_ctx_ = nullptr;            // the step whose backward is running
 
   std::int64_t micro_batch_ = 0;
   std::int64_t eval_batch_ = 0;

@@ -1,0 +1,58 @@
+// Adam and AdamW (AMSGrad, weight decay) updating each parameter in place.
+#pragma once
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+
+#include "frugal/optim/in_place.h"
+
+namespace frugal::optim {
+
+/// LibTorch's Adam with frugal's step: in place, chunk by chunk, all or nothing (see
+/// InPlaceOptimizer). LibTorch's step allocates two temporaries the size of each parameter
+/// for the denominator (three with weight decay); this one a chunk's worth. Options, state
+/// (exp_avg, exp_avg_sq, max_exp_avg_sq, step) and serialization are torch's, and the
+/// arithmetic is the same, element by element.
+///
+/// Example:
+///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+class Adam : public torch::optim::Adam, public InPlaceOptimizer {
+ public:
+  explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                torch::optim::AdamOptions defaults = {}, InPlaceOptions in_place = {});
+  explicit Adam(std::vector<torch::Tensor> params, torch::optim::AdamOptions defaults = {},
+                InPlaceOptions in_place = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
+  torch::optim::Optimizer& optimizer() override { return *this; }
+
+ protected:
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  void update(ParamUpdate& u) const override;
+};
+
+/// LibTorch's AdamW (decoupled weight decay) with frugal's step; see Adam.
+///
+/// Example:
+///   frugal::optim::AdamW adamw(model->parameters(),
+///                              torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+class AdamW : public torch::optim::AdamW, public InPlaceOptimizer {
+ public:
+  explicit AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                 torch::optim::AdamWOptions defaults = {}, InPlaceOptions in_place = {});
+  explicit AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {},
+                 InPlaceOptions in_place = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
+  torch::optim::Optimizer& optimizer() override { return *this; }
+
+ protected:
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  void update(ParamUpdate& u) const override;
+};
+
+}  // namespace frugal::optim

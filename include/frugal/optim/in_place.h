@@ -1,0 +1,102 @@
+// What frugal's optimizers share: an all-or-nothing step that updates each parameter in
+// place, chunk by chunk, and a step for one parameter at a time.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace frugal::optim {
+
+/// Options of the in-place update, beside the optimizer's own (torch's) options.
+///
+/// Example:
+///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3),
+///                            frugal::optim::InPlaceOptions().chunk(1 << 18));
+struct InPlaceOptions {
+  /// Elements updated at a time. The step's scratch is a few buffers of this many elements
+  /// (at most the largest parameter's), instead of whole-parameter temporaries.
+  TORCH_ARG(std::int64_t, chunk) = 1 << 16;
+};
+
+/// One parameter's update, as an optimizer's `update` receives it: the tensors, the
+/// group's options and the state, and chunk views that cover the parameter.
+struct ParamUpdate {
+  torch::Tensor param;
+  torch::Tensor grad;
+  torch::optim::OptimizerOptions& options;
+  torch::optim::OptimizerParamState* state = nullptr;  ///< null where the update keeps none
+  bool fresh = false;  ///< the state was just made: its buffers hold no values yet
+  bool flat = true;    ///< contiguous: chunks are ranges of the flattened tensors
+  std::int64_t chunk = 0;  ///< elements per chunk (the whole parameter if not flat)
+  std::vector<torch::Tensor> scratch;  ///< buffers of at least `chunk` elements
+
+  std::int64_t numel() const { return param.numel(); }
+  /// Elements [offset, offset + length) of `t`, a tensor shaped like the parameter.
+  torch::Tensor part(const torch::Tensor& t, std::int64_t offset, std::int64_t length) const;
+  /// The first `length` elements of scratch buffer `i`, shaped like `part` returns.
+  torch::Tensor scratch_part(std::size_t i, std::int64_t length) const;
+};
+
+/// The base of frugal's optimizers (frugal::optim::SGD, Adam, AdamW). Each is a subclass
+/// of LibTorch's optimizer of the same name, with its options, parameter groups, state and
+/// serialization, so torch::save/load, LR changes and frugal's ledger see an ordinary
+/// optimizer; only the step differs:
+/// - it updates every parameter in place, chunk by chunk: the scratch is bounded by
+///   InPlaceOptions::chunk, where LibTorch's step allocates whole-parameter temporaries;
+/// - it is all-or-nothing: every allocation the step needs (new state, scratch) is made
+///   before any parameter or state changes, so an error (out of memory, a bad gradient)
+///   leaves parameters and optimizer state as they were;
+/// - `step_parameter` updates one parameter as the step would: the optimizer step in
+///   backward (frugal::StepInBackward) calls it as each gradient becomes ready.
+class InPlaceOptimizer {
+ public:
+  virtual ~InPlaceOptimizer() = default;
+
+  /// Updates `param` (one of this optimizer's parameters) from its gradient, exactly as
+  /// step() would; does nothing when the gradient is undefined. All or nothing.
+  void step_parameter(const torch::Tensor& param);
+
+  const InPlaceOptions& in_place_options() const { return in_place_; }
+  /// The optimizer itself, as LibTorch's interface.
+  virtual torch::optim::Optimizer& optimizer() = 0;
+  /// Bytes of scratch one step needs at most: the buffers of the largest parameter's chunks.
+  std::int64_t scratch_bytes();
+
+ protected:
+  explicit InPlaceOptimizer(InPlaceOptions options);
+
+  /// The whole step: what step() overrides call.
+  torch::Tensor run_step(const torch::optim::Optimizer::LossClosure& closure);
+
+  /// A new state for `param` whose buffers are allocated, not filled (`fresh`); null when
+  /// these options keep no state (SGD without momentum).
+  virtual std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const = 0;
+  /// Chunk-sized scratch buffers the update needs under these options.
+  virtual int scratch_buffers(const torch::optim::OptimizerOptions& options) const = 0;
+  /// Updates one parameter in place; must not allocate tensors (all-or-nothing).
+  virtual void update(ParamUpdate& u) const = 0;
+
+ private:
+  struct Planned;
+  void apply(std::vector<Planned>& work);
+  torch::optim::OptimizerParamGroup& group_of(const torch::Tensor& param);
+
+  InPlaceOptions in_place_;
+};
+
+/// Calls `fn(offset, length)` for consecutive chunks covering `u`'s parameter.
+template <typename Fn>
+void for_each_chunk(const ParamUpdate& u, Fn fn) {
+  for (std::int64_t offset = 0; offset < u.numel(); offset += u.chunk) {
+    fn(offset, std::min(u.chunk, u.numel() - offset));
+  }
+}
+
+}  // namespace frugal::optim

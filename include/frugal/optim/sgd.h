@@ -1,0 +1,33 @@
+// SGD (momentum, dampening, Nesterov, weight decay) updating each parameter in place.
+#pragma once
+
+#include <torch/optim/sgd.h>
+
+#include "frugal/optim/in_place.h"
+
+namespace frugal::optim {
+
+/// LibTorch's SGD with frugal's step: in place, chunk by chunk, all or nothing (see
+/// InPlaceOptimizer). Options, state (momentum buffers) and serialization are torch's.
+/// Same arithmetic as torch::optim::SGD, element by element.
+///
+/// Example:
+///   frugal::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+class SGD : public torch::optim::SGD, public InPlaceOptimizer {
+ public:
+  explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+               torch::optim::SGDOptions defaults, InPlaceOptions in_place = {});
+  explicit SGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults,
+               InPlaceOptions in_place = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
+  torch::optim::Optimizer& optimizer() override { return *this; }
+
+ protected:
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  void update(ParamUpdate& u) const override;
+};
+
+}  // namespace frugal::optim

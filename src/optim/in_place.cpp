@@ -1,0 +1,154 @@
+#include "frugal/optim/in_place.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <tuple>
+
+#include "frugal/compat.h"
+
+namespace frugal::optim {
+
+torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
+                                std::int64_t length) const {
+  if (!flat) {
+    return t;
+  }
+  TORCH_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
+              "its parameter is; it cannot be updated in place chunk by chunk");
+  return t.view(-1).narrow(0, offset, length);
+}
+
+torch::Tensor ParamUpdate::scratch_part(std::size_t i, std::int64_t length) const {
+  const auto buffer = scratch.at(i).narrow(0, 0, length);
+  return flat ? buffer : buffer.view(param.sizes());
+}
+
+struct InPlaceOptimizer::Planned {
+  Planned(torch::Tensor p, torch::optim::OptimizerParamGroup* g) : param(std::move(p)), group(g) {}
+  torch::Tensor param;
+  torch::optim::OptimizerParamGroup* group = nullptr;
+  std::unique_ptr<torch::optim::OptimizerParamState> new_state;
+  bool has_state = false;
+  bool flat = true;
+  std::int64_t chunk = 0;
+  int buffers = 0;
+};
+
+InPlaceOptimizer::InPlaceOptimizer(InPlaceOptions options) : in_place_(options) {
+  TORCH_CHECK(in_place_.chunk() >= 1, "frugal: InPlaceOptions chunk must be >= 1 element, got ",
+              in_place_.chunk());
+}
+
+torch::Tensor InPlaceOptimizer::run_step(const torch::optim::Optimizer::LossClosure& closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  std::vector<Planned> work;
+  for (auto& group : optimizer().param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) {
+        work.emplace_back(p, &group);
+      }
+    }
+  }
+  apply(work);
+  return loss;
+}
+
+void InPlaceOptimizer::step_parameter(const torch::Tensor& param) {
+  auto& group = group_of(param);
+  if (!param.grad().defined()) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<Planned> work;
+  work.emplace_back(param, &group);
+  apply(work);
+}
+
+void InPlaceOptimizer::apply(std::vector<Planned>& work) {
+  auto& state = optimizer().state();
+  // Everything that can fail comes first: checks, new state and scratch.
+  using Kind = std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>;
+  std::map<Kind, std::pair<std::int64_t, int>> sizes;  // elements, buffers
+  for (auto& w : work) {
+    const auto& p = w.param;
+    const auto& g = p.grad();
+    TORCH_CHECK(!g.is_sparse(), "frugal: ", typeid(optimizer()).name(),
+                " does not support sparse gradients");
+    TORCH_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
+                "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
+                " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
+                p.device(), ")");
+    w.has_state = state.count(compat::optimizer_state_key(p)) != 0;
+    if (!w.has_state) {
+      w.new_state = make_state(p, w.group->options());
+    }
+    w.flat = p.is_contiguous() && g.is_contiguous();
+    w.chunk = w.flat ? std::min(in_place_.chunk(), p.numel()) : p.numel();
+    w.buffers = scratch_buffers(w.group->options());
+    auto& size = sizes[Kind{p.device().type(), p.device().index(), p.scalar_type()}];
+    size.first = std::max(size.first, w.chunk);
+    size.second = std::max(size.second, w.buffers);
+  }
+  std::map<Kind, std::vector<torch::Tensor>> scratch;
+  for (const auto& [kind, size] : sizes) {
+    auto& buffers = scratch[kind];
+    const auto options = torch::TensorOptions()
+                             .device(c10::Device(std::get<0>(kind), std::get<1>(kind)))
+                             .dtype(std::get<2>(kind));
+    for (int i = 0; i < size.second; ++i) {
+      buffers.push_back(torch::empty({size.first}, options));
+    }
+  }
+  // Nothing below allocates a tensor: the step goes through.
+  for (auto& w : work) {
+    if (w.new_state) {
+      state[compat::optimizer_state_key(w.param)] = std::move(w.new_state);
+    }
+  }
+  for (auto& w : work) {
+    const auto& p = w.param;
+    const auto found = state.find(compat::optimizer_state_key(p));
+    ParamUpdate u{p,
+                  p.grad(),
+                  w.group->options(),
+                  found == state.end() ? nullptr : found->second.get(),
+                  !w.has_state,
+                  w.flat,
+                  w.chunk,
+                  scratch[Kind{p.device().type(), p.device().index(), p.scalar_type()}]};
+    update(u);
+  }
+}
+
+torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tensor& param) {
+  for (auto& group : optimizer().param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+        return group;
+      }
+    }
+  }
+  TORCH_CHECK(false, "frugal: step_parameter got a tensor of shape ", param.sizes(),
+              " that is not a parameter of this optimizer");
+}
+
+std::int64_t InPlaceOptimizer::scratch_bytes() {
+  std::int64_t most = 0;
+  for (auto& group : optimizer().param_groups()) {
+    const int buffers = scratch_buffers(group.options());
+    for (const auto& p : group.params()) {
+      const auto elements = p.is_contiguous() ? std::min(in_place_.chunk(), p.numel()) : p.numel();
+      most = std::max(most, elements * static_cast<std::int64_t>(p.element_size()) * buffers);
+    }
+  }
+  return most;
+}
+
+}  // namespace frugal::optim

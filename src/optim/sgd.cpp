@@ -1,0 +1,63 @@
+#include "frugal/optim/sgd.h"
+
+#include <torch/torch.h>
+
+namespace frugal::optim {
+
+using torch::optim::SGDOptions;
+using torch::optim::SGDParamState;
+
+SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults,
+         InPlaceOptions in_place)
+    : torch::optim::SGD(groups, std::move(defaults)), InPlaceOptimizer(in_place) {}
+
+SGD::SGD(std::vector<torch::Tensor> params, SGDOptions defaults, InPlaceOptions in_place)
+    : torch::optim::SGD(std::move(params), std::move(defaults)), InPlaceOptimizer(in_place) {}
+
+std::unique_ptr<torch::optim::OptimizerParamState> SGD::make_state(
+    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
+  if (static_cast<const SGDOptions&>(options).momentum() == 0) {
+    return nullptr;
+  }
+  auto state = std::make_unique<SGDParamState>();
+  state->momentum_buffer(torch::empty_like(param, torch::MemoryFormat::Preserve));
+  return state;
+}
+
+int SGD::scratch_buffers(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const SGDOptions&>(options);
+  // 0: the gradient with weight decay; 1: the Nesterov direction.
+  return o.momentum() != 0 && o.nesterov() ? 2 : (o.weight_decay() != 0 ? 1 : 0);
+}
+
+void SGD::update(ParamUpdate& u) const {
+  const auto& o = static_cast<const SGDOptions&>(u.options);
+  const auto* state = static_cast<SGDParamState*>(u.state);
+  for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
+    auto p = u.part(u.param, offset, n);
+    auto d = u.part(u.grad, offset, n);
+    if (o.weight_decay() != 0) {
+      auto decayed = u.scratch_part(0, n);
+      at::add_out(decayed, d, p, o.weight_decay());
+      d = decayed;
+    }
+    if (o.momentum() != 0) {
+      auto buf = u.part(state->momentum_buffer(), offset, n);
+      if (u.fresh) {
+        buf.copy_(d);
+      } else {
+        buf.mul_(o.momentum()).add_(d, 1 - o.dampening());
+      }
+      if (o.nesterov()) {
+        auto ahead = u.scratch_part(1, n);
+        at::add_out(ahead, d, buf, o.momentum());
+        d = ahead;
+      } else {
+        d = buf;
+      }
+    }
+    p.add_(d, -1 * o.lr());
+  });
+}
+
+}  // namespace frugal::optim

@@ -1,0 +1,31 @@
+#include "frugal/policy/step_in_backward.h"
+
+#include <c10/util/Exception.h>
+
+#include <typeinfo>
+
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+
+void StepInBackward::on_add(Trainer& trainer) {
+  TORCH_CHECK(optimizer_ == nullptr, "frugal: a StepInBackward policy belongs to one trainer");
+  auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&trainer.optimizer());
+  TORCH_CHECK(in_place != nullptr, "frugal: StepInBackward updates one parameter at a time "
+              "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
+              "trainer's optimizer is ", typeid(trainer.optimizer()).name());
+  optimizer_ = in_place;
+}
+
+void StepInBackward::on_grad_ready(StepContext& ctx, const torch::Tensor& param) {
+  if (!enabled_) {
+    return;
+  }
+  if (!ctx.trial) {  // a trial measures memory: the gradient goes, the parameter stays
+    optimizer_->step_parameter(param);
+    ctx.updated_in_backward.push_back(param);
+  }
+  param.mutable_grad().reset();
+}
+
+}  // namespace frugal
