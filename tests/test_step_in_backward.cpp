@@ -228,6 +228,7 @@ TEST(StepInBackward, AFailureMidBackwardNamesTheParametersItUpdated) {
 TEST(StepInBackward, LowersTheStepPeakByTheGradientsItNeverHolds) {
   // Eight square layers and a small batch: at the end of an ordinary backward all eight
   // weight gradients are alive; in backward, one at a time.
+  frugal::MemoryProbe probe(torch::kCPU);  // counts from here: both models' weights too
   std::int64_t grads = 0, largest = 0;
   auto peak_of = [&](bool in_backward) {
     torch::manual_seed(1);
