@@ -3,6 +3,7 @@
   micro-batch 16 against the full batch of 64 gives the same losses for 20 steps;
   a memory cap between the two peaks is survived by OOM recovery with the same losses;
   the same seed gives the same losses twice;
+  frugal's Adam gives LibTorch's losses with a lower peak, and so does the step in backward;
   bad command lines end with a clear message, a non-zero status and no stack trace.
 Usage: fashion_mnist_cli.py PATH/TO/fashion_mnist WORK_DIR
 """
@@ -43,6 +44,24 @@ micro = train("micro16", "--micro-batch", "16")
 check(same_losses(full, micro), "micro-batch 16 and the full batch of 64 give the same losses")
 check(same_losses(full, train("again"), 0.0), "the same seed gives the same losses")
 
+# frugal's Adam (the default) computes what LibTorch's does, without its temporaries; the
+# step in backward also without holding all gradients.
+torch_adam = train("torch_adam", "--torch-optimizer")
+in_backward = train("in_backward", "--step-in-backward")
+check(same_losses(full, torch_adam, 0.0), "frugal's Adam and LibTorch's give the same losses")
+check(same_losses(full, in_backward, 1e-6), "the step in backward gives the same losses")
+peak = {name: max(r["peak_bytes"] for r in rows)
+        for name, rows in [("frugal", full), ("torch", torch_adam), ("in_backward", in_backward)]}
+check(peak["frugal"] <= 0.95 * peak["torch"], f"frugal's Adam peaks at <= 0.95x LibTorch's ({peak['frugal']} / {peak['torch']})")
+# In backward, the peak is the forward's plus the largest gradient (the dense layer's
+# 1024 x 3136 floats, which autograd makes whole) and the update's scratch chunk.
+largest_grad = 1024 * 7 * 7 * 64 * 4
+forward_peak = max(r["forward_peak_bytes"] for r in in_backward)
+check(peak["in_backward"] <= forward_peak + largest_grad + (1 << 20),
+      f"the step in backward peaks at the forward's plus one gradient ({peak['in_backward']} <= {forward_peak} + {largest_grad} + 1 MiB)")
+check(peak["in_backward"] < peak["frugal"], f"the step in backward peaks lower than the ordinary step ({peak['in_backward']} / {peak['frugal']}, {peak['in_backward'] / peak['torch']:.3f}x LibTorch's Adam)")
+check(len(train("sgd", "--optimizer", "sgd", "--lr", "0.01", steps=3)) == 3, "--optimizer sgd trains")
+
 required = {"step", "epoch", "loss", "samples", "micro_batch", "micro_batches", "oom_retries",
             "skipped", "scale", "lr", "time_ms", "allocated_bytes", "peak_bytes",
             "reserved_bytes", "weights_bytes", "grads_bytes", "optimizer_bytes", "other_bytes"}
@@ -63,7 +82,9 @@ check(same_losses(capped, big_micro), "the capped run's losses match the micro-b
 for args, needle in [(["--data-dir", WORK], "cannot open"),
                      (["--bogus"], "--bogus"),
                      (["--batch", "-3"], "must be > 0, got -3"),
-                     (["--model", "rnn"], "rnn")]:
+                     (["--model", "rnn"], "rnn"),
+                     (["--step-in-backward", "--torch-optimizer", "--max-steps", "1"], "frugal::optim::SGD, Adam or AdamW"),
+                     (["--step-in-backward", "--autocast", "fp16", "--max-steps", "1"], "'grad-scaler' needs every gradient")]:
     done = subprocess.run([BINARY, *args], capture_output=True, text=True)
     text = done.stdout + done.stderr
     check(done.returncode != 0 and needle in text and "frame #" not in text,

@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "frugal/memory/counting_allocator.h"
+#include "frugal/optim/sgd.h"
 #include "frugal/policy/planner.h"
 #include "residual_mlp.h"
 
@@ -17,13 +18,17 @@ struct Setup {
   std::unique_ptr<frugal::Trainer> trainer;
 };
 
-Setup setup() {
+Setup setup(bool frugal_sgd = false) {
   frugal::CountingAllocator::install();  // before the model: its weights are counted too
   Setup s;
   torch::manual_seed(4);
   s.net = models::make_residual_mlp(8, 128, 1024, 10);
-  s.sgd = std::make_unique<torch::optim::SGD>(s.net->parameters(),
-                                               torch::optim::SGDOptions(0.01).momentum(0.9));
+  const auto options = torch::optim::SGDOptions(0.01).momentum(0.9);
+  if (frugal_sgd) {
+    s.sgd = std::make_unique<frugal::optim::SGD>(s.net->parameters(), options);
+  } else {
+    s.sgd = std::make_unique<torch::optim::SGD>(s.net->parameters(), options);
+  }
   s.trainer = std::make_unique<frugal::Trainer>(
       s.net, *s.sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
         return F::cross_entropy(o, t);
@@ -91,6 +96,40 @@ TEST(Planner, TightMediumAndLooseBudgetsFitAndPredictWithinFifteenPercent) {
       EXPECT_TRUE(plan.chosen.micro_batches > 1 || plan.chosen.checkpoint);
     }
   }
+}
+
+TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
+  // A small batch: activations are few, the gradients (as large as the weights) dominate.
+  const frugal::Batch batch{torch::randn({32, 128}), torch::randint(0, 10, {32}, torch::kLong)};
+  const auto options = frugal::PlannerOptions().step_in_backward(true);
+  frugal::MemoryPlan survey;
+  {
+    auto s = setup(/*frugal_sgd=*/true);
+    survey = frugal::MemoryPlanner(*s.trainer, options).plan(std::int64_t{1} << 40, batch);
+  }
+  std::cout << survey.table() << "\n";
+  std::int64_t with = std::int64_t{1} << 40, without = with;
+  for (const auto& o : survey.options) {
+    auto& best = o.step_in_backward ? with : without;
+    best = std::min(best, o.predicted_peak);
+  }
+  ASSERT_LT(with, without);
+  const auto budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
+
+  auto s = setup(/*frugal_sgd=*/true);
+  frugal::MemoryPlanner planner(*s.trainer, options);
+  const auto plan = planner.plan(budget, batch);
+  EXPECT_TRUE(plan.chosen.step_in_backward) << plan.table();
+  std::int64_t peak = 0;
+  for (int i = 0; i < 3; ++i) {
+    peak = std::max(peak, s.trainer->step(batch).peak);
+  }
+  EXPECT_LE(peak, budget);
+  EXPECT_NEAR(static_cast<double>(plan.chosen.predicted_peak), static_cast<double>(peak),
+              0.15 * static_cast<double>(peak));
+  // LibTorch's SGD cannot step in backward: the planner refuses the option up front.
+  auto plain = setup();
+  EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
 }
 
 TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {

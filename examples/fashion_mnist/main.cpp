@@ -33,8 +33,36 @@ struct Args {
   std::string report;
   std::string autocast = "off";
   bool checkpoint = false;
+  std::string optimizer = "adam";
+  bool torch_optimizer = false;
+  bool step_in_backward = false;
   bool quiet = false;
 };
+
+// frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
+                                                        std::vector<torch::Tensor> params) {
+  namespace to = torch::optim;
+  if (args.optimizer == "sgd") {
+    const auto options = to::SGDOptions(args.lr).momentum(0.9);
+    if (args.torch_optimizer) {
+      return std::make_unique<to::SGD>(std::move(params), options);
+    }
+    return std::make_unique<frugal::optim::SGD>(std::move(params), options);
+  }
+  if (args.optimizer == "adamw") {
+    const auto options = to::AdamWOptions(args.lr);
+    if (args.torch_optimizer) {
+      return std::make_unique<to::AdamW>(std::move(params), options);
+    }
+    return std::make_unique<frugal::optim::AdamW>(std::move(params), options);
+  }
+  const auto options = to::AdamOptions(args.lr);
+  if (args.torch_optimizer) {
+    return std::make_unique<to::Adam>(std::move(params), options);
+  }
+  return std::make_unique<frugal::optim::Adam>(std::move(params), options);
+}
 
 // A one-line progress bar, redrawn in place on a terminal.
 class Progress {
@@ -77,7 +105,7 @@ int run(const Args& args) {
   auto model = args.model == "cnn" ? fashion::make_cnn(args.dropout)
                                    : fashion::make_mlp(args.dropout);
   model->to(device);
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(args.lr));
+  auto optimizer = make_optimizer(args, model->parameters());
 
   auto options = frugal::TrainerOptions()
                      .device(device)
@@ -91,7 +119,7 @@ int run(const Args& args) {
     cap.emplace(args.memory_cap);
   }
   frugal::Trainer trainer(
-      model, adam,
+      model, *optimizer,
       [](const torch::Tensor& out, const torch::Tensor& y) {
         return torch::nn::functional::cross_entropy(out, y);
       },
@@ -104,6 +132,9 @@ int run(const Args& args) {
   if (args.autocast != "off") {
     frugal::use_mixed_precision(trainer, args.autocast == "bf16" ? torch::kBFloat16 : torch::kHalf);
   }
+  if (args.step_in_backward) {
+    trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  }
   std::shared_ptr<frugal::JsonLinesSink> jsonl;
   if (!args.report.empty()) {
     jsonl = std::make_shared<frugal::JsonLinesSink>(args.report);
@@ -114,11 +145,12 @@ int run(const Args& args) {
   const std::int64_t per_epoch = (n + args.batch - 1) / args.batch;
   const bool terminal = !args.quiet && isatty(fileno(stderr));
   fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
-             "autocast {}, checkpoint {}, {} threads, LibTorch {}.{}\n",
+             "autocast {}, checkpoint {}, {} {}{}, {} threads, LibTorch {}.{}\n",
              args.model, device.str(), n, test.inputs.size(0), args.batch,
              args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
-             args.checkpoint ? "on" : "off", torch::get_num_threads(), TORCH_VERSION_MAJOR,
-             TORCH_VERSION_MINOR);
+             args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
+             args.optimizer, args.step_in_backward ? " stepped in backward" : "",
+             torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
 
   const auto start = std::chrono::steady_clock::now();
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(args.seed);
@@ -208,7 +240,14 @@ int main(int argc, char** argv) {
   app.add_option("--eval-batch", args.eval_batch, "Samples per evaluation batch")
       ->check(kPositive)
       ->capture_default_str();
-  app.add_option("--lr", args.lr, "Adam's learning rate")->check(kPositive)->capture_default_str();
+  app.add_option("--lr", args.lr, "Learning rate")->check(kPositive)->capture_default_str();
+  app.add_option("--optimizer", args.optimizer, "sgd (momentum 0.9), adam or adamw: frugal's, in place")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->capture_default_str();
+  app.add_flag("--torch-optimizer", args.torch_optimizer,
+               "Use LibTorch's optimizer of that name instead of frugal's");
+  app.add_flag("--step-in-backward", args.step_in_backward,
+               "Update each parameter in backward as its gradient is ready (frugal's optimizers)");
   app.add_option("--dropout", args.dropout, "Dropout probability")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();

@@ -30,6 +30,8 @@ struct Setup {
   bool checkpoint = false;
   bool set_to_none = false;
   bool keep_losses = false;  // the anti-pattern: loss tensors kept "for logging"
+  bool in_place = false;     // frugal::optim::SGD rather than LibTorch's
+  bool in_backward = false;  // the optimizer step in backward (with frugal's SGD)
 };
 
 struct Row {
@@ -49,12 +51,21 @@ Row train(const Args& a, const Setup& s, const frugal::Batch& data, torch::Devic
   torch::manual_seed(0);
   auto net = models::make_residual_mlp(a.blocks, a.width, a.hidden, 10);
   net->to(device);
-  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  const auto sgd_options = torch::optim::SGDOptions(0.01).momentum(0.9);
+  std::unique_ptr<torch::optim::Optimizer> sgd;
+  if (s.in_place || s.in_backward) {
+    sgd = std::make_unique<frugal::optim::SGD>(net->parameters(), sgd_options);
+  } else {
+    sgd = std::make_unique<torch::optim::SGD>(net->parameters(), sgd_options);
+  }
   auto options = frugal::TrainerOptions().device(device).set_to_none(s.set_to_none);
   if (s.micro_batches > 1) {
     options.micro_batches(s.micro_batches);
   }
-  frugal::Trainer trainer(net, sgd, cross_entropy, options);
+  frugal::Trainer trainer(net, *sgd, cross_entropy, options);
+  if (s.in_backward) {
+    trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  }
   if (s.checkpoint) {
     trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
         frugal::CheckpointSelect().types({"models::ResidualBlock"})));
@@ -147,13 +158,16 @@ int main(int argc, char** argv) {
     const frugal::Batch data{torch::randn({a.batch, a.width}),
                              torch::randint(0, 10, {a.batch}, torch::kLong)};
     const std::vector<Setup> setups = {
-        {"baseline (zero-filled grads, loss logged as a number)", 1, false, false, false, false},
-        {"micro-batching (4 parts)", 4, false, false, false, false},
-        {"autocast bf16", 1, true, false, false, false},
-        {"checkpointing every block", 1, false, true, false, false},
-        {"set_to_none", 1, false, false, true, false},
-        {"all together", 4, true, true, true, false},
-        {"loss tensors kept (no detach)", 1, false, false, false, true},
+        {"baseline (zero-filled grads, loss logged as a number)", 1, false, false, false, false, false, false},
+        {"micro-batching (4 parts)", 4, false, false, false, false, false, false},
+        {"autocast bf16", 1, true, false, false, false, false, false},
+        {"checkpointing every block", 1, false, true, false, false, false, false},
+        {"set_to_none", 1, false, false, true, false, false, false},
+        {"frugal::optim::SGD (in place)", 1, false, false, false, false, true, false},
+        {"optimizer step in backward", 1, false, false, true, false, true, true},
+        {"all together", 4, true, true, true, false, false, false},
+        {"all together + step in backward", 4, true, true, true, false, true, true},
+        {"loss tensors kept (no detach)", 1, false, false, false, true, false, false},
     };
     std::vector<Row> rows;
     for (const auto& s : setups) {

@@ -38,8 +38,27 @@ double state_buffers(const torch::optim::OptimizerOptions& o) {
   return 2;  // unknown: as much as Adam
 }
 
+// Whole-parameter temporaries LibTorch's optimizer step allocates at once, in units of
+// the largest parameter.
+int step_temporaries(const torch::optim::OptimizerOptions& o) {
+  using namespace torch::optim;
+  if (auto* sgd = dynamic_cast<const SGDOptions*>(&o)) {
+    return (sgd->weight_decay() != 0 ? 1 : 0) + (sgd->momentum() != 0 && sgd->nesterov() ? 1 : 0);
+  }
+  if (auto* adam = dynamic_cast<const AdamOptions*>(&o)) {
+    return adam->weight_decay() != 0 ? 3 : 2;
+  }
+  return 2;  // AdamW's denominator, and as much for the others
+}
+
 int policies_in(const PlanOption& o) {
-  return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0);
+  return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
+         (o.step_in_backward ? 1 : 0);
+}
+
+bool same_plan(const PlanOption& a, const PlanOption& b) {
+  return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
+         a.autocast == b.autocast && a.step_in_backward == b.step_in_backward;
 }
 
 }  // namespace
@@ -54,18 +73,21 @@ std::string PlanOption::describe() const {
   if (autocast) {
     out += " + autocast";
   }
+  if (step_in_backward) {
+    out += " + step in backward";
+  }
   return out;
 }
 
 std::string MemoryPlan::table() const {
   std::string out = fmt::format(
       "Budget {} (plans must predict under {} with a {:.0f}% margin); optimizer state to "
-      "come: {}\n\n| plan | predicted peak | predicted time (ms) | fits |\n|---|---|---|---|\n",
+      "come: {}; {}: its step peaks at {}\n\n| plan | predicted peak | predicted time (ms) | "
+      "fits |\n|---|---|---|---|\n",
       format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
-      margin * 100, format_bytes(optimizer_bytes));
+      margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
   for (const auto& o : options) {
-    const bool is_chosen = o.micro_batch == chosen.micro_batch &&
-                           o.checkpoint == chosen.checkpoint && o.autocast == chosen.autocast;
+    const bool is_chosen = same_plan(o, chosen);
     out += fmt::format("| {}{}{} | {} | {:.1f} | {} |\n", is_chosen ? "**" : "", o.describe(),
                        is_chosen ? "** (chosen)" : "", format_bytes(o.predicted_peak),
                        o.predicted_ms, o.fits ? "yes" : "no");
@@ -92,9 +114,15 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
     autocast_->set_enabled(false);
     trainer_.add_policy(autocast_);
   }
+  if (options_.step_in_backward()) {
+    in_backward_ = std::make_shared<StepInBackward>();
+    in_backward_->set_enabled(false);
+    trainer_.add_policy(in_backward_);  // refuses an optimizer that is not frugal's
+  }
 }
 
-void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast) {
+void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
+                              bool in_backward) {
   trainer_.set_micro_batch(micro_batch);
   if (checkpoint_) {
     checkpoint_->set_enabled(checkpoint);
@@ -102,6 +130,37 @@ void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool au
   if (autocast_) {
     autocast_->set_enabled(autocast);
   }
+  if (in_backward_) {
+    in_backward_->set_enabled(in_backward);
+  }
+}
+
+std::int64_t MemoryPlanner::optimizer_step_peak(std::int64_t pending_state,
+                                                std::string* description) {
+  auto& optimizer = trainer_.optimizer();
+  std::int64_t grads = 0, grads_alive = 0, largest = 0;
+  int temporaries = 0;
+  for (auto& group : optimizer.param_groups()) {
+    temporaries = std::max(temporaries, step_temporaries(group.options()));
+    for (const auto& p : group.params()) {
+      const auto bytes = p.numel() * static_cast<std::int64_t>(p.element_size());
+      grads += p.requires_grad() ? bytes : 0;
+      grads_alive += p.grad().defined() ? bytes : 0;
+      largest = std::max(largest, bytes);
+    }
+  }
+  std::int64_t scratch = temporaries * largest;
+  if (auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&optimizer)) {
+    scratch = in_place->scratch_bytes();
+    *description = fmt::format("frugal's in-place optimizer (scratch {})", format_bytes(scratch));
+  } else {
+    *description = temporaries == 0
+                       ? std::string("LibTorch's optimizer (no temporaries)")
+                       : fmt::format("LibTorch's optimizer ({} temporaries the size of the largest "
+                                     "parameter, {}; frugal::optim's step needs a chunk)",
+                                     temporaries, format_bytes(temporaries * largest));
+  }
+  return trainer_.probe().allocated() - grads_alive + pending_state + grads + scratch;
 }
 
 std::int64_t MemoryPlanner::pending_optimizer_bytes() {
@@ -136,18 +195,22 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   const std::int64_t half = sizes.size() > 1 ? sizes[1] : batch;
   const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
 
-  configure(batch, false, false);
+  plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
+
+  configure(batch, false, false, false);
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
   std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
+  for (const bool in_backward : {false, true}) {
   for (const bool checkpoint : {false, true}) {
     for (const bool autocast : {false, true}) {
-      if ((checkpoint && !checkpoint_) || (autocast && !autocast_)) {
+      if ((checkpoint && !checkpoint_) || (autocast && !autocast_) ||
+          (in_backward && !in_backward_)) {
         continue;
       }
       std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
       for (const auto m : {batch, half, quarter}) {
         if (measured.count(m) == 0) {
-          configure(m, checkpoint, autocast);
+          configure(m, checkpoint, autocast, in_backward);
           const auto r = trainer_.trial(sample);
           measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
         }
@@ -158,6 +221,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         o.micro_batches = (batch + m - 1) / m;
         o.checkpoint = checkpoint;
         o.autocast = autocast;
+        o.step_in_backward = in_backward;
         double peak, ms;
         if (measured.count(m) != 0 || half == quarter) {
           std::tie(peak, ms) = measured.count(m) ? measured[m] : measured[quarter];
@@ -180,13 +244,15 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         if (checkpoint) {
           ms = std::max(ms, times[{m, false, autocast}]);
         }
-        times[{m, checkpoint, autocast}] = ms;
-        o.predicted_peak = static_cast<std::int64_t>(peak) + plan.optimizer_bytes;
+        times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
+        o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + plan.optimizer_bytes,
+                                    in_backward ? 0 : plan.optimizer_step_peak);
         o.predicted_ms = ms;
         o.fits = static_cast<double>(o.predicted_peak) <= limit;
         plan.options.push_back(o);
       }
     }
+  }
   }
 
   // The cheapest that fits: least time, the simplest within 5% of it; autocast last.
@@ -215,14 +281,14 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
-    configure(batch, false, false);
+    configure(batch, false, false, false);
     TORCH_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
                 format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
                 "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
                 smallest->describe());
   }
   plan.chosen = *best;
-  configure(best->micro_batch, best->checkpoint, best->autocast);
+  configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward);
   plan.measured_peak = trainer_.trial(sample).peak + plan.optimizer_bytes;
   return plan;
 }

@@ -10,6 +10,7 @@
 
 #include "frugal/policy/autocast.h"
 #include "frugal/policy/checkpoint_policy.h"
+#include "frugal/policy/step_in_backward.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -21,6 +22,9 @@ struct PlannerOptions {
   TORCH_ARG(CheckpointSelect, checkpoint) = CheckpointSelect();
   /// A dtype autocast may use; unset: autocast is not an option.
   TORCH_ARG(c10::optional<torch::Dtype>, autocast) = c10::nullopt;
+  /// The optimizer step in backward (StepInBackward) is an option; needs one of frugal's
+  /// optimizers.
+  TORCH_ARG(bool, step_in_backward) = false;
 };
 
 /// One configuration the planner considered.
@@ -29,17 +33,23 @@ struct PlanOption {
   std::int64_t micro_batches = 0;
   bool checkpoint = false;
   bool autocast = false;
+  bool step_in_backward = false;
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
 
-  std::string describe() const;  ///< "micro-batch 32 (x8) + checkpoint + autocast"
+  /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward"
+  std::string describe() const;
 };
 
 struct MemoryPlan {
   std::int64_t budget = 0;
   double margin = 0;
   std::int64_t optimizer_bytes = 0;  ///< optimizer state expected after the first step
+  std::string optimizer;             ///< the optimizer, and whether it steps in place
+  /// The ordinary optimizer step's peak: what lives between steps, all gradients, and the
+  /// step's own temporaries (whole-parameter ones for LibTorch's, a chunk for frugal's).
+  std::int64_t optimizer_step_peak = 0;
   std::vector<PlanOption> options;   ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;    ///< the chosen plan's peak, measured (with the state)
@@ -53,11 +63,18 @@ struct MemoryPlan {
 ///
 /// Measured (with Trainer::trial, which leaves parameters and optimizer alone): the whole
 /// batch, and micro-batches of a half and a quarter of it, each with and without
-/// checkpointing and autocast where those are options. Smaller micro-batches are
-/// predicted from the last two: activations grow linearly with the micro-batch. Optimizer
-/// state not allocated yet is added from the optimizer's kind (SGD with momentum: one
-/// buffer per parameter; Adam and AdamW: two, three with amsgrad; Adagrad and RMSprop: as
-/// their options say).
+/// checkpointing, autocast and the step in backward where those are options. Smaller
+/// micro-batches are predicted from the last two: activations grow linearly with the
+/// micro-batch. Optimizer state not allocated yet is added from the optimizer's kind (SGD
+/// with momentum: one buffer per parameter; Adam and AdamW: two, three with amsgrad;
+/// Adagrad and RMSprop: as their options say). The ordinary optimizer step peaks at what
+/// lives between steps plus all gradients plus its temporaries: LibTorch's Adam makes two
+/// the size of the largest parameter (three with weight decay), its SGD one with weight
+/// decay and one more with Nesterov; frugal's optimizers (frugal::optim) a chunk
+/// (InPlaceOptimizer::scratch_bytes). Under the step in backward there is no such peak:
+/// the trial measures gradients freed as they are used.
+///
+/// Pass the largest batch the run will see: the plan holds for the sample it measured.
 ///
 /// Cheapest: the least predicted time; plans within 5% of it count as equal and the one
 /// with the fewest policies wins. Autocast changes the numerics, so it is chosen only when
@@ -75,13 +92,15 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
-  void configure(std::int64_t micro_batch, bool checkpoint, bool autocast);
+  void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward);
   std::int64_t pending_optimizer_bytes();
+  std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
   Trainer& trainer_;
   PlannerOptions options_;
   std::shared_ptr<CheckpointPolicy> checkpoint_;
   std::shared_ptr<AutocastPolicy> autocast_;
+  std::shared_ptr<StepInBackward> in_backward_;
 };
 
 }  // namespace frugal
