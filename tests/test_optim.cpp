@@ -128,12 +128,15 @@ TEST(Optim, StateDictRoundTripsThroughTorchSaveBothWays) {
   torch::save(reference, from_torch);
   auto torch_params2 = clone_params(frugal_params);
   auto frugal_params2 = clone_params(torch_params);
-  to::Adam reference2(torch_params2, to::AdamOptions(1));
-  fo::Adam ours2(frugal_params2, to::AdamOptions(1), kSmallChunks);
+  // (LibTorch 1.13 loads the state but not the groups' options: pass the same ones.)
+  to::Adam reference2(torch_params2, to::AdamOptions(1e-2).amsgrad(true));
+  fo::Adam ours2(frugal_params2, to::AdamOptions(1e-2).amsgrad(true), kSmallChunks);
   torch::load(reference2, from_ours);
   torch::load(ours2, from_torch);
-  EXPECT_DOUBLE_EQ(reference2.param_groups()[0].options().get_lr(), 1e-2);
   ASSERT_EQ(ours2.state().size(), 3u);
+  for (const auto& entry : ours2.state()) {
+    EXPECT_EQ(static_cast<const to::AdamParamState&>(*entry.second).step(), 3);
+  }
   for (int step = 3; step < 10; ++step) {
     for (auto* params : {&torch_params, &frugal_params, &torch_params2, &frugal_params2}) {
       set_grads(*params, step);

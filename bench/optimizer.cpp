@@ -1,0 +1,96 @@
+// frugal's in-place Adam against LibTorch's, and the whole step with the optimizer step in
+// backward against the ordinary one, side by side, on the Fashion-MNIST CNN (batch 64).
+//
+//   bench_optimizer --rounds 15 --calls 10 --threads 2
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+
+#include "bench_util.h"
+#include "models.h"
+
+namespace {
+
+torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+// An optimizer over the CNN's parameters, with gradients set once, ready to be stepped.
+struct Stepper {
+  torch::nn::Sequential model;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+template <typename Adam>
+Stepper make_stepper() {
+  torch::manual_seed(0);
+  Stepper s{fashion::make_cnn(0.0), nullptr};
+  for (auto& p : s.model->parameters()) {
+    p.mutable_grad() = torch::randn_like(p) * 1e-3;
+  }
+  s.optimizer = std::make_unique<Adam>(s.model->parameters(), torch::optim::AdamOptions(1e-4));
+  s.optimizer->step();  // the state exists: what is timed is the steady step
+  return s;
+}
+
+// A trainer on the CNN with frugal's Adam, with or without the step in backward.
+struct Training {
+  torch::nn::Sequential model;
+  std::unique_ptr<frugal::optim::Adam> adam;
+  std::unique_ptr<frugal::Trainer> trainer;
+};
+
+Training make_training(bool in_backward) {
+  torch::manual_seed(0);
+  Training t{fashion::make_cnn(0.0), nullptr, nullptr};
+  t.adam = std::make_unique<frugal::optim::Adam>(t.model->parameters(),
+                                                 torch::optim::AdamOptions(1e-4));
+  t.trainer = std::make_unique<frugal::Trainer>(t.model, *t.adam, cross_entropy);
+  if (in_backward) {
+    t.trainer->add_policy(std::make_shared<frugal::StepInBackward>());
+  }
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rounds = 15, calls = 10, threads = 2;
+  CLI::App app{"frugal's optimizer step and the step in backward, side by side"};
+  app.add_option("--rounds", rounds, "Interleaved rounds")->check(CLI::Range(1, 1000));
+  app.add_option("--calls", calls, "Calls per round")->check(CLI::Range(1, 10000));
+  app.add_option("--threads", threads, "Intra-op threads")->check(CLI::Range(1, 256));
+  CLI11_PARSE(app, argc, argv);
+  torch::set_num_threads(threads);
+  frugal::CountingAllocator::install();
+
+  auto theirs = make_stepper<torch::optim::Adam>();
+  auto ours = make_stepper<frugal::optim::Adam>();
+  const auto steps = bench::interleave(
+      {{"LibTorch Adam", [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
+       {"frugal Adam", [&] { return bench::ms_per_call([&] { ours.optimizer->step(); }, calls); }}},
+      rounds);
+
+  torch::manual_seed(1);
+  const frugal::Batch batch{torch::randn({64, 1, 28, 28}), torch::randint(0, 10, {64})};
+  auto ordinary = make_training(false);
+  auto fused = make_training(true);
+  const auto whole = bench::interleave(
+      {{"ordinary step", [&] { return bench::ms_per_call([&] { ordinary.trainer->step(batch); }, calls); }},
+       {"step in backward", [&] { return bench::ms_per_call([&] { fused.trainer->step(batch); }, calls); }}},
+      rounds);
+
+  const double torch_ms = bench::median(steps.at("LibTorch Adam"));
+  const double frugal_ms = bench::median(steps.at("frugal Adam"));
+  const double plain_ms = bench::median(whole.at("ordinary step"));
+  const double fused_ms = bench::median(whole.at("step in backward"));
+  fmt::print("bench_optimizer: Fashion-MNIST CNN (3.27 M parameters), batch 64, {} rounds of {} "
+             "calls, medians; {}\n\n", rounds, calls, bench::machine_line());
+  fmt::print("| what | LibTorch / ordinary (ms) | frugal (ms) | ratio |\n|---|---|---|---|\n");
+  fmt::print("| Adam step (state exists) | {:.2f} | {:.2f} | {:.2f} |\n", torch_ms, frugal_ms,
+             frugal_ms / torch_ms);
+  fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
+             plain_ms, fused_ms, fused_ms / plain_ms);
+  return 0;
+}
