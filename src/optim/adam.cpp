@@ -75,13 +75,6 @@ using torch::optim::AdamParamState;
 using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
-Adam::Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamOptions defaults,
-           InPlaceOptions in_place)
-    : torch::optim::Adam(groups, std::move(defaults)), InPlaceOptimizer(in_place) {}
-
-Adam::Adam(std::vector<torch::Tensor> params, AdamOptions defaults, InPlaceOptions in_place)
-    : torch::optim::Adam(std::move(params), std::move(defaults)), InPlaceOptimizer(in_place) {}
-
 std::unique_ptr<torch::optim::OptimizerParamState> Adam::make_state(
     const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
   return adam_state<AdamParamState>(param, static_cast<const AdamOptions&>(options).amsgrad());
@@ -92,13 +85,6 @@ int Adam::scratch_buffers(const torch::optim::OptimizerOptions& options) const {
 }
 
 void Adam::update(ParamUpdate& u) const { adam_update<AdamOptions, AdamParamState>(u, false); }
-
-AdamW::AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-             AdamWOptions defaults, InPlaceOptions in_place)
-    : torch::optim::AdamW(groups, std::move(defaults)), InPlaceOptimizer(in_place) {}
-
-AdamW::AdamW(std::vector<torch::Tensor> params, AdamWOptions defaults, InPlaceOptions in_place)
-    : torch::optim::AdamW(std::move(params), std::move(defaults)), InPlaceOptimizer(in_place) {}
 
 std::unique_ptr<torch::optim::OptimizerParamState> AdamW::make_state(
     const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {

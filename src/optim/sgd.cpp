@@ -7,13 +7,6 @@ namespace frugal::optim {
 using torch::optim::SGDOptions;
 using torch::optim::SGDParamState;
 
-SGD::SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGDOptions defaults,
-         InPlaceOptions in_place)
-    : torch::optim::SGD(groups, std::move(defaults)), InPlaceOptimizer(in_place) {}
-
-SGD::SGD(std::vector<torch::Tensor> params, SGDOptions defaults, InPlaceOptions in_place)
-    : torch::optim::SGD(std::move(params), std::move(defaults)), InPlaceOptimizer(in_place) {}
-
 std::unique_ptr<torch::optim::OptimizerParamState> SGD::make_state(
     const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
   if (static_cast<const SGDOptions&>(options).momentum() == 0) {

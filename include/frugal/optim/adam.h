@@ -16,15 +16,9 @@ namespace frugal::optim {
 ///
 /// Example:
 ///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-class Adam : public torch::optim::Adam, public InPlaceOptimizer {
+class Adam : public detail::InPlace<torch::optim::Adam, torch::optim::AdamOptions> {
  public:
-  explicit Adam(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-                torch::optim::AdamOptions defaults = {}, InPlaceOptions in_place = {});
-  explicit Adam(std::vector<torch::Tensor> params, torch::optim::AdamOptions defaults = {},
-                InPlaceOptions in_place = {});
-
-  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
-  torch::optim::Optimizer& optimizer() override { return *this; }
+  using InPlace::InPlace;  // (params or groups, AdamOptions = {}, InPlaceOptions = {})
 
  protected:
   std::unique_ptr<torch::optim::OptimizerParamState> make_state(
@@ -38,15 +32,9 @@ class Adam : public torch::optim::Adam, public InPlaceOptimizer {
 /// Example:
 ///   frugal::optim::AdamW adamw(model->parameters(),
 ///                              torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-class AdamW : public torch::optim::AdamW, public InPlaceOptimizer {
+class AdamW : public detail::InPlace<torch::optim::AdamW, torch::optim::AdamWOptions> {
  public:
-  explicit AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-                 torch::optim::AdamWOptions defaults = {}, InPlaceOptions in_place = {});
-  explicit AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults = {},
-                 InPlaceOptions in_place = {});
-
-  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
-  torch::optim::Optimizer& optimizer() override { return *this; }
+  using InPlace::InPlace;  // (params or groups, AdamWOptions = {}, InPlaceOptions = {})
 
  protected:
   std::unique_ptr<torch::optim::OptimizerParamState> make_state(

@@ -91,6 +91,28 @@ class InPlaceOptimizer {
   InPlaceOptions in_place_;
 };
 
+namespace detail {
+
+/// LibTorch's optimizer `Torch` with the in-place step: the constructors and overrides that
+/// frugal's SGD, Adam and AdamW share. Each adds make_state, scratch_buffers and update.
+template <typename Torch, typename Options>
+class InPlace : public Torch, public InPlaceOptimizer {
+ public:
+  explicit InPlace(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                   Options defaults = {}, InPlaceOptions in_place = {})
+      : Torch(groups, std::move(defaults)), InPlaceOptimizer(in_place) {}
+  explicit InPlace(std::vector<torch::Tensor> params, Options defaults = {},
+                   InPlaceOptions in_place = {})
+      : Torch(std::move(params), std::move(defaults)), InPlaceOptimizer(in_place) {}
+
+  torch::Tensor step(typename Torch::LossClosure closure = nullptr) override {
+    return run_step(closure);
+  }
+  torch::optim::Optimizer& optimizer() override { return *this; }
+};
+
+}  // namespace detail
+
 /// Calls `fn(offset, length)` for consecutive chunks covering `u`'s parameter.
 template <typename Fn>
 void for_each_chunk(const ParamUpdate& u, Fn fn) {

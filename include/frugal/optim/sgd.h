@@ -13,15 +13,9 @@ namespace frugal::optim {
 ///
 /// Example:
 ///   frugal::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-class SGD : public torch::optim::SGD, public InPlaceOptimizer {
+class SGD : public detail::InPlace<torch::optim::SGD, torch::optim::SGDOptions> {
  public:
-  explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-               torch::optim::SGDOptions defaults, InPlaceOptions in_place = {});
-  explicit SGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions defaults,
-               InPlaceOptions in_place = {});
-
-  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
-  torch::optim::Optimizer& optimizer() override { return *this; }
+  using InPlace::InPlace;  // (params or groups, SGDOptions, InPlaceOptions = {})
 
  protected:
   std::unique_ptr<torch::optim::OptimizerParamState> make_state(
