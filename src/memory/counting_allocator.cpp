@@ -4,7 +4,10 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <array>
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "frugal/compat.h"
 #include "frugal/memory/format.h"
@@ -12,38 +15,109 @@
 namespace frugal {
 namespace {
 
-// Each block carries its requested size in a header, so the deleter needs no lookup.
-// The header keeps the data aligned as LibTorch's CPU allocator aligns it.
+// Each block carries its requested size and its capacity in a header, so the deleter needs
+// no lookup. The header keeps the data aligned as LibTorch's CPU allocator aligns it.
 constexpr std::size_t kHeader = 64;
+struct Header {
+  std::int64_t requested;
+  std::int64_t capacity;  // the size class: what the block can hold
+};
+static_assert(sizeof(Header) <= kHeader, "the block header must fit its slot");
 
 // Installing an allocator needs a priority at least that of the one in place.
 constexpr std::uint8_t kPriority = 100;
 
+// Size classes: at least 512 bytes, then eight steps per power of two, so a block wastes
+// at most an eighth of itself and a class serves every request within it.
+std::int64_t size_class(std::int64_t n) {
+  constexpr std::int64_t kSmallest = 512;
+  if (n <= kSmallest) {
+    return kSmallest;
+  }
+  int log2 = 63 - __builtin_clzll(static_cast<unsigned long long>(n));
+  const std::int64_t step = std::max<std::int64_t>(kSmallest, std::int64_t{1} << (log2 - 3));
+  return (n + step - 1) / step * step;
+}
+
 struct Counters {
-  std::atomic<std::int64_t> allocated{0};
+  std::atomic<std::int64_t> allocated{0};  // requested bytes of live blocks
   std::atomic<std::int64_t> peak{0};
+  std::atomic<std::int64_t> cached{0};     // capacity of free blocks kept for reuse
+  std::atomic<std::int64_t> reserved_peak{0};
   std::atomic<std::int64_t> live{0};
   std::atomic<std::int64_t> total{0};
+  std::atomic<std::int64_t> system{0};     // blocks ever taken from the allocator below
+  std::atomic<std::int64_t> hits{0};
   std::atomic<std::int64_t> ooms{0};
   std::atomic<std::int64_t> cap{0};
 };
 
+// Never destroyed: tensors that outlive main (LibTorch's static ones) are freed through
+// the allocator after static destructors have run.
 Counters& counters() {
-  static Counters c;
-  return c;
+  static auto* c = new Counters();
+  return *c;
 }
 
-void raise_peak(std::int64_t value) {
-  auto& peak = counters().peak;
+void raise(std::atomic<std::int64_t>& peak, std::int64_t value) {
   std::int64_t seen = peak.load(std::memory_order_relaxed);
   while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
   }
 }
 
+// Free blocks by size class, in shards with a lock each: threads that allocate different
+// sizes do not wait for one another.
+class Cache {
+ public:
+  void* take(std::int64_t capacity) {
+    auto& shard = shard_of(capacity);
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    const auto it = shard.free.find(capacity);
+    if (it == shard.free.end() || it->second.empty()) {
+      return nullptr;
+    }
+    void* base = it->second.back();
+    it->second.pop_back();
+    return base;
+  }
+
+  void put(void* base, std::int64_t capacity) {
+    auto& shard = shard_of(capacity);
+    std::lock_guard<std::mutex> lock(shard.mutex);
+    shard.free[capacity].push_back(base);
+  }
+
+  // Every free block, emptied out of the cache for the caller to release.
+  std::vector<std::pair<void*, std::int64_t>> drain() {
+    std::vector<std::pair<void*, std::int64_t>> out;
+    for (auto& shard : shards_) {
+      std::lock_guard<std::mutex> lock(shard.mutex);
+      for (auto& [capacity, blocks] : shard.free) {
+        for (void* base : blocks) {
+          out.emplace_back(base, capacity);
+        }
+      }
+      shard.free.clear();
+    }
+    return out;
+  }
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    std::unordered_map<std::int64_t, std::vector<void*>> free;
+  };
+  Shard& shard_of(std::int64_t capacity) {
+    return shards_[static_cast<std::size_t>(capacity / 512) % shards_.size()];
+  }
+  std::array<Shard, 16> shards_;
+};
+
 class Counting final : public compat::AllocatorBase {
  public:
   c10::Allocator* inner = nullptr;
   c10::DeleterFnPtr inner_free = nullptr;
+  mutable Cache cache;
 
   c10::DataPtr allocate_bytes(std::size_t n) const override {
     const c10::Device cpu(c10::DeviceType::CPU);
@@ -52,26 +126,38 @@ class Counting final : public compat::AllocatorBase {
     }
     auto& c = counters();
     const auto bytes = static_cast<std::int64_t>(n);
+    const auto capacity = size_class(bytes);
     const std::int64_t now = c.allocated.fetch_add(bytes) + bytes;
     const std::int64_t cap = c.cap.load();
-    if (cap > 0 && now > cap) {
-      c.allocated.fetch_sub(bytes);
-      c.ooms.fetch_add(1);
-      TORCH_CHECK_WITH(OutOfMemoryError, false,
-                       fmt::format("frugal: CPU allocation of {} refused: the cap is {} and {} "
-                                   "are already allocated",
-                                   format_bytes(bytes), format_bytes(cap),
-                                   format_bytes(now - bytes)));
+    if (cap > 0 && now + c.cached.load() > cap) {
+      // As on CUDA: past the cap, the cache goes back first; only live tensors count.
+      release_cache();
+      if (now > cap) {
+        c.allocated.fetch_sub(bytes);
+        c.ooms.fetch_add(1);
+        TORCH_CHECK_WITH(OutOfMemoryError, false,
+                         fmt::format("frugal: CPU allocation of {} refused: the cap is {} and "
+                                     "{} are already allocated",
+                                     format_bytes(bytes), format_bytes(cap),
+                                     format_bytes(now - bytes)));
+      }
     }
-    void* base = nullptr;
-    try {
-      base = inner->raw_allocate(n + kHeader);
-    } catch (...) {
-      c.allocated.fetch_sub(bytes);
-      throw;
+    void* base = cache.take(capacity);
+    if (base != nullptr) {
+      c.cached.fetch_sub(capacity);
+      c.hits.fetch_add(1);
+    } else {
+      try {
+        base = inner->raw_allocate(static_cast<std::size_t>(capacity) + kHeader);
+      } catch (...) {
+        c.allocated.fetch_sub(bytes);
+        throw;
+      }
+      c.system.fetch_add(1);
     }
-    *static_cast<std::int64_t*>(base) = bytes;
-    raise_peak(now);
+    *static_cast<Header*>(base) = Header{bytes, capacity};
+    raise(c.peak, now);
+    raise(c.reserved_peak, now + c.cached.load());
     c.live.fetch_add(1);
     c.total.fetch_add(1);
     void* data = static_cast<char*>(base) + kHeader;
@@ -81,11 +167,19 @@ class Counting final : public compat::AllocatorBase {
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
   static void release(void* data);
+
+  // Returns every cached block to the allocator below.
+  void release_cache() const {
+    for (const auto& [base, capacity] : cache.drain()) {
+      counters().cached.fetch_sub(capacity);
+      inner_free(base);
+    }
+  }
 };
 
 Counting& counting() {
-  static Counting allocator;
-  return allocator;
+  static auto* allocator = new Counting();  // never destroyed, as counters()
+  return *allocator;
 }
 
 std::mutex& install_mutex() {
@@ -98,11 +192,14 @@ void Counting::release(void* data) {
     return;
   }
   void* base = static_cast<char*>(data) - kHeader;
-  const std::int64_t bytes = *static_cast<std::int64_t*>(base);
+  const Header header = *static_cast<Header*>(base);
   auto& c = counters();
-  c.allocated.fetch_sub(bytes);
+  // Cached before it stops counting as allocated: reserved never dips below what is held.
+  c.cached.fetch_add(header.capacity);
+  counting().cache.put(base, header.capacity);
+  const std::int64_t now = c.allocated.fetch_sub(header.requested) - header.requested;
+  raise(c.reserved_peak, now + c.cached.load());
   c.live.fetch_sub(1);
-  counting().inner_free(base);
 }
 
 }  // namespace
@@ -136,8 +233,13 @@ CpuAllocatorStats CountingAllocator::stats() {
   CpuAllocatorStats s;
   s.allocated = c.allocated.load();
   s.peak = c.peak.load();
+  s.cached = c.cached.load();
+  s.reserved = s.allocated + s.cached;
+  s.peak_reserved = std::max(c.reserved_peak.load(), s.reserved);
   s.allocations = c.live.load();
   s.total_allocations = c.total.load();
+  s.system_allocations = c.system.load();
+  s.cache_hits = c.hits.load();
   s.ooms = c.ooms.load();
   s.cap = c.cap.load();
   return s;
@@ -146,7 +248,10 @@ CpuAllocatorStats CountingAllocator::stats() {
 void CountingAllocator::reset_peak() {
   auto& c = counters();
   c.peak.store(c.allocated.load());
+  c.reserved_peak.store(c.allocated.load() + c.cached.load());
 }
+
+void CountingAllocator::empty_cache() { counting().release_cache(); }
 
 void CountingAllocator::set_cap(std::int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "frugal: the CPU allocation cap must be >= 0 bytes, got ", bytes);

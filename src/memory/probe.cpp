@@ -33,8 +33,10 @@ MemorySnapshot read_device(torch::Device device) {
   s.device = device;
   if (device.is_cpu()) {
     const auto c = CountingAllocator::stats();
-    s.allocated = s.reserved = s.active = c.allocated;
-    s.peak_allocated = s.peak_reserved = c.peak;
+    s.allocated = s.active = c.allocated;
+    s.reserved = c.reserved;
+    s.peak_allocated = c.peak;
+    s.peak_reserved = c.peak_reserved;
     s.allocations = c.allocations;
     s.ooms = c.ooms;
     return s;
@@ -182,9 +184,15 @@ void MemoryProbe::reset_peak() {
   detail::reset_device_peak(device_);
 }
 
-void MemoryProbe::empty_cache() const {
+void MemoryProbe::empty_cache() const { frugal::empty_cache(device_); }
+
+void empty_cache(torch::Device device) {
+  if (device.is_cpu()) {
+    CountingAllocator::empty_cache();
+    return;
+  }
 #ifdef FRUGAL_WITH_CUDA
-  if (device_.is_cuda()) {
+  if (device.is_cuda()) {
     compat::cuda_empty_cache();
   }
 #endif

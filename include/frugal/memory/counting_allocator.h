@@ -6,24 +6,38 @@
 
 namespace frugal {
 
-/// Figures of the counting CPU allocator, in requested bytes.
+/// Figures of the counting CPU allocator: `allocated` in requested bytes, exactly.
 struct CpuAllocatorStats {
   std::int64_t allocated = 0;          ///< bytes requested and not yet freed
   std::int64_t peak = 0;               ///< highest `allocated` since the last peak reset
+  std::int64_t cached = 0;             ///< bytes of freed blocks kept for reuse
+  std::int64_t reserved = 0;           ///< allocated + cached: what frugal holds for tensors
+  std::int64_t peak_reserved = 0;      ///< highest `reserved` since the last peak reset
   std::int64_t allocations = 0;        ///< live allocations
   std::int64_t total_allocations = 0;  ///< allocations ever made through the counter
+  std::int64_t system_allocations = 0;  ///< blocks ever taken from the allocator below
+  std::int64_t cache_hits = 0;         ///< allocations served from the cache
   std::int64_t ooms = 0;               ///< requests refused by the cap
   std::int64_t cap = 0;                ///< the cap in bytes, 0 for none
 };
 
-/// A CPU allocator that wraps the one LibTorch had before and counts exactly the bytes
-/// requested and not yet freed. It is installed with `install()` (idempotent) and counts
-/// from then on; tensors allocated before keep their own deleter and are freed correctly.
-/// Counters are atomic: autograd and intra-op threads allocate concurrently.
+/// A caching CPU allocator that wraps the one LibTorch had before and counts exactly the
+/// bytes requested and not yet freed. It is installed with `install()` (idempotent) and
+/// counts from then on; tensors allocated before keep their own deleter and are freed
+/// correctly. Counters are atomic: autograd and intra-op threads allocate concurrently.
 ///
-/// With a cap, an allocation that would take `allocated` past it throws
-/// `c10::OutOfMemoryError` naming the cap, the request and the current bytes, and the
-/// allocator stays usable. That makes out-of-memory handling testable on a CPU.
+/// Like CUDA's caching allocator, it keeps freed blocks for reuse, in size classes (at
+/// least 512 bytes, eight per power of two), so a training loop's steady-state steps take
+/// nothing from the system: no mmap/munmap and no page faults for the large tensors glibc
+/// would otherwise map and unmap every step. `reserved` is allocated + cached;
+/// `empty_cache()` returns the cached blocks to the system. Free lists are sharded by size
+/// class, each shard with its own lock.
+///
+/// With a cap, a request that would take allocated + cached past it first returns the
+/// cache to the system, as CUDA does at its memory limit; it throws `c10::OutOfMemoryError`
+/// (naming the cap, the request and the current bytes) only when the live tensors alone do
+/// not fit, and the allocator stays usable. That makes out-of-memory handling testable on
+/// a CPU.
 ///
 /// Example:
 ///   frugal::CountingAllocator::install();
@@ -38,8 +52,10 @@ class CountingAllocator {
   static bool installed();
 
   static CpuAllocatorStats stats();
-  /// Sets the peak to the current allocated bytes.
+  /// Sets the peaks to the current allocated and reserved bytes.
   static void reset_peak();
+  /// Returns the cached blocks to the allocator below (the system).
+  static void empty_cache();
   /// Refuses allocations that would take allocated bytes past `bytes`; 0 removes the cap.
   static void set_cap(std::int64_t bytes);
   static std::int64_t cap();

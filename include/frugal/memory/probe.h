@@ -10,7 +10,8 @@
 namespace frugal {
 
 /// What a device's allocator holds at one moment. On the CPU (through the counting
-/// allocator) `reserved` equals `allocated` and `active` too, since nothing is cached;
+/// allocator) `allocated` and `active` are the bytes live tensors requested, exactly, and
+/// `reserved` is that plus the freed blocks the allocator caches for reuse, as on CUDA;
 /// `alloc_retries` is 0 and `ooms` counts requests the cap refused.
 struct MemorySnapshot {
   torch::Device device = torch::kCPU;
@@ -32,6 +33,10 @@ struct MemorySnapshot {
 namespace detail {
 struct ProbeState;
 }
+
+/// Returns the allocator's cached blocks: to the system on the CPU (frugal's counting
+/// allocator), to the device on CUDA (the caching allocator's empty_cache).
+void empty_cache(torch::Device device = torch::kCPU);
 
 /// Reads memory_allocated and friends for one device.
 ///
@@ -56,7 +61,7 @@ class MemoryProbe {
   std::int64_t peak() const;
   /// Starts a new peak at the current allocated bytes. Not allowed inside a ScopedPeak.
   void reset_peak();
-  /// Returns cached blocks to the device (CUDA); nothing to do on the CPU.
+  /// Returns cached blocks to the system (CPU) or the device (CUDA).
   void empty_cache() const;
 
  private:

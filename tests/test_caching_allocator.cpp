@@ -1,0 +1,122 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/probe.h"
+#include "frugal/train/trainer.h"
+#include "helpers.h"
+
+namespace {
+
+using frugal::CountingAllocator;
+
+class CachingAllocatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { CountingAllocator::install(); }
+};
+
+TEST_F(CachingAllocatorTest, ARepeatedStepTakesNothingFromTheSystem) {
+  auto model = frugal::testing::make_mlp(64, 1024, 10);
+  torch::optim::Adam adam(model->parameters());
+  frugal::Trainer trainer(model, adam, [](const torch::Tensor& o, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(o, t);
+  });
+  torch::manual_seed(2);
+  const frugal::Batch batch{torch::randn({256, 64}), torch::randint(0, 10, {256})};
+  trainer.step(batch);  // the first steps fill the cache (and Adam's state)
+  trainer.step(batch);
+  const auto before = CountingAllocator::stats();
+  for (int i = 0; i < 3; ++i) {
+    trainer.step(batch);
+  }
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.system_allocations, before.system_allocations);
+  EXPECT_GT(after.total_allocations - before.total_allocations, 0);
+  EXPECT_EQ(after.cache_hits - before.cache_hits,
+            after.total_allocations - before.total_allocations);
+  EXPECT_EQ(after.allocated, before.allocated);  // allocated stays exact
+}
+
+TEST_F(CachingAllocatorTest, EmptyCacheLeavesReservedEqualToAllocated) {
+  { auto t = torch::empty({1 << 20}); }
+  auto s = CountingAllocator::stats();
+  EXPECT_GE(s.cached, 4 << 20);
+  EXPECT_EQ(s.reserved, s.allocated + s.cached);
+  frugal::empty_cache();
+  s = CountingAllocator::stats();
+  EXPECT_EQ(s.cached, 0);
+  EXPECT_EQ(s.reserved, s.allocated);
+}
+
+TEST_F(CachingAllocatorTest, ACapAboveLiveTensorsButBelowTheCacheSucceedsByReleasingIt) {
+  frugal::empty_cache();
+  { auto cached = torch::empty({1 << 20}); }  // 4 MiB now cached
+  const auto before = CountingAllocator::stats();
+  ASSERT_GE(before.cached, 4 << 20);
+  const std::int64_t request = 2 << 20;  // 2 MiB: a different size class
+  {
+    frugal::ScopedCpuCap cap(before.allocated + request + 4096);
+    auto t = torch::empty({request / 4});
+    const auto s = CountingAllocator::stats();
+    EXPECT_EQ(s.allocated, before.allocated + request);
+    EXPECT_EQ(s.cached, 0);  // given back to make room
+    EXPECT_EQ(s.ooms, before.ooms);
+  }
+}
+
+TEST_F(CachingAllocatorTest, ACapBelowLiveTensorsRaisesWithNothingLeaked) {
+  auto live = torch::empty({1 << 18});
+  const auto before = CountingAllocator::stats();
+  {
+    frugal::ScopedCpuCap cap(before.allocated + 1000);
+    EXPECT_THROW(torch::empty({1 << 18}), c10::OutOfMemoryError);
+  }
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.allocated, before.allocated);
+  EXPECT_EQ(after.allocations, before.allocations);
+  EXPECT_EQ(after.ooms, before.ooms + 1);
+}
+
+TEST_F(CachingAllocatorTest, FourThreadsOfMixedSizesKeepTheCountsExact) {
+  const auto before = CountingAllocator::stats();
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::vector<std::vector<torch::Tensor>> kept(kThreads);
+  std::vector<std::int64_t> kept_bytes(kThreads, 0);
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([i, &kept, &kept_bytes] {
+      std::mt19937 random(i);
+      std::vector<torch::Tensor> window(8);
+      for (int r = 0; r < 3000; ++r) {
+        // Sizes from 4 bytes to 4 MiB, freed in another order than allocated.
+        const std::int64_t n = std::int64_t{1} << (random() % 21);
+        window[random() % window.size()] = torch::empty({n + static_cast<std::int64_t>(random() % 7)});
+      }
+      for (auto& t : window) {
+        if (t.defined()) {
+          kept_bytes[i] += t.numel() * 4;
+          kept[i].push_back(std::move(t));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) {
+    t.join();
+  }
+  std::int64_t expected = 0;
+  for (const auto bytes : kept_bytes) {
+    expected += bytes;
+  }
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.allocated - before.allocated, expected);
+  EXPECT_EQ(after.reserved, after.allocated + after.cached);
+  kept.clear();
+  EXPECT_EQ(CountingAllocator::stats().allocated, before.allocated);
+  EXPECT_EQ(CountingAllocator::stats().allocations, before.allocations);
+}
+
+}  // namespace
