@@ -84,10 +84,13 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                      (["--batch", "-3"], "must be > 0, got -3"),
                      (["--model", "rnn"], "rnn"),
                      (["--step-in-backward", "--torch-optimizer", "--max-steps", "1"], "frugal::optim::SGD, Adam or AdamW"),
-                     (["--step-in-backward", "--autocast", "fp16", "--max-steps", "1"], "'grad-scaler' needs every gradient")]:
+                     # (LibTorch 1.13 refuses float16 autocast on the CPU before that.)
+                     (["--step-in-backward", "--autocast", "fp16", "--max-steps", "1"],
+                      ("'grad-scaler' needs every gradient", "Half needs LibTorch 2.4+"))]:
     done = subprocess.run([BINARY, *args], capture_output=True, text=True)
     text = done.stdout + done.stderr
-    check(done.returncode != 0 and needle in text and "frame #" not in text,
+    needles = needle if isinstance(needle, tuple) else (needle,)
+    check(done.returncode != 0 and any(n in text for n in needles) and "frame #" not in text,
           f"{' '.join(args)}: non-zero exit and a clear message ({text.strip().splitlines()[0] if text.strip() else ''})")
 
 print(f"{len(failures)} failed")

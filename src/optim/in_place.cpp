@@ -1,6 +1,7 @@
 #include "frugal/optim/in_place.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -79,7 +80,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   for (auto& w : work) {
     const auto& p = w.param;
     const auto& g = p.grad();
-    TORCH_CHECK(!g.is_sparse(), "frugal: ", typeid(optimizer()).name(),
+    TORCH_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
                 " does not support sparse gradients");
     TORCH_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
                 "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),

@@ -1,6 +1,7 @@
 #include "frugal/policy/step_in_backward.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 
 #include <typeinfo>
 
@@ -13,7 +14,7 @@ void StepInBackward::on_add(Trainer& trainer) {
   auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&trainer.optimizer());
   TORCH_CHECK(in_place != nullptr, "frugal: StepInBackward updates one parameter at a time "
               "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
-              "trainer's optimizer is ", typeid(trainer.optimizer()).name());
+              "trainer's optimizer is ", c10::demangle(typeid(trainer.optimizer()).name()));
   optimizer_ = in_place;
 }
 
