@@ -39,6 +39,11 @@ TEST_F(CachingAllocatorTest, ARepeatedStepTakesNothingFromTheSystem) {
   EXPECT_EQ(after.cache_hits - before.cache_hits,
             after.total_allocations - before.total_allocations);
   EXPECT_EQ(after.allocated, before.allocated);  // allocated stays exact
+  EXPECT_GT(after.cached, 0);
+  frugal::empty_cache();  // after a step: all cached blocks back to the system
+  const auto emptied = CountingAllocator::stats();
+  EXPECT_EQ(emptied.reserved, emptied.allocated);
+  EXPECT_EQ(emptied.allocated, after.allocated);
 }
 
 TEST_F(CachingAllocatorTest, EmptyCacheLeavesReservedEqualToAllocated) {

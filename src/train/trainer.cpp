@@ -4,7 +4,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <unordered_map>
 
 #include "forward_scope.h"
 #include "grad_ready.h"
@@ -66,114 +65,8 @@ void Trainer::set_micro_batch(std::int64_t size) {
   micro_batch_ = size;
 }
 
-Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
-  TORCH_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
-  for (const auto& other : policies_) {
-    for (const auto& [all, early] : {std::pair{policy.get(), other.get()},
-                                     std::pair{other.get(), policy.get()}}) {
-      TORCH_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
-                  "frugal: policy '", all->name(), "' needs every gradient of a step before "
-                  "any parameter changes, but '", early->name(), "' updates parameters during "
-                  "backward; use one of them");
-    }
-  }
-  policy->on_add(*this);
-  if (policy->wants_grad_ready() && !grad_ready_) {
-    grad_ready_ = std::make_unique<detail::GradReady>(
-        optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
-  }
-  policies_.push_back(std::move(policy));
-  return *this;
-}
-
-void Trainer::grad_ready(const torch::Tensor& param) {
-  TORCH_INTERNAL_ASSERT(backward_ctx_ != nullptr, "gradient-ready call outside a step");
-  for (auto& policy : policies_) {
-    if (policy->wants_grad_ready()) {
-      policy->on_grad_ready(*backward_ctx_, param);
-    }
-  }
-}
-
-void Trainer::throw_partial(const StepContext& ctx, const std::exception& error) {
-  std::unordered_map<const void*, std::string> names;
-  for (const auto& item : module_->named_parameters()) {
-    names[item.value().unsafeGetTensorImpl()] = item.key();
-  }
-  std::vector<std::string> updated;
-  for (const auto& p : ctx.updated_in_backward) {
-    const auto it = names.find(p.unsafeGetTensorImpl());
-    updated.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
-  }
-  std::string list;
-  for (const auto& name : updated) {
-    list += (list.empty() ? "" : ", ") + name;
-  }
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-  throw PartialStepError(
-      "frugal: the step failed during backward after " + std::to_string(updated.size()) +
-          " parameter(s) had been updated in backward" + (list.empty() ? "" : ": " + list) +
-          ". Those and their optimizer state hold the new values, the others the old ones; "
-          "the step count is as before and the window's gradients were dropped, so the "
-          "step was not retried. The error was: " +
-          (c10_error != nullptr ? c10_error->what_without_backtrace() : error.what()),
-      std::move(updated));
-}
-
-Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {
-  TORCH_CHECK(fn != nullptr, "frugal: add_hook(", phase_name(phase), ") got an empty function");
-  return add_policy(std::make_shared<HookPolicy>(phase, std::move(fn)));
-}
-
-Trainer& Trainer::add_sink(std::shared_ptr<ReportSink> sink) {
-  TORCH_CHECK(sink != nullptr, "frugal: add_sink got a null sink");
-  sinks_.push_back(std::move(sink));
-  return *this;
-}
-
 torch::Tensor Trainer::loss_of(const Batch& micro) const {
   return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro.inputs), micro.targets);
-}
-
-std::int64_t Trainer::count_of(const Batch& micro) const {
-  if (!options_.count()) {
-    return micro.inputs.size(0);
-  }
-  const std::int64_t n = options_.count()(micro);
-  TORCH_CHECK(n >= 0, "frugal: the count function returned ", n, " for a micro-batch");
-  return n;
-}
-
-std::vector<std::int64_t> Trainer::plan(std::int64_t samples) const {
-  std::vector<std::int64_t> sizes;
-  if (options_.micro_batches() && micro_batch_ == 0) {  // unless a policy set a size
-    // K near-equal parts, the first ones one larger (torch::tensor_split's rule).
-    const std::int64_t parts = std::min(*options_.micro_batches(), samples);
-    for (std::int64_t i = 0; i < parts; ++i) {
-      sizes.push_back(samples / parts + (i < samples % parts ? 1 : 0));
-    }
-    return sizes;
-  }
-  const std::int64_t m = micro_batch_ > 0 ? std::min(micro_batch_, samples) : samples;
-  for (std::int64_t start = 0; start < samples; start += m) {
-    sizes.push_back(std::min(m, samples - start));
-  }
-  return sizes;
-}
-
-Trainer::Split Trainer::split(const Batch& batch) const {
-  Split out;
-  std::int64_t offset = 0;
-  const std::int64_t samples = batch.inputs.size(0);
-  for (const auto size : plan(samples)) {
-    out.micros.push_back(batch.slice(offset, size));
-    out.counts.push_back(count_of(out.micros.back()));
-    out.total += out.counts.back();
-    offset += size;
-  }
-  TORCH_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
-              "; it must be positive to normalise the loss");
-  return out;
 }
 
 bool Trainer::retries_steps() const {
