@@ -27,9 +27,11 @@ torch::Tensor ParamUpdate::scratch_part(std::size_t i, std::int64_t length) cons
 }
 
 struct InPlaceOptimizer::Planned {
-  Planned(torch::Tensor p, torch::optim::OptimizerParamGroup* g) : param(std::move(p)), group(g) {}
+  Planned(torch::Tensor p, torch::optim::OptimizerParamGroup* g)
+      : param(std::move(p)), group(g), key(compat::optimizer_state_key(param)) {}
   torch::Tensor param;
   torch::optim::OptimizerParamGroup* group = nullptr;
+  compat::OptimizerStateKey key;  // computed once: text formatting on LibTorch 1.13
   std::unique_ptr<torch::optim::OptimizerParamState> new_state;
   bool has_state = false;
   bool flat = true;
@@ -86,12 +88,12 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                 "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
                 p.device(), ")");
-    w.has_state = state.count(compat::optimizer_state_key(p)) != 0;
+    w.has_state = state.count(w.key) != 0;
     if (!w.has_state) {
       w.new_state = make_state(p, w.group->options());
     }
     w.flat = p.is_contiguous() && g.is_contiguous();
-    w.chunk = w.flat ? std::min(in_place_.chunk(), p.numel()) : p.numel();
+    w.chunk = chunk_of(p, w.flat);
     w.buffers = scratch_buffers(w.group->options());
     auto& size = sizes[Kind{p.device().type(), p.device().index(), p.scalar_type()}];
     size.first = std::max(size.first, w.chunk);
@@ -110,12 +112,12 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   // Nothing below allocates a tensor: the step goes through.
   for (auto& w : work) {
     if (w.new_state) {
-      state[compat::optimizer_state_key(w.param)] = std::move(w.new_state);
+      state[w.key] = std::move(w.new_state);
     }
   }
   for (auto& w : work) {
     const auto& p = w.param;
-    const auto found = state.find(compat::optimizer_state_key(p));
+    const auto found = state.find(w.key);
     ParamUpdate u{p,
                   p.grad(),
                   w.group->options(),
@@ -129,15 +131,24 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
 }
 
 torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tensor& param) {
-  for (auto& group : optimizer().param_groups()) {
-    for (const auto& p : group.params()) {
-      if (p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
-        return group;
+  auto& groups = optimizer().param_groups();
+  auto it = group_index_.find(param.unsafeGetTensorImpl());
+  if (it == group_index_.end() || it->second >= groups.size()) {
+    group_index_.clear();  // groups were added since: index them again
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& p : groups[g].params()) {
+        group_index_[p.unsafeGetTensorImpl()] = g;
       }
     }
+    it = group_index_.find(param.unsafeGetTensorImpl());
   }
-  TORCH_CHECK(false, "frugal: step_parameter got a tensor of shape ", param.sizes(),
-              " that is not a parameter of this optimizer");
+  TORCH_CHECK(it != group_index_.end(), "frugal: step_parameter got a tensor of shape ",
+              param.sizes(), " that is not a parameter of this optimizer");
+  return groups[it->second];
+}
+
+std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat) const {
+  return flat ? std::min(in_place_.chunk(), param.numel()) : param.numel();
 }
 
 std::int64_t InPlaceOptimizer::scratch_bytes() {
@@ -145,7 +156,7 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
   for (auto& group : optimizer().param_groups()) {
     const int buffers = scratch_buffers(group.options());
     for (const auto& p : group.params()) {
-      const auto elements = p.is_contiguous() ? std::min(in_place_.chunk(), p.numel()) : p.numel();
+      const auto elements = chunk_of(p, p.is_contiguous());
       most = std::max(most, elements * static_cast<std::int64_t>(p.element_size()) * buffers);
     }
   }

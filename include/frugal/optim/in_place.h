@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace frugal::optim {
@@ -87,8 +88,10 @@ class InPlaceOptimizer {
   struct Planned;
   void apply(std::vector<Planned>& work);
   torch::optim::OptimizerParamGroup& group_of(const torch::Tensor& param);
+  std::int64_t chunk_of(const torch::Tensor& param, bool flat) const;
 
   InPlaceOptions in_place_;
+  std::unordered_map<const void*, std::size_t> group_index_;  // TensorImpl -> group
 };
 
 namespace detail {
