@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "frugal/checkpoint.h"
+#include "frugal/nn/checkpoint.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
@@ -98,6 +100,46 @@ TEST(CudaCheckpointMemory, ForwardKeepsOnlyBlockInputsAtBatch128) {
   const auto ckpt = step_of(true, batch, torch::kCUDA);
   EXPECT_GE(plain.forward_peak - ckpt.forward_peak, (kBlocks - 1) * block.activations * 7 / 10)
       << "plain " << plain.forward_peak << " checkpointed " << ckpt.forward_peak;
+}
+
+// Every form of checkpointing gives back all it allocated once its output is gone, with or
+// without a backward: nothing is held by the autograd node's own closure.
+TEST(CheckpointMemory, EveryFormFreesItsOutputAndRngState) {
+  frugal::MemoryProbe probe;
+  torch::manual_seed(3);
+  const auto x = torch::randn({256, 1024}, torch::requires_grad());
+  torch::nn::Linear block(1024, 1024);
+  auto wrapped = frugal::nn::Checkpoint(block);
+  const auto params = frugal::CheckpointOptions().params(block->parameters());
+  const std::vector<std::pair<const char*, std::function<torch::Tensor()>>> forms = {
+      {"checkpoint(fn, x)", [&] { return frugal::checkpoint([](const torch::Tensor& t) {
+                                    return torch::dropout(t.exp(), 0.5, true); }, x); }},
+      {"checkpoint(fn, options, x)",
+       [&] { return frugal::checkpoint([&](const torch::Tensor& t) { return block->forward(t); },
+                                       params, x); }},
+      {"checkpoint of a tuple",
+       [&] { return std::get<0>(frugal::checkpoint([](const torch::Tensor& t) {
+               return std::make_tuple(t.sin(), 2, t.cos()); }, x)); }},
+      {"checkpoint_tensors",
+       [&] { return frugal::checkpoint_tensors([](const std::vector<torch::Tensor>& in) {
+               return std::vector<torch::Tensor>{in[0].tanh()}; }, {x})[0]; }},
+      {"nn::Checkpoint", [&] { return wrapped->forward(x); }},
+  };
+  for (const auto& [name, run] : forms) {
+    for (const bool backward : {false, true}) {
+      run().sum().backward();  // a first call creates what stays (the parameters' gradients)
+      const auto before = probe.allocated();
+      {
+        auto y = run();
+        EXPECT_GT(probe.allocated(), before) << name;
+        if (backward) {
+          y.sum().backward();
+        }
+      }
+      EXPECT_EQ(probe.allocated(), before) << name << (backward ? " with" : " without")
+                                           << " backward: the output or its RNG state leaked";
+    }
+  }
 }
 
 }  // namespace

@@ -62,6 +62,7 @@ struct Outputs {
                                 "Tensors or a std::tuple");
   static std::vector<torch::Tensor> tensors(const R& r) { return {r}; }
   static R rebuild(const R&, const std::vector<torch::Tensor>& t) { return t.at(0); }
+  static void strip(R& r) { r = torch::Tensor(); }
 };
 
 template <>
@@ -69,6 +70,7 @@ struct Outputs<std::vector<torch::Tensor>> {
   using R = std::vector<torch::Tensor>;
   static R tensors(const R& r) { return r; }
   static R rebuild(const R&, const R& t) { return t; }
+  static void strip(R& r) { r.clear(); }
 };
 
 template <typename... Ts>
@@ -82,6 +84,7 @@ struct Outputs<std::tuple<Ts...>> {
   static R rebuild(const R& first, const std::vector<torch::Tensor>& t) {
     return rebuild_impl(first, t, std::index_sequence_for<Ts...>{});
   }
+  static void strip(R& r);
 
  private:
   template <typename X>
@@ -109,6 +112,11 @@ struct Outputs<std::tuple<Ts...>> {
 inline void clear_if_tensor(torch::Tensor& t) { t = torch::Tensor(); }
 template <typename T>
 void clear_if_tensor(T&) {}
+
+template <typename... Ts>
+void Outputs<std::tuple<Ts...>>::strip(R& r) {
+  std::apply([](auto&... x) { (clear_if_tensor(x), ...); }, r);
+}
 
 // Argument I of a call: the recompute's input for a tensor, the stored value otherwise.
 template <std::size_t I, typename... Ts>
@@ -151,11 +159,14 @@ auto checkpoint(Fn fn, const CheckpointOptions& options, const Args&... args) {
   // inputs travel through the autograd function.
   auto stored = std::make_shared<std::tuple<std::decay_t<Args>...>>(args...);
   std::apply([](auto&... a) { (detail::clear_if_tensor(a), ...); }, *stored);
+  // The forward's non-tensor results, kept to rebuild the result. Its tensors are dropped:
+  // the autograd node owns this closure, and an output held here would own the node back.
   auto first = std::make_shared<std::optional<R>>();
   TensorsFn run = [fn, stored, first](const std::vector<torch::Tensor>& ins) mutable {
     R r = detail::call_with(fn, *stored, ins, std::index_sequence_for<Args...>{});
     auto tensors = detail::Outputs<R>::tensors(r);
     if (!first->has_value()) {
+      detail::Outputs<R>::strip(r);
       first->emplace(std::move(r));
     }
     return tensors;
