@@ -219,6 +219,10 @@ TEST(StepInBackward, AFailureMidBackwardNamesTheParametersItUpdated) {
   EXPECT_TRUE(torch::equal(named["0.bias"], before[1]));
   EXPECT_FALSE(torch::equal(named["2.weight"], before[2]));
   EXPECT_EQ(trainer.steps(), 0);
+  // The trainer halts until the caller accepts the partial update.
+  EXPECT_THROW(trainer.step(batch_at(1)), c10::Error);
+  EXPECT_EQ(trainer.steps(), 0);
+  trainer.accept_partial_update();
   fail = false;  // the trainer goes on from there
   EXPECT_TRUE(trainer.step(batch_at(1)).stepped);
   EXPECT_EQ(trainer.steps(), 1);

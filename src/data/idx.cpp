@@ -1,6 +1,7 @@
 #include "frugal/data/idx.h"
 
 #include <c10/util/Exception.h>
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <array>
@@ -8,6 +9,8 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include <torch/torch.h>
 
 namespace frugal::data {
 namespace {
@@ -17,31 +20,65 @@ struct GzCloser {
 };
 using GzFile = std::unique_ptr<std::remove_pointer_t<gzFile>, GzCloser>;
 
-// Reads exactly n bytes; returns how many could be read.
-std::int64_t read_bytes(gzFile f, void* out, std::int64_t n) {
-  std::int64_t done = 0;
-  auto* p = static_cast<unsigned char*>(out);
-  while (done < n) {
-    const auto chunk = static_cast<unsigned>(std::min<std::int64_t>(n - done, 1 << 30));
-    const int got = gzread(f, p + done, chunk);
-    if (got <= 0) {
-      break;
-    }
-    done += got;
+// The IDX format's dimensions are 32-bit counts; a file of unsigned bytes larger than
+// this is refused before anything is read.
+constexpr std::int64_t kMaxElements = std::int64_t{1} << 40;
+
+class Reader {
+ public:
+  explicit Reader(const std::string& path) : path_(path) {
+    struct stat info {};
+    TORCH_CHECK(::stat(path.c_str(), &info) == 0, "frugal: cannot open '", path,
+                "': ", std::strerror(errno));
+    // A directory reads as an empty stream and a FIFO blocks: only regular files.
+    TORCH_CHECK(S_ISREG(info.st_mode), "frugal: '", path, "' is ",
+                S_ISDIR(info.st_mode) ? "a directory" : "not a regular file",
+                "; an IDX file is expected");
+    errno = 0;
+    file_.reset(gzopen(path.c_str(), "rb"));
+    TORCH_CHECK(file_ != nullptr, "frugal: cannot open '", path,
+                "': ", errno != 0 ? std::strerror(errno) : "gzopen failed");
   }
-  return done;
-}
+
+  // Reads up to n bytes; a corrupt compressed stream is an error naming zlib's reason.
+  std::int64_t read(void* out, std::int64_t n) {
+    std::int64_t done = 0;
+    auto* p = static_cast<unsigned char*>(out);
+    while (done < n) {
+      const auto chunk = static_cast<unsigned>(std::min<std::int64_t>(n - done, 1 << 30));
+      const int got = gzread(file_.get(), p + done, chunk);
+      if (got < 0) {
+        int code = 0;
+        const char* reason = gzerror(file_.get(), &code);
+        TORCH_CHECK(false, "frugal: '", path_, "' is corrupt: its gzip stream fails after ",
+                    offset_ + done, " bytes (", reason != nullptr ? reason : "zlib error", ")");
+      }
+      if (got == 0) {
+        break;
+      }
+      done += got;
+    }
+    offset_ += done;
+    return done;
+  }
+
+  void header_bytes(unsigned char* out, std::int64_t n, const char* what) {
+    TORCH_CHECK(read(out, n) == n, "frugal: '", path_, "' ends inside its IDX header (", what,
+                ")");
+  }
+
+ private:
+  std::string path_;
+  GzFile file_;
+  std::int64_t offset_ = 0;
+};
 
 }  // namespace
 
 torch::Tensor read_idx(const std::string& path) {
-  errno = 0;
-  GzFile file(gzopen(path.c_str(), "rb"));
-  TORCH_CHECK(file != nullptr, "frugal: cannot open '", path,
-              "': ", errno != 0 ? std::strerror(errno) : "gzopen failed");
+  Reader reader(path);
   std::array<unsigned char, 4> magic{};
-  TORCH_CHECK(read_bytes(file.get(), magic.data(), 4) == 4, "frugal: '", path,
-              "' is too short for an IDX header");
+  reader.header_bytes(magic.data(), 4, "magic number");
   TORCH_CHECK(magic[0] == 0 && magic[1] == 0, "frugal: '", path,
               "' is not an IDX file (its first bytes are not 0x00 0x00)");
   TORCH_CHECK(magic[2] == 0x08, "frugal: '", path, "' holds IDX type 0x", std::hex,
@@ -53,27 +90,65 @@ torch::Tensor read_idx(const std::string& path) {
   std::int64_t numel = 1;
   for (int i = 0; i < dims; ++i) {
     std::array<unsigned char, 4> b{};
-    TORCH_CHECK(read_bytes(file.get(), b.data(), 4) == 4, "frugal: '", path,
-                "' ends inside its IDX header");
-    const std::int64_t size = (std::int64_t{b[0]} << 24) | (b[1] << 16) | (b[2] << 8) | b[3];
+    reader.header_bytes(b.data(), 4, "dimension sizes");
+    std::int64_t size = 0;
+    for (const unsigned char byte : b) {
+      size = (size << 8) | byte;
+    }
     shape.push_back(size);
+    TORCH_CHECK(size == 0 || numel <= kMaxElements / size, "frugal: '", path,
+                "' declares dimensions ", c10::IntArrayRef(shape),
+                "..., more than the 2^40 bytes an IDX file can hold here");
     numel *= size;
   }
-  auto out = torch::empty(shape, torch::kUInt8);
-  const auto got = read_bytes(file.get(), out.data_ptr<std::uint8_t>(), numel);
-  TORCH_CHECK(got == numel, "frugal: '", path, "' is truncated: its header promises ", numel,
-              " bytes of data, found ", got);
-  return out;
+  // Read in pieces, so that memory follows what the file holds rather than what its header
+  // claims; the tensor is made once the data is known to be all there.
+  std::vector<torch::Tensor> pieces;
+  std::int64_t found = 0;
+  constexpr std::int64_t kPiece = 1 << 20;
+  while (found < numel) {
+    const auto want = std::min(kPiece, numel - found);
+    auto piece = torch::empty({want}, torch::kUInt8);
+    const auto got = reader.read(piece.data_ptr<std::uint8_t>(), want);
+    pieces.push_back(got < want ? piece.narrow(0, 0, got) : piece);
+    found += got;
+    if (got < want) {
+      break;
+    }
+  }
+  TORCH_CHECK(found == numel, "frugal: '", path, "' is truncated: its header promises ",
+              numel, " bytes of data for shape ", c10::IntArrayRef(shape), ", the file holds ",
+              found);
+  unsigned char extra = 0;
+  TORCH_CHECK(reader.read(&extra, 1) == 0, "frugal: '", path, "' holds more data than its ",
+              "header declares (", numel, " bytes for shape ", c10::IntArrayRef(shape), ")");
+  if (pieces.empty()) {
+    return torch::empty(shape, torch::kUInt8);
+  }
+  auto flat = pieces.size() == 1 ? pieces.front() : torch::cat(pieces);
+  pieces.clear();
+  return flat.reshape(shape);
 }
 
 Batch load_mnist_dir(const std::string& dir, Split split) {
   const std::string prefix = dir + (split == Split::Train ? "/train" : "/t10k");
-  auto images = read_idx(prefix + "-images-idx3-ubyte.gz");
-  auto labels = read_idx(prefix + "-labels-idx1-ubyte.gz");
-  TORCH_CHECK(images.dim() == 3, "frugal: ", prefix, "-images-idx3-ubyte.gz has ", images.dim(),
-              " dimensions; images need 3 (count, rows, columns)");
-  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "frugal: ", prefix,
-              ": ", images.size(0), " images but ", labels.numel(), " labels");
+  const std::string images_path = prefix + "-images-idx3-ubyte.gz";
+  const std::string labels_path = prefix + "-labels-idx1-ubyte.gz";
+  auto images = read_idx(images_path);
+  auto labels = read_idx(labels_path);
+  TORCH_CHECK(images.dim() == 3 && images.size(1) == 28 && images.size(2) == 28, "frugal: '",
+              images_path, "' holds images of shape ", images.sizes(),
+              "; (count, 28, 28) is expected");
+  TORCH_CHECK(images.size(0) > 0, "frugal: '", images_path, "' holds no images");
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == images.size(0), "frugal: '", labels_path,
+              "' holds ", labels.numel(), " labels of shape ", labels.sizes(), " for ",
+              images.size(0), " images");
+  const auto bad = (labels > 9).nonzero();
+  if (bad.numel() > 0) {
+    const auto at = bad[0][0].item<std::int64_t>();
+    TORCH_CHECK(false, "frugal: '", labels_path, "' holds label ", labels[at].item<int>(),
+                " at index ", at, " (", bad.size(0), " labels out of range); classes are 0 to 9");
+  }
   Batch batch;
   batch.inputs = images.unsqueeze(1).to(torch::kFloat).div_(255.0);
   batch.targets = labels.to(torch::kLong);

@@ -18,9 +18,11 @@ namespace {
 // Each block carries its requested size and its capacity in a header, so the deleter needs
 // no lookup. The header keeps the data aligned as LibTorch's CPU allocator aligns it.
 constexpr std::size_t kHeader = 64;
+struct Tally;
 struct Header {
   std::int64_t requested;
   std::int64_t capacity;  // the size class: what the block can hold
+  Tally* owner;           // the allocating thread's figures (null: none)
 };
 static_assert(sizeof(Header) <= kHeader, "the block header must fit its slot");
 
@@ -49,6 +51,7 @@ struct Counters {
   std::atomic<std::int64_t> system{0};     // blocks ever taken from the allocator below
   std::atomic<std::int64_t> hits{0};
   std::atomic<std::int64_t> ooms{0};
+  std::atomic<std::int64_t> last_refused{0};
   std::atomic<std::int64_t> cap{0};
 };
 
@@ -64,6 +67,46 @@ void raise(std::atomic<std::int64_t>& peak, std::int64_t value) {
   while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
   }
 }
+
+// One thread's figures: the bytes of live blocks it allocated, wherever they are freed.
+// Owned by the thread and by each of those blocks: the last one out deletes it.
+struct Tally {
+  std::atomic<std::int64_t> allocated{0};
+  std::atomic<std::int64_t> peak{0};
+  std::atomic<std::int64_t> refs{1};
+
+  void release() {
+    if (refs.fetch_sub(1) == 1) {
+      delete this;
+    }
+  }
+};
+
+// The calling thread's tally; null while the thread is being torn down.
+class ThreadTally {
+ public:
+  ~ThreadTally() {
+    gone_ = true;
+    if (tally_ != nullptr) {
+      tally_->release();
+    }
+  }
+  static Tally* get() {
+    if (gone_) {
+      return nullptr;
+    }
+    thread_local ThreadTally handle;
+    if (handle.tally_ == nullptr) {
+      handle.tally_ = new Tally();
+    }
+    return handle.tally_;
+  }
+
+ private:
+  Tally* tally_ = nullptr;
+  static thread_local bool gone_;
+};
+thread_local bool ThreadTally::gone_ = false;
 
 // Free blocks by size class, in shards with a lock each: threads that allocate different
 // sizes do not wait for one another.
@@ -135,6 +178,7 @@ class Counting final : public compat::AllocatorBase {
       if (now > cap) {
         c.allocated.fetch_sub(bytes);
         c.ooms.fetch_add(1);
+        c.last_refused.store(bytes);
         TORCH_CHECK_WITH(OutOfMemoryError, false,
                          fmt::format("frugal: CPU allocation of {} refused: the cap is {} and "
                                      "{} are already allocated",
@@ -155,7 +199,12 @@ class Counting final : public compat::AllocatorBase {
       }
       c.system.fetch_add(1);
     }
-    *static_cast<Header*>(base) = Header{bytes, capacity};
+    Tally* owner = ThreadTally::get();
+    if (owner != nullptr) {
+      owner->refs.fetch_add(1, std::memory_order_relaxed);
+      raise(owner->peak, owner->allocated.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+    }
+    *static_cast<Header*>(base) = Header{bytes, capacity, owner};
     raise(c.peak, now);
     raise(c.reserved_peak, now + c.cached.load());
     c.live.fetch_add(1);
@@ -200,6 +249,10 @@ void Counting::release(void* data) {
   const std::int64_t now = c.allocated.fetch_sub(header.requested) - header.requested;
   raise(c.reserved_peak, now + c.cached.load());
   c.live.fetch_sub(1);
+  if (header.owner != nullptr) {
+    header.owner->allocated.fetch_sub(header.requested, std::memory_order_relaxed);
+    header.owner->release();
+  }
 }
 
 }  // namespace
@@ -241,6 +294,7 @@ CpuAllocatorStats CountingAllocator::stats() {
   s.system_allocations = c.system.load();
   s.cache_hits = c.hits.load();
   s.ooms = c.ooms.load();
+  s.last_refused = c.last_refused.load();
   s.cap = c.cap.load();
   return s;
 }
@@ -249,6 +303,17 @@ void CountingAllocator::reset_peak() {
   auto& c = counters();
   c.peak.store(c.allocated.load());
   c.reserved_peak.store(c.allocated.load() + c.cached.load());
+}
+
+CpuThreadStats CountingAllocator::thread_stats() {
+  const Tally* t = ThreadTally::get();
+  return t == nullptr ? CpuThreadStats{} : CpuThreadStats{t->allocated.load(), t->peak.load()};
+}
+
+void CountingAllocator::reset_thread_peak() {
+  if (Tally* t = ThreadTally::get()) {
+    t->peak.store(t->allocated.load());
+  }
 }
 
 void CountingAllocator::empty_cache() { counting().release_cache(); }

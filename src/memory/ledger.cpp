@@ -33,7 +33,9 @@ class StorageCounter {
   std::unordered_set<const void*> seen_;
 };
 
-std::vector<torch::Tensor> state_tensors(const torch::optim::OptimizerParamState& s) {
+}  // namespace
+
+std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::OptimizerParamState& s) {
   using namespace torch::optim;
   if (auto* sgd = dynamic_cast<const SGDParamState*>(&s)) {
     return {sgd->momentum_buffer()};
@@ -63,8 +65,6 @@ std::vector<torch::Tensor> state_tensors(const torch::optim::OptimizerParamState
   return {};
 }
 
-}  // namespace
-
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
                       const torch::optim::Optimizer* optimizer) {
   StorageCounter counter(probe.device());
@@ -80,12 +80,12 @@ Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
   }
   if (optimizer != nullptr) {
     for (const auto& entry : optimizer->state()) {
-      for (const auto& t : state_tensors(*entry.second)) {
+      for (const auto& t : optimizer_state_tensors(*entry.second)) {
         ledger.optimizer += counter.add(t);
       }
     }
   }
-  ledger.allocated = probe.allocated();
+  ledger.allocated = probe.snapshot().process_allocated;
   ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;
   return ledger;
 }

@@ -27,23 +27,30 @@ struct Peaks {
   }
 };
 
-// What a device's allocator reports; the peaks are those since its last reset.
-MemorySnapshot read_device(torch::Device device) {
+// What a device's allocator reports; the peaks are those since its last reset. In thread
+// scope the CPU's allocated bytes and peak are the calling thread's.
+MemorySnapshot read_device(torch::Device device, MemoryScope scope) {
   MemorySnapshot s;
   s.device = device;
+  s.scope = scope;
   if (device.is_cpu()) {
     const auto c = CountingAllocator::stats();
-    s.allocated = s.active = c.allocated;
+    s.allocated = s.active = s.process_allocated = c.allocated;
     s.reserved = c.reserved;
     s.peak_allocated = c.peak;
     s.peak_reserved = c.peak_reserved;
     s.allocations = c.allocations;
     s.ooms = c.ooms;
+    if (scope == MemoryScope::Thread) {
+      const auto t = CountingAllocator::thread_stats();
+      s.allocated = s.active = t.allocated;
+      s.peak_allocated = t.peak;
+    }
     return s;
   }
 #ifdef FRUGAL_WITH_CUDA
   const auto c = compat::cuda_allocator_stats(device.index());
-  s.allocated = c.allocated;
+  s.allocated = s.process_allocated = c.allocated;
   s.peak_allocated = c.allocated_peak;
   s.reserved = c.reserved;
   s.peak_reserved = c.reserved_peak;
@@ -55,9 +62,13 @@ MemorySnapshot read_device(torch::Device device) {
   return s;
 }
 
-void reset_device_peak(torch::Device device) {
+void reset_device_peak(torch::Device device, MemoryScope scope) {
   if (device.is_cpu()) {
-    CountingAllocator::reset_peak();
+    if (scope == MemoryScope::Thread) {
+      CountingAllocator::reset_thread_peak();
+    } else {
+      CountingAllocator::reset_peak();
+    }
     return;
   }
 #ifdef FRUGAL_WITH_CUDA
@@ -86,62 +97,85 @@ torch::Device resolve(torch::Device device) {
 
 }  // namespace
 
-// The device's allocator can only reset its peak, so a region that starts saves the peak
-// reached so far into `saved` and resets; when it ends, what it reached is folded back into
-// `floor`. The peak of region k (1-based) is the max of the device's peak, `floor` and
-// saved[k..]: everything that happened since it began.
+// The allocator can only reset its peak, so whoever resets first folds the peak reached
+// so far into every open region and into the probe user's peak. A region's peak is then the
+// most of what was folded into it and the allocator's peak now; regions may start and end
+// in any order, on any thread. In thread scope the state belongs to one thread.
 struct ProbeState {
-  explicit ProbeState(torch::Device d) : device(d) {}
+  ProbeState(torch::Device d, MemoryScope s) : device(d), scope(s) {}
 
   Peaks device_peaks() const {
-    const auto s = read_device(device);
+    const auto s = read_device(device, scope);
     return {s.peak_allocated, s.peak_reserved};
   }
 
-  Peaks peaks_since(std::size_t level) const {
-    Peaks p = device_peaks();
-    p.raise(floor);
-    for (std::size_t i = level; i < saved.size(); ++i) {
-      p.raise(saved[i]);
+  void fold_and_reset() {
+    const Peaks now = device_peaks();
+    for (auto& region : open) {
+      region.second.raise(now);
     }
+    user.raise(now);
+    reset_device_peak(device, scope);
+  }
+
+  std::uint64_t enter() {
+    std::lock_guard<std::mutex> lock(mutex);
+    fold_and_reset();
+    open.emplace(next_id, Peaks{});
+    return next_id++;
+  }
+
+  Peaks peaks_of(std::uint64_t id) const {
+    Peaks p = open.at(id);
+    p.raise(device_peaks());
     return p;
   }
 
-  std::size_t enter() {
+  Peaks leave(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex);
-    Peaks outer = device_peaks();
-    outer.raise(floor);
-    saved.push_back(outer);
-    floor = {};
-    reset_device_peak(device);
-    return saved.size();
-  }
-
-  Peaks leave(std::size_t level) {
-    std::lock_guard<std::mutex> lock(mutex);
-    TORCH_CHECK(level == saved.size(), "frugal: ScopedPeak regions must end innermost first (",
-                "ending level ", level, " while ", saved.size(), " are open)");
-    Peaks region = peaks_since(level);
-    floor = saved.back();
-    floor.raise(region);
-    saved.pop_back();
+    const Peaks region = peaks_of(id);
+    open.erase(id);
     return region;
   }
 
+  Peaks user_peaks() const {
+    Peaks p = user;
+    p.raise(device_peaks());
+    return p;
+  }
+
+  void reset_user() {
+    std::lock_guard<std::mutex> lock(mutex);
+    fold_and_reset();
+    user = {};
+  }
+
   torch::Device device;
+  MemoryScope scope;
   mutable std::mutex mutex;
-  std::vector<Peaks> saved;
-  Peaks floor;
+  std::map<std::uint64_t, Peaks> open;  // open regions: peaks before the last reset
+  Peaks user;                           // the probe user's peak before the last reset
+  std::uint64_t next_id = 0;
 };
 
 namespace {
-std::shared_ptr<ProbeState> state_for(torch::Device device) {
+std::shared_ptr<ProbeState> state_for(torch::Device device, MemoryScope scope) {
+  using Key = std::pair<int, int>;
+  const Key key{static_cast<int>(device.type()), static_cast<int>(device.index())};
+  if (scope == MemoryScope::Thread && device.is_cpu()) {
+    thread_local std::map<Key, std::shared_ptr<ProbeState>> states;
+    auto& s = states[key];
+    if (!s) {
+      s = std::make_shared<ProbeState>(device, scope);
+    }
+    return s;
+  }
   static std::mutex m;
-  static std::map<std::pair<int, int>, std::shared_ptr<ProbeState>> states;
+  static std::map<Key, std::shared_ptr<ProbeState>> states;
   std::lock_guard<std::mutex> lock(m);
-  auto& s = states[{static_cast<int>(device.type()), static_cast<int>(device.index())}];
+  auto& s = states[key];
   if (!s) {
-    s = std::make_shared<ProbeState>(device);
+    s = std::make_shared<ProbeState>(device, MemoryScope::Process);
   }
   return s;
 }
@@ -158,31 +192,29 @@ void initialise(torch::Device device) {
 }  // namespace
 }  // namespace detail
 
-MemoryProbe::MemoryProbe(torch::Device device)
-    : device_(detail::resolve(device)), state_(detail::state_for(device_)) {
+MemoryProbe::MemoryProbe(torch::Device device, MemoryScope scope)
+    : device_(detail::resolve(device)),
+      scope_(device_.is_cpu() ? scope : MemoryScope::Process),
+      state_(detail::state_for(device_, scope_)) {
   detail::initialise(device_);
 }
 
 MemorySnapshot MemoryProbe::snapshot() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  auto s = detail::read_device(device_);
-  const auto p = state_->peaks_since(0);
+  auto s = detail::read_device(device_, scope_);
+  const auto p = state_->user_peaks();
   s.peak_allocated = p.allocated;
   s.peak_reserved = p.reserved;
   return s;
 }
 
-std::int64_t MemoryProbe::allocated() const { return detail::read_device(device_).allocated; }
+std::int64_t MemoryProbe::allocated() const {
+  return detail::read_device(device_, scope_).allocated;
+}
 
 std::int64_t MemoryProbe::peak() const { return snapshot().peak_allocated; }
 
-void MemoryProbe::reset_peak() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  TORCH_CHECK(state_->saved.empty(), "frugal: reset_peak() inside ", state_->saved.size(),
-              " open ScopedPeak region(s) would lose their peaks");
-  state_->floor = {};
-  detail::reset_device_peak(device_);
-}
+void MemoryProbe::reset_peak() { state_->reset_user(); }
 
 void MemoryProbe::empty_cache() const { frugal::empty_cache(device_); }
 
@@ -199,14 +231,17 @@ void empty_cache(torch::Device device) {
 }
 
 std::string MemorySnapshot::summary() const {
-  return fmt::format("{}: allocated {} (peak {}), reserved {} (peak {}), {} allocations{}",
-                     device.str(), format_bytes(allocated), format_bytes(peak_allocated),
+  return fmt::format("{}{}: allocated {} (peak {}), reserved {} (peak {}), {} allocations{}",
+                     device.str(), scope == MemoryScope::Thread ? " (this thread)" : "",
+                     format_bytes(allocated), format_bytes(peak_allocated),
                      format_bytes(reserved), format_bytes(peak_reserved), allocations,
                      ooms > 0 ? fmt::format(", {} OOMs", ooms) : std::string());
 }
 
 std::string MemorySnapshot::to_json() const {
   nlohmann::json j = {{"device", device.str()},
+                      {"scope", scope == MemoryScope::Thread ? "thread" : "process"},
+                      {"process_allocated_bytes", process_allocated},
                       {"allocated_bytes", allocated},
                       {"peak_bytes", peak_allocated},
                       {"reserved_bytes", reserved},
@@ -218,16 +253,11 @@ std::string MemorySnapshot::to_json() const {
   return j.dump();
 }
 
-ScopedPeak::ScopedPeak(const MemoryProbe& probe)
-    : state_(probe.state_), level_(state_->enter()) {}
+ScopedPeak::ScopedPeak(const MemoryProbe& probe) : state_(probe.state_), id_(state_->enter()) {}
 
 ScopedPeak::~ScopedPeak() {
   if (open_) {
-    try {
-      end();
-    } catch (...) {
-      // A destructor must not throw; a misordered region already reported itself via end().
-    }
+    end();
   }
 }
 
@@ -236,7 +266,7 @@ std::int64_t ScopedPeak::peak() const {
     return final_peak_;
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->peaks_since(level_).allocated;
+  return state_->peaks_of(id_).allocated;
 }
 
 std::int64_t ScopedPeak::peak_reserved() const {
@@ -244,12 +274,12 @@ std::int64_t ScopedPeak::peak_reserved() const {
     return final_reserved_;
   }
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->peaks_since(level_).reserved;
+  return state_->peaks_of(id_).reserved;
 }
 
 std::int64_t ScopedPeak::end() {
   if (open_) {
-    const auto region = state_->leave(level_);
+    const auto region = state_->leave(id_);
     final_peak_ = region.allocated;
     final_reserved_ = region.reserved;
     open_ = false;

@@ -172,6 +172,10 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   return go;
 }
 
+void GradScaler::discard_step(const torch::optim::Optimizer& optimizer) {
+  per_optimizer_.erase(&optimizer);
+}
+
 bool GradScaler::unscaled(const torch::optim::Optimizer& optimizer) const {
   const auto it = per_optimizer_.find(&optimizer);
   return it != per_optimizer_.end() && it->second.stage != Stage::Ready;
@@ -259,6 +263,10 @@ void GradScalerPolicy::before_optimizer_step(StepContext& ctx) {
 }
 
 void GradScalerPolicy::after_optimizer_step(StepContext&) { scaler_->update(); }
+
+void GradScalerPolicy::on_optimizer_error(Trainer&, StepContext& ctx, const std::exception&) {
+  scaler_->discard_step(ctx.optimizer);  // the next step unscales and checks afresh
+}
 
 void GradScalerPolicy::on_step_end(StepContext& ctx) { ctx.report.scale = scaler_->get_scale(); }
 

@@ -5,6 +5,8 @@
 
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
+#include "frugal/memory/ledger.h"
+#include "frugal/optim/in_place.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -43,7 +45,7 @@ bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::e
                    "frugal: out of memory at micro-batch ", current, " (the floor is ",
                    options_.min_micro_batch(), "): ", memory_figures(ctx.probe),
                    ". The model and optimizer are as before the step. The error was: ",
-                   error.what());
+                   error_message(error));
   if (largest_ == 0) {
     largest_ = current;
   }
@@ -61,11 +63,42 @@ bool OomRecovery::on_eval_error(Trainer& trainer, std::int64_t batch_size,
   }
   TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1, "frugal: out of memory in evaluate() at "
                    "batch size 1: ", memory_figures(trainer.probe()), ". The error was: ",
-                   error.what());
+                   error_message(error));
   trainer.probe().empty_cache();
   trainer.set_eval_batch(batch_size / 2);
   ++recovered_;
   return true;
+}
+
+void OomRecovery::on_optimizer_error(Trainer& trainer, StepContext& ctx,
+                                     const std::exception& error) {
+  if (!is_oom(error)) {
+    return;
+  }
+  const auto ledger = measure_ledger(ctx.probe, ctx.module, &ctx.optimizer);
+  std::string need;
+  const auto stats = CountingAllocator::stats();
+  if (ctx.probe.device().is_cpu() && stats.cap > 0 && stats.last_refused > 0) {
+    need = fmt::format("; it asked for {} more with {} allocated under a cap of {}",
+                       format_bytes(stats.last_refused), format_bytes(ledger.allocated),
+                       format_bytes(stats.cap));
+  }
+  const bool in_place = dynamic_cast<optim::InPlaceOptimizer*>(&ctx.optimizer) != nullptr;
+  ctx.probe.empty_cache();
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, false,
+      fmt::format("frugal: out of memory in the optimizer step (step {}){}. Between steps the "
+                  "model holds weights {}, gradients {}, optimizer state {}; a smaller "
+                  "micro-batch cannot lower this phase, so the step was not retried. "
+                  "Parameters, optimizer state and the trainer's counters are as before the "
+                  "step (the window's gradients were dropped). What fits in less: {}more "
+                  "memory. The error was: {}",
+                  trainer.steps() + 1, need, format_bytes(ledger.weights),
+                  format_bytes(ledger.gradients), format_bytes(ledger.optimizer),
+                  in_place ? "frugal::StepInBackward (frees each gradient as it is used), or "
+                           : "one of frugal::optim's optimizers (they update in place with one "
+                             "chunk of scratch), frugal::StepInBackward, or ",
+                  error_message(error)));
 }
 
 void OomRecovery::on_step_end(StepContext& ctx) {

@@ -1,5 +1,6 @@
 // The trainer's policies, hooks and sinks, and the gradient-ready calls that reach policies.
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <string>
@@ -39,28 +40,34 @@ void Trainer::grad_ready(const torch::Tensor& param) {
   }
 }
 
-void Trainer::throw_partial(const StepContext& ctx, const std::exception& error) {
+std::string error_message(const std::exception& error) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : error.what();
+}
+
+PartialStepError Trainer::partial_error(const char* where,
+                                        const std::vector<torch::Tensor>& changed,
+                                        const std::exception& error) {
   std::unordered_map<const void*, std::string> names;
   for (const auto& item : module_->named_parameters()) {
     names[item.value().unsafeGetTensorImpl()] = item.key();
   }
   std::vector<std::string> updated;
-  for (const auto& p : ctx.updated_in_backward) {
+  std::string list;
+  for (const auto& p : changed) {
     const auto it = names.find(p.unsafeGetTensorImpl());
     updated.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
+    list += (list.empty() ? "" : ", ") + updated.back();
   }
-  std::string list;
-  for (const auto& name : updated) {
-    list += (list.empty() ? "" : ", ") + name;
-  }
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-  throw PartialStepError(
-      "frugal: the step failed during backward after " + std::to_string(updated.size()) +
-          " parameter(s) had been updated in backward" + (list.empty() ? "" : ": " + list) +
-          ". Those and their optimizer state hold the new values, the others the old ones; "
-          "the step count is as before and the window's gradients were dropped, so the "
-          "step was not retried. The error was: " +
-          (c10_error != nullptr ? c10_error->what_without_backtrace() : error.what()),
+  halted_ = fmt::format("{} of step {} changed {} parameter(s) before failing", where,
+                        steps_ + 1, updated.size());
+  return PartialStepError(
+      fmt::format("frugal: {} failed after changing {} parameter(s): {}. Those (values or "
+                  "optimizer state) hold new values, the others and the trainer's counters "
+                  "are as before; the window's gradients were dropped and the step was not "
+                  "retried. The trainer refuses further steps until accept_partial_update() "
+                  "is called (or a saved state loaded). The error was: {}",
+                  where, updated.size(), list, error_message(error)),
       std::move(updated));
 }
 

@@ -8,6 +8,7 @@
 #include "forward_scope.h"
 #include "grad_ready.h"
 #include "internal.h"
+#include "step_guard.h"
 #include "frugal/report/sink.h"
 
 namespace frugal {
@@ -35,7 +36,7 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
       loss_(std::move(loss)),
       batch_loss_(std::move(batch_loss)),
       options_(std::move(options)),
-      probe_(options_.device()) {
+      probe_(options_.device(), options_.memory_scope()) {
   TORCH_CHECK(module_ != nullptr, "frugal: Trainer needs a module, got a null pointer");
   TORCH_CHECK((forward_ && loss_) || batch_loss_,
               "frugal: Trainer needs a forward and a loss function, or a batch loss function");
@@ -112,7 +113,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
       if (grad_ready_ && grad_ready_->delivered_count() > 0) {
         grad_ready_->clear();
         give_up();
-        throw_partial(ctx, error);
+        throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
       }
       // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
@@ -137,6 +138,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
 }
 
 StepReport Trainer::step(const Batch& batch) {
+  check_not_halted();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
@@ -156,26 +158,24 @@ StepReport Trainer::step(const Batch& batch) {
     }
     run_batch(ctx, !window_start && retries_steps(), std::move(parts));
   } catch (const PartialStepError&) {
-    window_batches_ = 0;
-    window_count_ = 0;
+    drop_window();
     zero_grads();
     throw;
   } catch (...) {
     if (!window_start && !retries_steps()) {
-      window_batches_ = 0;
-      window_count_ = 0;
+      drop_window();
       TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
                  "gradients were dropped and the next batch starts a new one");
     }
     throw;
   }
-  window_count_ += report.count;
-  ++window_batches_;
-  ++batches_;
-  report.batch = batches_;
-  if (window_batches_ == options_.accumulate()) {
-    optimizer_phase(ctx);
+  if (window_batches_ + 1 == options_.accumulate()) {
+    optimizer_phase(ctx, window_count_ + report.count);
+  } else {
+    window_count_ += report.count;
+    ++window_batches_;
   }
+  report.batch = ++batches_;
   report.peak = step_peak.end();
   report.time.total_ms = ms_since(start);
   finish_report(report);
@@ -189,6 +189,7 @@ StepReport Trainer::step(const Batch& batch) {
 }
 
 StepReport Trainer::trial(const Batch& batch) {
+  check_not_halted();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
@@ -299,29 +300,36 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
   report.loss = logged / static_cast<double>(total);
 }
 
-void Trainer::optimizer_phase(StepContext& ctx) {
+void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count) {
   const auto t = Clock::now();
-  if (options_.accumulate() > 1) {
-    torch::NoGradGuard no_grad;
-    const double inv = 1.0 / static_cast<double>(window_count_);
-    for (auto& group : optimizer_.param_groups()) {
-      for (auto& p : group.params()) {
-        if (p.grad().defined() && !(grad_ready_ && grad_ready_->delivered(p))) {
-          p.mutable_grad().mul_(inv);
-        }
+  ctx.skip_optimizer_step = false;
+  {
+    // Until the optimizer step has returned, a failure leaves parameters, optimizer state
+    // and counters as they were (the window's gradients, already divided, are dropped),
+    // or says which parameters the optimizer had written before it failed.
+    detail::OptimizerStepGuard guard(optimizer_);
+    try {
+      if (options_.accumulate() > 1) {
+        divide_grads(window_count);
       }
+      for (auto& policy : policies_) {
+        policy->before_optimizer_step(ctx);
+      }
+      if (!ctx.skip_optimizer_step) {
+        optimizer_.step();
+      }
+    } catch (const std::exception& error) {
+      optimizer_failed(ctx, guard, &error);
+    } catch (...) {
+      optimizer_failed(ctx, guard, nullptr);
     }
   }
-  ctx.skip_optimizer_step = false;
-  for (auto& policy : policies_) {
-    policy->before_optimizer_step(ctx);
-  }
-  if (ctx.skip_optimizer_step) {
-    ++skipped_;
-  } else {
-    optimizer_.step();
-  }
+  // The step is applied: from here on the trainer counts it, whatever a later hook does.
+  skipped_ += ctx.skip_optimizer_step ? 1 : 0;
   ++steps_;
+  drop_window();
+  ctx.report.stepped = true;
+  ctx.report.skipped = ctx.skip_optimizer_step;
   for (auto& policy : policies_) {
     policy->after_optimizer_step(ctx);
   }
@@ -329,24 +337,83 @@ void Trainer::optimizer_phase(StepContext& ctx) {
   for (auto& policy : policies_) {
     policy->after_zero_grad(ctx);
   }
+  ctx.report.time.optimizer_ms = ms_since(t);
+}
+
+void Trainer::divide_grads(std::int64_t window_count) {
+  torch::NoGradGuard no_grad;
+  const double inv = 1.0 / static_cast<double>(window_count);
+  for (auto& group : optimizer_.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined() && !(grad_ready_ && grad_ready_->delivered(p))) {
+        p.mutable_grad().mul_(inv);
+      }
+    }
+  }
+}
+
+void Trainer::drop_window() {
   window_batches_ = 0;
   window_count_ = 0;
   if (grad_ready_) {
     grad_ready_->clear();
   }
-  ctx.report.stepped = true;
-  ctx.report.skipped = ctx.skip_optimizer_step;
-  ctx.report.time.optimizer_ms = ms_since(t);
 }
 
+void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& guard,
+                               const std::exception* error) {
+  const auto changed = guard.changed();
+  guard.restore_unchanged();
+  // Policies see the step's gradients still in place; the window goes however they end.
+  auto drop = [this] {
+    drop_window();
+    zero_grads();
+  };
+  if (error == nullptr) {
+    drop();
+    throw;
+  }
+  if (!changed.empty()) {
+    const auto partial = partial_error("the optimizer step", changed, *error);
+    for (auto& policy : policies_) {
+      try {
+        policy->on_optimizer_error(*this, ctx, partial);
+      } catch (...) {
+        // The partial update is what the caller must hear of.
+      }
+    }
+    drop();
+    throw partial;
+  }
+  try {
+    for (auto& policy : policies_) {
+      policy->on_optimizer_error(*this, ctx, *error);  // may raise a clearer error instead
+    }
+  } catch (...) {
+    drop();
+    throw;
+  }
+  drop();
+  throw;
+}
+
+void Trainer::check_not_halted() const {
+  TORCH_CHECK(halted_.empty(), "frugal: the trainer refuses to go on after a partial update (",
+              halted_, "); load a saved model and optimizer state, or call "
+              "accept_partial_update() to train on from the model as it is");
+}
+
+void Trainer::accept_partial_update() { halted_.clear(); }
+
 bool Trainer::flush() {
+  check_not_halted();
   if (window_batches_ == 0) {
     return false;
   }
   StepReport report;
   Batch none;
   StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report, false, {}};
-  optimizer_phase(ctx);
+  optimizer_phase(ctx, window_count_);
   return true;
 }
 

@@ -10,13 +10,16 @@
 namespace frugal::data {
 
 /// Reads an IDX file of unsigned bytes (gzipped or not) into a uint8 tensor of its shape.
-/// A missing, truncated or malformed file throws an error naming the path and the fault.
+/// A missing, truncated, corrupt or malformed file, data beyond what the header declares, or
+/// a path that is not a regular file throws an error naming the path and the fault. Memory
+/// follows the bytes actually read, never the header's claim alone.
 torch::Tensor read_idx(const std::string& path);
 
 enum class Split { Train, Test };
 
 /// Fashion-MNIST (or MNIST) from `dir`: `train-images-idx3-ubyte.gz` and friends.
-/// Inputs are float images (N, 1, 28, 28) scaled to [0, 1]; targets int64 labels.
+/// Inputs are float images (N, 1, 28, 28) scaled to [0, 1]; targets int64 labels. Checked
+/// at load time, naming the file: images (N, 28, 28) with N > 0, as many labels, each 0-9.
 ///
 /// Example:
 ///   auto train = frugal::data::load_mnist_dir("/usr/share/datasets/fashion-mnist",

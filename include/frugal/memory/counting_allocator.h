@@ -18,13 +18,23 @@ struct CpuAllocatorStats {
   std::int64_t system_allocations = 0;  ///< blocks ever taken from the allocator below
   std::int64_t cache_hits = 0;         ///< allocations served from the cache
   std::int64_t ooms = 0;               ///< requests refused by the cap
+  std::int64_t last_refused = 0;       ///< bytes of the last request the cap refused
   std::int64_t cap = 0;                ///< the cap in bytes, 0 for none
+};
+
+/// One thread's share of the counting allocator: the bytes of live blocks that thread
+/// allocated (wherever they are freed), and their peak since the thread's last reset.
+struct CpuThreadStats {
+  std::int64_t allocated = 0;
+  std::int64_t peak = 0;
 };
 
 /// A caching CPU allocator that wraps the one LibTorch had before and counts exactly the
 /// bytes requested and not yet freed. It is installed with `install()` (idempotent) and
 /// counts from then on; tensors allocated before keep their own deleter and are freed
 /// correctly. Counters are atomic: autograd and intra-op threads allocate concurrently.
+/// Each block also counts for the thread that allocated it (thread_stats()), so threads
+/// that train side by side each see their own figures.
 ///
 /// Like CUDA's caching allocator, it keeps freed blocks for reuse, in size classes (at
 /// least 512 bytes, eight per power of two), so a training loop's steady-state steps take
@@ -52,6 +62,11 @@ class CountingAllocator {
   static bool installed();
 
   static CpuAllocatorStats stats();
+  /// The calling thread's figures (process-wide ones: stats()). Allocations LibTorch's
+  /// intra-op worker threads make count for those threads, not for the caller.
+  static CpuThreadStats thread_stats();
+  /// Sets the calling thread's peak to its current allocated bytes.
+  static void reset_thread_peak();
   /// Sets the peaks to the current allocated and reserved bytes.
   static void reset_peak();
   /// Returns the cached blocks to the allocator below (the system).

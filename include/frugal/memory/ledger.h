@@ -6,12 +6,13 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "frugal/memory/probe.h"
 
 namespace frugal {
 
-/// A split of a device's allocated bytes. Each storage is counted once, in the first of
+/// A split of a device's allocated bytes, process-wide whatever the probe's scope. Each storage is counted once, in the first of
 /// weights, gradients, optimizer state that holds it, however many tensors view it.
 /// `other` is the rest: activations, temporaries, anything else alive on the device.
 /// On the CPU the parts are exact: with nothing else alive, `other` is 0.
@@ -20,7 +21,7 @@ struct Ledger {
   std::int64_t gradients = 0;  ///< parameters' .grad
   std::int64_t optimizer = 0;  ///< optimizer state (momentum, Adam's moments, ...)
   std::int64_t other = 0;      ///< allocated - the three above
-  std::int64_t allocated = 0;  ///< the probe's allocated bytes when measured
+  std::int64_t allocated = 0;  ///< the device's process-wide allocated bytes when measured
 
   std::string summary() const;
   std::string to_json() const;
@@ -34,5 +35,10 @@ struct Ledger {
 ///   auto ledger = frugal::measure_ledger(probe, *model, &optimizer);
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
                       const torch::optim::Optimizer* optimizer = nullptr);
+
+/// The tensors one parameter's optimizer state holds, for the state types of SGD, Adam,
+/// AdamW, Adagrad, RMSprop and LBFGS (undefined ones included); empty for other types.
+std::vector<torch::Tensor> optimizer_state_tensors(
+    const torch::optim::OptimizerParamState& state);
 
 }  // namespace frugal

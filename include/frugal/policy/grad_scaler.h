@@ -55,6 +55,9 @@ class GradScaler {
   /// optimizer stepped and returns whether its step should run.
   bool prepare_step(torch::optim::Optimizer& optimizer);
   bool unscaled(const torch::optim::Optimizer& optimizer) const;
+  /// Forgets the unscale and inf checks recorded for `optimizer` since the last update(),
+  /// as if its step had not begun: for a step that failed before it was applied.
+  void discard_step(const torch::optim::Optimizer& optimizer);
 
   double get_scale() const;
   std::int64_t growth_tracker() const;
@@ -97,6 +100,8 @@ class GradScalerPolicy : public Policy {
   void before_backward(StepContext& ctx) override;
   void before_optimizer_step(StepContext& ctx) override;
   void after_optimizer_step(StepContext& ctx) override;
+  void on_optimizer_error(Trainer& trainer, StepContext& ctx,
+                          const std::exception& error) override;
   void on_step_end(StepContext& ctx) override;
   GradScaler& scaler() { return *scaler_; }
 

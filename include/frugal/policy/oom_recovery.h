@@ -33,6 +33,9 @@ class OomRecovery : public Policy {
   explicit OomRecovery(OomRecoveryOptions options = {});
   std::string name() const override { return "oom-recovery"; }
   bool on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) override;
+  /// Out of memory in the optimizer step: says what the step held and what would fit.
+  void on_optimizer_error(Trainer& trainer, StepContext& ctx,
+                          const std::exception& error) override;
   bool on_eval_error(Trainer& trainer, std::int64_t batch_size,
                      const std::exception& error) override;
   bool retries_steps() const override { return true; }

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 
+#include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
 
 namespace frugal {
@@ -45,6 +46,10 @@ struct TrainerOptions {
   TORCH_ARG(bool, inference_mode) = false;
   /// Measure the ledger (weights, gradients, optimizer state) in every report.
   TORCH_ARG(bool, ledger) = true;
+  /// Whose bytes the reports' allocated figure and peaks count on the CPU: the thread that
+  /// calls step() (so trainers on several threads see their own, and LeakGuard is not
+  /// fooled by another thread), or the whole process. The ledger is always process-wide.
+  TORCH_ARG(MemoryScope, memory_scope) = MemoryScope::Thread;
 };
 
 }  // namespace frugal

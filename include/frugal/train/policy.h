@@ -83,6 +83,13 @@ class Policy {
   /// attempt made (graph, outputs, gradients). Return true to retry the same batch (the
   /// first policy that does wins); false lets the error through.
   virtual bool on_step_error(Trainer&, StepContext&, const std::exception&) { return false; }
+  /// The optimizer phase (dividing the window's gradients, BeforeOptimizerStep, the
+  /// optimizer's step) threw `error`. The engine has put back what it could: parameters and
+  /// optimizer state are as before (else `error` is the PartialStepError about to be thrown),
+  /// the window's gradients are dropped. Reset what was prepared for the step; a policy may
+  /// throw an error of its own in place of `error` (OomRecovery does for out-of-memory).
+  /// No retry: the step's memory does not depend on the micro-batch.
+  virtual void on_optimizer_error(Trainer&, StepContext&, const std::exception&) {}
   /// An evaluation chunk of `batch_size` samples threw; return true to go on from that
   /// chunk (with a smaller Trainer::eval_batch, say).
   virtual bool on_eval_error(Trainer&, std::int64_t /*batch_size*/, const std::exception&) {

@@ -21,13 +21,15 @@ namespace frugal {
 class ReportSink;
 namespace detail {
 class GradReady;
+class OptimizerStepGuard;
 }
 
-/// A step failed after a policy had updated some parameters during backward (the optimizer
-/// step in backward): those parameters and their optimizer state hold the new values, all
-/// others the old ones. The trainer's counters are as before the step and the accumulation
-/// window's gradients are dropped; what to do next (go on, or load a saved state) is the
-/// caller's decision. `updated` names the parameters that changed.
+/// A step failed after some parameters had been changed: by a policy during backward (the
+/// optimizer step in backward), or by a LibTorch optimizer that failed midway through its
+/// step. Those parameters (values or optimizer state) hold new values, all others the old
+/// ones. The trainer's counters are as before the step and the accumulation window's
+/// gradients are dropped. The trainer then refuses to step until the caller decides: load
+/// a saved state, or call Trainer::accept_partial_update(). `updated` names the parameters.
 class PartialStepError : public std::runtime_error {
  public:
   PartialStepError(const std::string& what, std::vector<std::string> updated)
@@ -35,13 +37,22 @@ class PartialStepError : public std::runtime_error {
   std::vector<std::string> updated;
 };
 
+/// An exception's message without LibTorch's C++ backtrace.
+std::string error_message(const std::exception& error);
+
 /// Runs training steps: splits a batch into micro-batches, weights each loss by its share
 /// of the global count so the accumulated gradient equals the full batch's, steps the
 /// optimizer, releases gradients, and reports numbers (never tensors) with the probe's
 /// memory figures. Policies hook the step's phases; sinks receive every report.
 ///
-/// A step that throws leaves parameters and optimizer state as they were, and gradients
-/// as they were when it began a new accumulation window.
+/// A step either completes or fails leaving parameters, optimizer state and the trainer's
+/// counters as they were (a failure inside an accumulation window drops the window's
+/// gradients unless a policy retries steps), with one exception: a failure after some
+/// parameters changed raises PartialStepError and halts the trainer. frugal's optimizers
+/// allocate what a step needs before they change anything, so that happens only with
+/// LibTorch's optimizers (or StepInBackward). An error from a hook after the optimizer step
+/// (AfterOptimizerStep, AfterZeroGrad, StepEnd) or from a sink comes with the step applied
+/// and counted in steps().
 ///
 /// Example:
 ///   torch::nn::Linear model(784, 10);
@@ -85,6 +96,11 @@ class Trainer {
   /// Steps a partial accumulation window, normalised by its own count. Returns whether
   /// there was one.
   bool flush();
+  /// After a PartialStepError, lets the trainer go on from the model and optimizer state as
+  /// they are (step(), trial() and flush() refuse until then, or until a new Trainer).
+  void accept_partial_update();
+  /// Why the trainer refuses to step, or empty.
+  const std::string& halted() const { return halted_; }
   /// Loss (and accuracy, for class targets) under no_grad in eval mode, in batches of
   /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
@@ -133,8 +149,14 @@ class Trainer {
                          const std::vector<std::int64_t>& counts, std::int64_t total,
                          std::vector<torch::Tensor>* aside);
   void grad_ready(const torch::Tensor& param);
-  [[noreturn]] void throw_partial(const StepContext& ctx, const std::exception& error);
-  void optimizer_phase(StepContext& ctx);
+  PartialStepError partial_error(const char* where, const std::vector<torch::Tensor>& changed,
+                                 const std::exception& error);
+  void check_not_halted() const;
+  void optimizer_phase(StepContext& ctx, std::int64_t window_count);
+  void divide_grads(std::int64_t window_count);
+  [[noreturn]] void optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& guard,
+                                     const std::exception* error);
+  void drop_window();
   void zero_grads();
   void finish_report(StepReport& report);
 
@@ -157,6 +179,7 @@ class Trainer {
   std::int64_t batches_ = 0;
   std::int64_t window_batches_ = 0;
   std::int64_t window_count_ = 0;
+  std::string halted_;  // set by a partial update, until accept_partial_update()
 };
 
 }  // namespace frugal

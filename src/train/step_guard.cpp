@@ -1,0 +1,72 @@
+#include "step_guard.h"
+
+#include "frugal/compat.h"
+#include "frugal/memory/ledger.h"
+
+namespace frugal::detail {
+namespace {
+
+std::vector<std::int64_t> versions_of(const torch::optim::OptimizerParamState& state) {
+  std::vector<std::int64_t> out;
+  for (const auto& t : optimizer_state_tensors(state)) {
+    out.push_back(t.defined() ? static_cast<std::int64_t>(t._version()) : -1);
+  }
+  return out;
+}
+
+}  // namespace
+
+OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
+    : optimizer_(optimizer) {
+  auto& state = optimizer_.state();
+  for (auto& group : optimizer_.param_groups()) {
+    for (auto& p : group.params()) {
+      Entry entry{p, static_cast<std::int64_t>(p._version()), nullptr, {}};
+      const auto it = state.find(compat::optimizer_state_key(p));
+      if (it != state.end()) {
+        entry.state = it->second->clone();
+        entry.state_versions = versions_of(*it->second);
+      }
+      entries_.push_back(std::move(entry));
+    }
+  }
+}
+
+bool OptimizerStepGuard::changed(const Entry& entry) const {
+  if (static_cast<std::int64_t>(entry.param._version()) != entry.version) {
+    return true;
+  }
+  const auto& state = optimizer_.state();
+  const auto it = state.find(compat::optimizer_state_key(entry.param));
+  if (it == state.end() || entry.state == nullptr) {
+    return false;  // new state is undone by restore_unchanged
+  }
+  return versions_of(*it->second) != entry.state_versions;
+}
+
+std::vector<torch::Tensor> OptimizerStepGuard::changed() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& entry : entries_) {
+    if (changed(entry)) {
+      out.push_back(entry.param);
+    }
+  }
+  return out;
+}
+
+void OptimizerStepGuard::restore_unchanged() {
+  auto& state = optimizer_.state();
+  for (auto& entry : entries_) {
+    if (changed(entry)) {
+      continue;
+    }
+    const auto key = compat::optimizer_state_key(entry.param);
+    if (entry.state == nullptr) {
+      state.erase(key);
+    } else {
+      state[key] = std::move(entry.state);
+    }
+  }
+}
+
+}  // namespace frugal::detail
