@@ -7,6 +7,7 @@
   bad command lines end with a clear message, a non-zero status and no stack trace.
 Usage: fashion_mnist_cli.py PATH/TO/fashion_mnist WORK_DIR
 """
+import gzip
 import json
 import os
 import subprocess
@@ -31,7 +32,11 @@ def train(name, *flags, steps=20):
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")
     rows = [json.loads(line) for line in open(report)]
-    return [r for r in rows if r.get("event") != "eval"]
+    ends = [r for r in rows if r.get("event") == "end"]
+    check(len(ends) == 1 and rows[-1] is ends[0] and ends[0]["status"] == "ok" and ends[0]["steps"] == steps,
+          f"{name}: the report ends with one end-of-run record ({ends[-1] if ends else None})")
+    check(len(done.stdout.strip().splitlines()) == 1, f"{name}: --quiet prints one line")
+    return [r for r in rows if "event" not in r]
 
 
 def same_losses(a, b, tolerance=1e-4):
@@ -79,7 +84,23 @@ capped = train("capped", "--batch", "256", "--memory-cap", str((peak_full + peak
 check(capped[0]["oom_retries"] > 0, f"the capped run retried its first step ({capped[0]['oom_retries']} retries, micro-batch {capped[0]['micro_batch']})")
 check(same_losses(capped, big_micro), "the capped run's losses match the micro-batched run's")
 
+# An empty data set is refused when it is loaded, naming the file.
+empty = os.path.join(WORK, "empty_set")
+os.makedirs(empty, exist_ok=True)
+for name, shape in [("train-images-idx3-ubyte.gz", [0, 28, 28]), ("train-labels-idx1-ubyte.gz", [0]),
+                    ("t10k-images-idx3-ubyte.gz", [0, 28, 28]), ("t10k-labels-idx1-ubyte.gz", [0])]:
+    with gzip.open(os.path.join(empty, name), "wb") as f:
+        f.write(bytes([0, 0, 8, len(shape)]) + b"".join(s.to_bytes(4, "big") for s in shape))
+
 for args, needle in [(["--data-dir", WORK], "cannot open"),
+                     (["--data-dir", empty], "holds no images"),
+                     (["--batch", str(2**63 - 1), "--max-steps", "1"], "larger than the training set"),
+                     (["--lr", "inf"], "must be a finite number, got inf"),
+                     (["--lr", "nan"], "must be a finite number"),
+                     (["--seed", "-1"], "must be an integer from 0 to 2^64-1, got '-1'"),
+                     (["--seed", str(2**64)], f"got '{2**64}'"),
+                     (["--threads", "100000"], "100000"),
+                     (["--memory-cap", "2000000", "--max-steps", "1"], "out of memory"),
                      (["--bogus"], "--bogus"),
                      (["--batch", "-3"], "must be > 0, got -3"),
                      (["--model", "rnn"], "rnn"),
@@ -90,7 +111,8 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
     done = subprocess.run([BINARY, *args], capture_output=True, text=True)
     text = done.stdout + done.stderr
     needles = needle if isinstance(needle, tuple) else (needle,)
-    check(done.returncode != 0 and any(n in text for n in needles) and "frame #" not in text,
+    check(done.returncode != 0 and any(n in text for n in needles) and "frame #" not in text
+          and "Exception raised from" not in text,
           f"{' '.join(args)}: non-zero exit and a clear message ({text.strip().splitlines()[0] if text.strip() else ''})")
 
 print(f"{len(failures)} failed")

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <optional>
 
@@ -99,6 +100,10 @@ int run(const Args& args) {
   }
   auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
+  if (args.batch > train.inputs.size(0)) {
+    throw std::invalid_argument(fmt::format("--batch {} is larger than the training set ({} "
+                                            "samples)", args.batch, train.inputs.size(0)));
+  }
   // Counted from here: the model and training, not the data set held in memory.
   frugal::CountingAllocator::install();
 
@@ -141,62 +146,88 @@ int run(const Args& args) {
     trainer.add_sink(jsonl);
   }
 
-  const std::int64_t n = train.inputs.size(0);
-  const std::int64_t per_epoch = (n + args.batch - 1) / args.batch;
+  const std::int64_t n = train.inputs.size(0);  // > 0: the loader refuses empty sets
+  const std::int64_t per_epoch = (n - 1) / args.batch + 1;
   const bool terminal = !args.quiet && isatty(fileno(stderr));
-  fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
+  if (!args.quiet) {
+    fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
              "autocast {}, checkpoint {}, {} {}{}, {} threads, LibTorch {}.{}\n",
              args.model, device.str(), n, test.inputs.size(0), args.batch,
              args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
              args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
              args.optimizer, args.step_in_backward ? " stepped in backward" : "",
              torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+  }
 
   const auto start = std::chrono::steady_clock::now();
+  auto seconds = [&start] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(args.seed);
   std::int64_t step = 0;
   std::int64_t peak = 0;
   frugal::EvalReport eval;
-  for (int epoch = 1; epoch <= args.epochs; ++epoch) {
-    if (jsonl) {
-      jsonl->set("epoch", static_cast<std::int64_t>(epoch));
+  // The report ends with one record of the run, whichever way it ends.
+  auto end_record = [&](const std::string& status) {
+    if (!jsonl) {
+      return;
     }
-    const auto order = torch::randperm(n, generator);
-    const std::int64_t steps =
-        args.max_steps > 0 ? std::min(per_epoch, args.max_steps - step) : per_epoch;
-    Progress progress(terminal, steps);
-    frugal::RunningMean loss;
-    const auto epoch_start = std::chrono::steady_clock::now();
-    for (std::int64_t i = 0; i < steps; ++i) {
-      const auto idx = order.narrow(0, i * args.batch, std::min(args.batch, n - i * args.batch));
-      const auto report = trainer.step({train.inputs.index_select(0, idx),
-                                        train.targets.index_select(0, idx)});
-      ++step;
-      peak = std::max(peak, report.peak);
-      loss.add(report.loss, static_cast<double>(report.samples));
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                        epoch_start).count();
-      progress.update(i + 1, static_cast<double>(i + 1) / secs, loss.mean(),
-                      report.memory.allocated, report.peak);
-      if (!terminal && !args.quiet && (i + 1) % 100 == 0) {
-        fmt::print("epoch {} step {}/{} loss {:.4f} | {}\n", epoch, i + 1, steps, loss.mean(),
-                   report.memory.summary());
+    jsonl->set("status", status);
+    jsonl->set("steps", step);
+    jsonl->set("test_accuracy", eval.accuracy);
+    jsonl->set("test_loss", eval.loss);
+    jsonl->set("max_peak_bytes", peak);
+    jsonl->set("seconds", seconds());
+    jsonl->write_event("end");
+  };
+  try {
+    for (int epoch = 1; epoch <= args.epochs; ++epoch) {
+      if (jsonl) {
+        jsonl->set("epoch", static_cast<std::int64_t>(epoch));
+      }
+      const auto order = torch::randperm(n, generator);
+      const std::int64_t steps =
+          args.max_steps > 0 ? std::min(per_epoch, args.max_steps - step) : per_epoch;
+      Progress progress(terminal, steps);
+      frugal::RunningMean loss;
+      const auto epoch_start = std::chrono::steady_clock::now();
+      for (std::int64_t i = 0; i < steps; ++i) {
+        const auto idx = order.narrow(0, i * args.batch, std::min(args.batch, n - i * args.batch));
+        const auto report = trainer.step({train.inputs.index_select(0, idx),
+                                          train.targets.index_select(0, idx)});
+        ++step;
+        if (!std::isfinite(report.loss)) {
+          throw std::runtime_error(fmt::format("the training loss is {} at step {}; lower --lr "
+                                               "(now {})", report.loss, step, args.lr));
+        }
+        peak = std::max(peak, report.peak);
+        loss.add(report.loss, static_cast<double>(report.samples));
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                          epoch_start).count();
+        progress.update(i + 1, static_cast<double>(i + 1) / secs, loss.mean(),
+                        report.memory.allocated, report.peak);
+        if (!terminal && !args.quiet && (i + 1) % 100 == 0) {
+          fmt::print("epoch {} step {}/{} loss {:.4f} | {}\n", epoch, i + 1, steps, loss.mean(),
+                     report.memory.summary());
+        }
+      }
+      eval = trainer.evaluate(test);
+      peak = std::max(peak, eval.peak);
+      if (!args.quiet) {
+        fmt::print("epoch {}: train loss {:.4f} | test loss {:.4f} accuracy {:.4f}\n", epoch,
+                   loss.mean(), eval.loss, eval.accuracy);
+      }
+      if (args.max_steps > 0 && step >= args.max_steps) {
+        break;
       }
     }
-    eval = trainer.evaluate(test);
-    peak = std::max(peak, eval.peak);
-    if (!args.quiet) {
-      fmt::print("epoch {}: train loss {:.4f} | test loss {:.4f} accuracy {:.4f}\n", epoch,
-                 loss.mean(), eval.loss, eval.accuracy);
-    }
-    if (args.max_steps > 0 && step >= args.max_steps) {
-      break;
-    }
+  } catch (const std::exception& e) {
+    end_record("error: " + frugal::error_message(e));
+    throw;
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  end_record("ok");
   fmt::print("done: {} steps, test accuracy {:.4f}, peak memory {}, {:.1f} s\n", step,
-             eval.accuracy, frugal::format_bytes(peak), seconds);
+             eval.accuracy, frugal::format_bytes(peak), seconds());
   return 0;
 }
 
@@ -207,6 +238,9 @@ CLI::Validator number_above(double bound, bool strict) {
       [bound, strict, rule](const std::string& text) {
         try {
           const double v = std::stod(text);
+          if (!std::isfinite(v)) {
+            return "must be a finite number, got " + text;
+          }
           return (strict ? v > bound : v >= bound) ? std::string()
                                                    : "must be " + rule + ", got " + text;
         } catch (const std::exception&) {
@@ -216,8 +250,23 @@ CLI::Validator number_above(double bound, bool strict) {
       rule);
 }
 
+// More intra-op threads than this is a typo; LibTorch would try to start them all.
+constexpr int kMaxThreads = 256;
+
 const CLI::Validator kPositive = number_above(0, true);
 const CLI::Validator kNonNegative = number_above(0, false);
+
+// A seed: decimal digits that fit 64 bits, so that no two spellings become one seed.
+const CLI::Validator kSeed(
+    [](const std::string& text) {
+      const bool digits = !text.empty() && text.size() <= 20 &&
+                          text.find_first_not_of("0123456789") == std::string::npos;
+      if (digits && (text.size() < 20 || text <= "18446744073709551615")) {
+        return std::string();
+      }
+      return "must be an integer from 0 to 2^64-1, got '" + text + "'";
+    },
+    "0..2^64-1");
 
 }  // namespace
 
@@ -261,9 +310,11 @@ int main(int argc, char** argv) {
       ->check(kNonNegative)
       ->capture_default_str();
   app.add_option("--threads", args.threads, "Intra-op threads (0: LibTorch's choice)")
-      ->check(kNonNegative)
+      ->check(CLI::Range(0, kMaxThreads))
       ->capture_default_str();
-  app.add_option("--seed", args.seed, "Seed of weights, shuffling and dropout")->capture_default_str();
+  app.add_option("--seed", args.seed, "Seed of weights, shuffling and dropout")
+      ->check(kSeed)
+      ->capture_default_str();
   app.add_option("--max-steps", args.max_steps, "Stop after this many steps (0: no limit)")
       ->check(kNonNegative)
       ->capture_default_str();
@@ -272,14 +323,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");
   app.add_option("--report", args.report, "Write a JSON-lines report to this file");
-  app.add_flag("--quiet", args.quiet, "Print the last line only");
+  app.add_flag("--quiet", args.quiet, "Print the last line only (and errors)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(args);
-  } catch (const c10::Error& e) {
-    fmt::print(stderr, "fashion_mnist: {}\n", e.what_without_backtrace());
   } catch (const std::exception& e) {
-    fmt::print(stderr, "fashion_mnist: {}\n", e.what());
+    fmt::print(stderr, "fashion_mnist: {}\n", frugal::error_message(e));
   }
   return 1;
 }

@@ -180,8 +180,8 @@ class Counting final : public compat::AllocatorBase {
         c.ooms.fetch_add(1);
         c.last_refused.store(bytes);
         TORCH_CHECK_WITH(OutOfMemoryError, false,
-                         fmt::format("frugal: CPU allocation of {} refused: the cap is {} and "
-                                     "{} are already allocated",
+                         fmt::format("frugal: out of memory: CPU allocation of {} refused: "
+                                     "the cap is {} and {} are already allocated",
                                      format_bytes(bytes), format_bytes(cap),
                                      format_bytes(now - bytes)));
       }

@@ -61,6 +61,10 @@ void JsonLinesSink::write(const EvalReport& report) {
   write_line(line_with(detail::to_json_object(report), extra_));
 }
 
+void JsonLinesSink::write_event(const std::string& event) {
+  write_line(line_with(nlohmann::json{{"event", event}}, extra_));
+}
+
 void JsonLinesSink::write_line(const std::string& line) {
   out_ << line << '\n';
   out_.flush();

@@ -48,6 +48,8 @@ class JsonLinesSink : public ReportSink {
   void set(const std::string& key, const std::string& value);
   void write(const StepReport& report) override;
   void write(const EvalReport& report) override;
+  /// A line of its own, {"event": event} with the fields set so far: the end of a run, say.
+  void write_event(const std::string& event);
 
  private:
   void write_line(const std::string& line);
