@@ -1,9 +1,11 @@
 # The two commands of the README:
 #   make demo   trains the Fashion-MNIST CNN for one epoch on LibTorch 2.x
-#   make test   builds and tests frugal on both LibTorch builds (2.x wheel, Debian 1.13)
+#   make test   builds and tests frugal on both LibTorch builds (2.x wheel, Debian 1.13),
+#               then with AddressSanitizer + UndefinedBehaviorSanitizer (on 1.13), fuzzing
+#               the IDX reader
 # Both install what is missing first (scripts/setup.sh) and reuse earlier build trees.
 
-BUILDS ?= torch2 debian
+BUILDS ?= torch2 debian sanitize
 DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2
 
 .PHONY: demo test clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))

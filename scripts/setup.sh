@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs what frugal needs on Debian 12, and nothing that is there already.
-#   scripts/setup.sh [torch2|debian|all]   (default: all)
+#   scripts/setup.sh [torch2|debian|sanitize|all]   (default: all)
 # torch2: LibTorch 2.x from PyPI's torch wheel, in a virtual environment outside the
 #         repository ($FRUGAL_VENV, default ~/.cache/frugal/venv).
 # debian: LibTorch 1.13 from Debian's libtorch-dev, with OpenBLAS for its BLAS calls.
+# sanitize: what debian needs (the sanitizer build uses LibTorch 1.13; GCC brings ASan).
 set -euo pipefail
 
 which_builds=${1:-all}
@@ -20,8 +21,8 @@ packages=(cmake ninja-build g++ make python3 zlib1g-dev libfmt-dev libcli11-dev
           nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev dataset-fashion-mnist)
 case "$which_builds" in
   torch2) ;;
-  debian|all) packages+=(libtorch-dev libopenblas0-pthread) ;;
-  *) echo "setup: unknown build '$which_builds' (torch2, debian or all)" >&2; exit 2 ;;
+  debian|sanitize|all) packages+=(libtorch-dev libopenblas0-pthread) ;;
+  *) echo "setup: unknown build '$which_builds' (torch2, debian, sanitize or all)" >&2; exit 2 ;;
 esac
 
 missing=()
@@ -37,7 +38,7 @@ else
   say "Debian packages: all ${#packages[@]} present"
 fi
 
-if [ "$which_builds" = debian ]; then
+if [ "$which_builds" = debian ] || [ "$which_builds" = sanitize ]; then
   exit 0
 fi
 if "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then

@@ -37,6 +37,8 @@ nlohmann::json memory_fields(const MemorySnapshot& memory, std::int64_t peak,
                              const Ledger& ledger) {
   return {{"allocated_bytes", memory.allocated},
           {"peak_bytes", peak},
+          {"memory_scope", memory.scope == MemoryScope::Thread ? "thread" : "process"},
+          {"process_allocated_bytes", memory.process_allocated},
           {"reserved_bytes", memory.reserved},
           {"weights_bytes", ledger.weights},
           {"grads_bytes", ledger.gradients},

@@ -170,12 +170,13 @@ StepReport Trainer::step(const Batch& batch) {
     throw;
   }
   if (window_batches_ + 1 == options_.accumulate()) {
-    optimizer_phase(ctx, window_count_ + report.count);
+    optimizer_phase(ctx, window_count_ + report.count, /*ends_batch=*/true);
   } else {
     window_count_ += report.count;
     ++window_batches_;
+    ++batches_;
   }
-  report.batch = ++batches_;
+  report.batch = batches_;
   report.peak = step_peak.end();
   report.time.total_ms = ms_since(start);
   finish_report(report);
@@ -300,7 +301,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
   report.loss = logged / static_cast<double>(total);
 }
 
-void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count) {
+void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch) {
   const auto t = Clock::now();
   ctx.skip_optimizer_step = false;
   {
@@ -327,6 +328,7 @@ void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count) {
   // The step is applied: from here on the trainer counts it, whatever a later hook does.
   skipped_ += ctx.skip_optimizer_step ? 1 : 0;
   ++steps_;
+  batches_ += ends_batch ? 1 : 0;
   drop_window();
   ctx.report.stepped = true;
   ctx.report.skipped = ctx.skip_optimizer_step;
@@ -413,7 +415,7 @@ bool Trainer::flush() {
   StepReport report;
   Batch none;
   StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report, false, {}};
-  optimizer_phase(ctx, window_count_);
+  optimizer_phase(ctx, window_count_, /*ends_batch=*/false);
   return true;
 }
 

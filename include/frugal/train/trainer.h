@@ -152,7 +152,9 @@ class Trainer {
   PartialStepError partial_error(const char* where, const std::vector<torch::Tensor>& changed,
                                  const std::exception& error);
   void check_not_halted() const;
-  void optimizer_phase(StepContext& ctx, std::int64_t window_count);
+  // Divides the window's gradients by `window_count`, steps, and from then on counts the
+  // step (and the batch that ends it, if any), whatever the hooks after it do.
+  void optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch);
   void divide_grads(std::int64_t window_count);
   [[noreturn]] void optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& guard,
                                      const std::exception* error);
