@@ -135,6 +135,9 @@ void check_caps(bool frugal_adam) {
         }
       }
       EXPECT_GT(changed, 0u);
+      EXPECT_EQ(e.updated.size(), changed);
+      const std::string count = "after changing " + std::to_string(changed) + " parameter(s)";
+      EXPECT_NE(std::string(e.what()).find(count), std::string::npos) << e.what();
       EXPECT_FALSE(trainer.halted().empty());
       EXPECT_THROW(trainer.step(batch), c10::Error) << "a halted trainer stepped";
       trainer.accept_partial_update();

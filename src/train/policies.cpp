@@ -61,14 +61,14 @@ PartialStepError Trainer::partial_error(const char* where,
   }
   halted_ = fmt::format("{} of step {} changed {} parameter(s) before failing", where,
                         steps_ + 1, updated.size());
-  return PartialStepError(
-      fmt::format("frugal: {} failed after changing {} parameter(s): {}. Those (values or "
-                  "optimizer state) hold new values, the others and the trainer's counters "
-                  "are as before; the window's gradients were dropped and the step was not "
-                  "retried. The trainer refuses further steps until accept_partial_update() "
-                  "is called (or a saved state loaded). The error was: {}",
-                  where, updated.size(), list, error_message(error)),
-      std::move(updated));
+  auto what = fmt::format(
+      "frugal: {} failed after changing {} parameter(s): {}. Those (values or optimizer "
+      "state) hold new values, the others and the trainer's counters are as before; the "
+      "window's gradients were dropped and the step was not retried. The trainer refuses "
+      "further steps until accept_partial_update() is called (or a saved state loaded). The "
+      "error was: {}",
+      where, updated.size(), list, error_message(error));
+  return PartialStepError(what, std::move(updated));
 }
 
 Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {
