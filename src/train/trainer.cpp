@@ -8,7 +8,6 @@
 #include "forward_scope.h"
 #include "grad_ready.h"
 #include "internal.h"
-#include "step_guard.h"
 #include "frugal/report/sink.h"
 
 namespace frugal {
@@ -299,124 +298,6 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     logged = loss_sum.item<double>();
   }
   report.loss = logged / static_cast<double>(total);
-}
-
-void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch) {
-  const auto t = Clock::now();
-  ctx.skip_optimizer_step = false;
-  {
-    // Until the optimizer step has returned, a failure leaves parameters, optimizer state
-    // and counters as they were (the window's gradients, already divided, are dropped),
-    // or says which parameters the optimizer had written before it failed.
-    detail::OptimizerStepGuard guard(optimizer_);
-    try {
-      if (options_.accumulate() > 1) {
-        divide_grads(window_count);
-      }
-      for (auto& policy : policies_) {
-        policy->before_optimizer_step(ctx);
-      }
-      if (!ctx.skip_optimizer_step) {
-        optimizer_.step();
-      }
-    } catch (const std::exception& error) {
-      optimizer_failed(ctx, guard, &error);
-    } catch (...) {
-      optimizer_failed(ctx, guard, nullptr);
-    }
-  }
-  // The step is applied: from here on the trainer counts it, whatever a later hook does.
-  skipped_ += ctx.skip_optimizer_step ? 1 : 0;
-  ++steps_;
-  batches_ += ends_batch ? 1 : 0;
-  drop_window();
-  ctx.report.stepped = true;
-  ctx.report.skipped = ctx.skip_optimizer_step;
-  for (auto& policy : policies_) {
-    policy->after_optimizer_step(ctx);
-  }
-  zero_grads();
-  for (auto& policy : policies_) {
-    policy->after_zero_grad(ctx);
-  }
-  ctx.report.time.optimizer_ms = ms_since(t);
-}
-
-void Trainer::divide_grads(std::int64_t window_count) {
-  torch::NoGradGuard no_grad;
-  const double inv = 1.0 / static_cast<double>(window_count);
-  for (auto& group : optimizer_.param_groups()) {
-    for (auto& p : group.params()) {
-      if (p.grad().defined() && !(grad_ready_ && grad_ready_->delivered(p))) {
-        p.mutable_grad().mul_(inv);
-      }
-    }
-  }
-}
-
-void Trainer::drop_window() {
-  window_batches_ = 0;
-  window_count_ = 0;
-  if (grad_ready_) {
-    grad_ready_->clear();
-  }
-}
-
-void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& guard,
-                               const std::exception* error) {
-  const auto changed = guard.changed();
-  guard.restore_unchanged();
-  // Policies see the step's gradients still in place; the window goes however they end.
-  auto drop = [this] {
-    drop_window();
-    zero_grads();
-  };
-  if (error == nullptr) {
-    drop();
-    throw;
-  }
-  if (!changed.empty()) {
-    const auto partial = partial_error("the optimizer step", changed, *error);
-    for (auto& policy : policies_) {
-      try {
-        policy->on_optimizer_error(*this, ctx, partial);
-      } catch (...) {
-        // The partial update is what the caller must hear of.
-      }
-    }
-    drop();
-    throw partial;
-  }
-  try {
-    for (auto& policy : policies_) {
-      policy->on_optimizer_error(*this, ctx, *error);  // may raise a clearer error instead
-    }
-  } catch (...) {
-    drop();
-    throw;
-  }
-  drop();
-  throw;
-}
-
-void Trainer::check_not_halted() const {
-  TORCH_CHECK(halted_.empty(), "frugal: the trainer refuses to go on after a partial update (",
-              halted_, "); load a saved model and optimizer state, or call "
-              "accept_partial_update() to train on from the model as it is");
-}
-
-void Trainer::accept_partial_update() { halted_.clear(); }
-
-bool Trainer::flush() {
-  check_not_halted();
-  if (window_batches_ == 0) {
-    return false;
-  }
-  StepReport report;
-  Batch none;
-  StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report, false, {}};
-  optimizer_phase(ctx, window_count_, /*ends_batch=*/false);
-  return true;
 }
 
 void Trainer::finish_report(StepReport& report) {
