@@ -1,6 +1,7 @@
 // The optimizer phase of a step: dividing the window's gradients, the optimizer step under
 // the step guarantee (undone, or named and halting), and the counting that follows it.
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/torch.h>
 
 #include "grad_ready.h"
@@ -78,13 +79,12 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
                                const std::exception* error) {
   const auto changed = guard.changed();
   guard.restore_unchanged();
-  // Policies see the step's gradients still in place; the window goes however they end.
-  auto drop = [this] {
+  // Policies see the step's gradients still in place; the window goes however this ends.
+  const auto drop = c10::make_scope_exit([this] {
     drop_window();
     zero_grads();
-  };
+  });
   if (error == nullptr) {
-    drop();
     throw;
   }
   if (!changed.empty()) {
@@ -96,18 +96,11 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
         // The partial update is what the caller must hear of.
       }
     }
-    drop();
     throw partial;
   }
-  try {
-    for (auto& policy : policies_) {
-      policy->on_optimizer_error(*this, ctx, *error);  // may raise a clearer error instead
-    }
-  } catch (...) {
-    drop();
-    throw;
+  for (auto& policy : policies_) {
+    policy->on_optimizer_error(*this, ctx, *error);  // may raise a clearer error instead
   }
-  drop();
   throw;
 }
 
