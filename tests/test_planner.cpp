@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "frugal/memory/counting_allocator.h"
+#include "frugal/optim/adam8bit.h"
 #include "frugal/optim/sgd.h"
 #include "frugal/policy/planner.h"
 #include "residual_mlp.h"
@@ -14,23 +15,28 @@ namespace F = torch::nn::functional;
 
 struct Setup {
   torch::nn::Sequential net = nullptr;
-  std::unique_ptr<torch::optim::SGD> sgd;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<frugal::Trainer> trainer;
 };
 
-Setup setup(bool frugal_sgd = false) {
+enum class Optimizer { TorchSgd, FrugalSgd, Adam8bit };
+
+Setup setup(Optimizer kind = Optimizer::TorchSgd) {
   frugal::CountingAllocator::install();  // before the model: its weights are counted too
   Setup s;
   torch::manual_seed(4);
   s.net = models::make_residual_mlp(8, 128, 1024, 10);
   const auto options = torch::optim::SGDOptions(0.01).momentum(0.9);
-  if (frugal_sgd) {
-    s.sgd = std::make_unique<frugal::optim::SGD>(s.net->parameters(), options);
+  if (kind == Optimizer::FrugalSgd) {
+    s.optimizer = std::make_unique<frugal::optim::SGD>(s.net->parameters(), options);
+  } else if (kind == Optimizer::Adam8bit) {
+    s.optimizer = std::make_unique<frugal::optim::Adam8bit>(s.net->parameters(),
+                                                            torch::optim::AdamOptions(1e-3));
   } else {
-    s.sgd = std::make_unique<torch::optim::SGD>(s.net->parameters(), options);
+    s.optimizer = std::make_unique<torch::optim::SGD>(s.net->parameters(), options);
   }
   s.trainer = std::make_unique<frugal::Trainer>(
-      s.net, *s.sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
+      s.net, *s.optimizer, [](const torch::Tensor& o, const torch::Tensor& t) {
         return F::cross_entropy(o, t);
       });
   return s;
@@ -104,7 +110,7 @@ TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
   const auto options = frugal::PlannerOptions().step_in_backward(true);
   frugal::MemoryPlan survey;
   {
-    auto s = setup(/*frugal_sgd=*/true);
+    auto s = setup(Optimizer::FrugalSgd);
     survey = frugal::MemoryPlanner(*s.trainer, options).plan(std::int64_t{1} << 40, batch);
   }
   std::cout << survey.table() << "\n";
@@ -116,7 +122,7 @@ TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
   ASSERT_LT(with, without);
   const auto budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
 
-  auto s = setup(/*frugal_sgd=*/true);
+  auto s = setup(Optimizer::FrugalSgd);
   frugal::MemoryPlanner planner(*s.trainer, options);
   const auto plan = planner.plan(budget, batch);
   EXPECT_TRUE(plan.chosen.step_in_backward) << plan.table();
@@ -128,6 +134,41 @@ TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
   EXPECT_NEAR(static_cast<double>(plan.chosen.predicted_peak), static_cast<double>(peak),
               0.15 * static_cast<double>(peak));
   // LibTorch's SGD cannot step in backward: the planner refuses the option up front.
+  auto plain = setup();
+  EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
+}
+
+TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
+  // A small batch: Adam's two float32 moments (8 bytes a parameter) set the peak.
+  const frugal::Batch batch{torch::randn({32, 128}), torch::randint(0, 10, {32}, torch::kLong)};
+  const auto options = frugal::PlannerOptions().quantized_states(true);
+  frugal::MemoryPlan survey;
+  {
+    auto s = setup(Optimizer::Adam8bit);
+    survey = frugal::MemoryPlanner(*s.trainer, options).plan(std::int64_t{1} << 40, batch);
+  }
+  std::cout << survey.table() << "\n";
+  EXPECT_FALSE(survey.chosen.quantized_states);  // room enough: float32 states
+  std::int64_t with = std::int64_t{1} << 40, without = with;
+  for (const auto& o : survey.options) {
+    auto& best = o.quantized_states ? with : without;
+    best = std::min(best, o.predicted_peak);
+  }
+  ASSERT_LT(with, without);
+  const auto budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
+
+  auto s = setup(Optimizer::Adam8bit);
+  frugal::MemoryPlanner planner(*s.trainer, options);
+  const auto plan = planner.plan(budget, batch);
+  ASSERT_TRUE(plan.chosen.quantized_states) << plan.table();
+  std::int64_t peak = 0;
+  for (int i = 0; i < 3; ++i) {
+    peak = std::max(peak, s.trainer->step(batch).peak);
+  }
+  EXPECT_LE(peak, budget);
+  // The state the plan counted is the state the steps made, byte for byte.
+  EXPECT_EQ(s.trainer->step(batch).ledger.optimizer, plan.quantized_optimizer_bytes);
+  // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
 }

@@ -44,6 +44,16 @@ struct Args {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
                                                         std::vector<torch::Tensor> params) {
   namespace to = torch::optim;
+  const bool adamw = args.optimizer.rfind("adamw", 0) == 0;
+  if (args.optimizer.size() > 4 && args.optimizer.compare(args.optimizer.size() - 4, 4, "8bit") == 0) {
+    if (args.torch_optimizer) {
+      throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
+    }
+    if (adamw) {
+      return std::make_unique<frugal::optim::AdamW8bit>(std::move(params), to::AdamWOptions(args.lr));
+    }
+    return std::make_unique<frugal::optim::Adam8bit>(std::move(params), to::AdamOptions(args.lr));
+  }
   if (args.optimizer == "sgd") {
     const auto options = to::SGDOptions(args.lr).momentum(0.9);
     if (args.torch_optimizer) {
@@ -51,7 +61,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
     }
     return std::make_unique<frugal::optim::SGD>(std::move(params), options);
   }
-  if (args.optimizer == "adamw") {
+  if (adamw) {
     const auto options = to::AdamWOptions(args.lr);
     if (args.torch_optimizer) {
       return std::make_unique<to::AdamW>(std::move(params), options);
@@ -290,8 +300,10 @@ int main(int argc, char** argv) {
       ->check(kPositive)
       ->capture_default_str();
   app.add_option("--lr", args.lr, "Learning rate")->check(kPositive)->capture_default_str();
-  app.add_option("--optimizer", args.optimizer, "sgd (momentum 0.9), adam or adamw: frugal's, in place")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+  app.add_option("--optimizer", args.optimizer,
+                 "sgd (momentum 0.9), adam, adamw, or adam8bit, adamw8bit (8-bit states): "
+                 "frugal's, in place")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw", "adam8bit", "adamw8bit"}))
       ->capture_default_str();
   app.add_flag("--torch-optimizer", args.torch_optimizer,
                "Use LibTorch's optimizer of that name instead of frugal's");

@@ -9,6 +9,8 @@
 #include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/optim/adam.h"
+#include "frugal/optim/adam8bit.h"
+#include "frugal/optim/blockwise.h"
 #include "frugal/optim/in_place.h"
 #include "frugal/optim/sgd.h"
 #include "frugal/policy/autocast.h"

@@ -37,6 +37,9 @@ class StorageCounter {
 
 std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::OptimizerParamState& s) {
   using namespace torch::optim;
+  if (auto* list = dynamic_cast<const StateTensorList*>(&s)) {
+    return list->state_tensors();
+  }
   if (auto* sgd = dynamic_cast<const SGDParamState*>(&s)) {
     return {sgd->momentum_buffer()};
   }

@@ -95,7 +95,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     w.flat = p.is_contiguous() && g.is_contiguous();
     w.chunk = chunk_of(p, w.flat);
     w.buffers = scratch_buffers(w.group->options());
-    auto& size = sizes[Kind{p.device().type(), p.device().index(), p.scalar_type()}];
+    auto& size = sizes[Kind{p.device().type(), p.device().index(), scratch_type(p)}];
     size.first = std::max(size.first, w.chunk);
     size.second = std::max(size.second, w.buffers);
   }
@@ -125,7 +125,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                   !w.has_state,
                   w.flat,
                   w.chunk,
-                  scratch[Kind{p.device().type(), p.device().index(), p.scalar_type()}]};
+                  scratch[Kind{p.device().type(), p.device().index(), scratch_type(p)}]};
     update(u);
   }
 }
@@ -148,7 +148,9 @@ torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tenso
 }
 
 std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat) const {
-  return flat ? std::min(in_place_.chunk(), param.numel()) : param.numel();
+  const std::int64_t multiple = chunk_multiple();
+  const std::int64_t chunk = std::max(multiple, in_place_.chunk() / multiple * multiple);
+  return flat ? std::min(chunk, param.numel()) : param.numel();
 }
 
 std::int64_t InPlaceOptimizer::scratch_bytes() {
@@ -157,7 +159,8 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
     const int buffers = scratch_buffers(group.options());
     for (const auto& p : group.params()) {
       const auto elements = chunk_of(p, p.is_contiguous());
-      most = std::max(most, elements * static_cast<std::int64_t>(p.element_size()) * buffers);
+      const auto element = static_cast<std::int64_t>(c10::elementSize(scratch_type(p)));
+      most = std::max(most, elements * element * buffers);
     }
   }
   return most;

@@ -53,12 +53,13 @@ int step_temporaries(const torch::optim::OptimizerOptions& o) {
 
 int policies_in(const PlanOption& o) {
   return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
-         (o.step_in_backward ? 1 : 0);
+         (o.step_in_backward ? 1 : 0) + (o.quantized_states ? 1 : 0);
 }
 
 bool same_plan(const PlanOption& a, const PlanOption& b) {
   return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
-         a.autocast == b.autocast && a.step_in_backward == b.step_in_backward;
+         a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
+         a.quantized_states == b.quantized_states;
 }
 
 }  // namespace
@@ -76,6 +77,9 @@ std::string PlanOption::describe() const {
   if (step_in_backward) {
     out += " + step in backward";
   }
+  if (quantized_states) {
+    out += " + 8-bit states";
+  }
   return out;
 }
 
@@ -86,6 +90,11 @@ std::string MemoryPlan::table() const {
       "fits |\n|---|---|---|---|\n",
       format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
       margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
+  if (quantized_optimizer_bytes > 0) {
+    out.insert(out.find("\n\n"), fmt::format("; with 8-bit states: {}, step peak {}",
+                                               format_bytes(quantized_optimizer_bytes),
+                                               format_bytes(quantized_step_peak)));
+  }
   for (const auto& o : options) {
     const bool is_chosen = same_plan(o, chosen);
     out += fmt::format("| {}{}{} | {} | {:.1f} | {} |\n", is_chosen ? "**" : "", o.describe(),
@@ -119,11 +128,23 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
     in_backward_->set_enabled(false);
     trainer_.add_policy(in_backward_);  // refuses an optimizer that is not frugal's
   }
+  quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
+  quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
+  if (options_.quantized_states()) {
+    TORCH_CHECK(quantized_ != nullptr, "frugal: PlannerOptions::quantized_states needs one of "
+                "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
+    TORCH_CHECK(trainer_.optimizer().state().empty(), "frugal: PlannerOptions::quantized_states "
+                "needs an optimizer without state: the states' format is chosen before the "
+                "first step");
+  }
 }
 
 void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
-                              bool in_backward) {
+                              bool in_backward, bool quantized) {
   trainer_.set_micro_batch(micro_batch);
+  if (options_.quantized_states()) {
+    quantized_->set_quantized(quantized);
+  }
   if (checkpoint_) {
     checkpoint_->set_enabled(checkpoint);
   }
@@ -163,10 +184,13 @@ std::int64_t MemoryPlanner::optimizer_step_peak(std::int64_t pending_state,
   return trainer_.probe().allocated() - grads_alive + pending_state + grads + scratch;
 }
 
-std::int64_t MemoryPlanner::pending_optimizer_bytes() {
+std::int64_t MemoryPlanner::pending_optimizer_bytes(bool quantized) {
   auto& optimizer = trainer_.optimizer();
   if (!optimizer.state().empty()) {
     return 0;  // allocated already, and part of what the trials start from
+  }
+  if (quantized_ != nullptr) {
+    return quantized_->pending_state_bytes(quantized);
   }
   double bytes = 0;
   for (auto& group : optimizer.param_groups()) {
@@ -185,7 +209,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   MemoryPlan plan;
   plan.budget = budget;
   plan.margin = options_.margin();
-  plan.optimizer_bytes = pending_optimizer_bytes();
+  plan.optimizer_bytes = pending_optimizer_bytes(quantized_at_start_ && !options_.quantized_states());
   const double limit = static_cast<double>(budget) * (1 - options_.margin());
 
   std::vector<std::int64_t> sizes;
@@ -196,6 +220,13 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
 
   plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
+  std::vector<bool> state_formats = {false};
+  if (options_.quantized_states()) {
+    state_formats.push_back(true);
+    plan.quantized_optimizer_bytes = pending_optimizer_bytes(true);
+    std::string ignored;
+    plan.quantized_step_peak = optimizer_step_peak(plan.quantized_optimizer_bytes, &ignored);
+  }
 
   configure(batch, false, false, false);
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
@@ -216,7 +247,9 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         }
       }
       for (const auto m : sizes) {
+      for (const bool quantized : state_formats) {
         PlanOption o;
+        o.quantized_states = quantized;
         o.micro_batch = m;
         o.micro_batches = (batch + m - 1) / m;
         o.checkpoint = checkpoint;
@@ -245,27 +278,35 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
           ms = std::max(ms, times[{m, false, autocast}]);
         }
         times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
-        o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + plan.optimizer_bytes,
-                                    in_backward ? 0 : plan.optimizer_step_peak);
+        const auto state = quantized ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
+        const auto step_peak = quantized ? plan.quantized_step_peak : plan.optimizer_step_peak;
+        o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + state,
+                                    in_backward ? 0 : step_peak);
         o.predicted_ms = ms;
         o.fits = static_cast<double>(o.predicted_peak) <= limit;
         plan.options.push_back(o);
+      }
       }
     }
   }
   }
 
-  // The cheapest that fits: least time, the simplest within 5% of it; autocast last.
+  // The cheapest that fits: least time, the simplest within 5% of it; numerics kept
+  // longest: float32 states, then 8-bit states, then autocast, then both.
   const PlanOption* best = nullptr;
-  for (const bool autocast : {false, true}) {
+  for (const auto& [autocast, quantized] : {std::pair{false, false}, std::pair{false, true},
+                                            std::pair{true, false}, std::pair{true, true}}) {
+    const auto candidate = [&, a = autocast, q = quantized](const PlanOption& o) {
+      return o.fits && o.autocast == a && o.quantized_states == q;
+    };
     double fastest = -1;
     for (const auto& o : plan.options) {
-      if (o.fits && o.autocast == autocast && (fastest < 0 || o.predicted_ms < fastest)) {
+      if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
         fastest = o.predicted_ms;
       }
     }
     for (const auto& o : plan.options) {
-      if (!o.fits || o.autocast != autocast || o.predicted_ms > fastest * 1.05) {
+      if (!candidate(o) || o.predicted_ms > fastest * 1.05) {
         continue;
       }
       if (best == nullptr || policies_in(o) < policies_in(*best) ||
@@ -281,15 +322,17 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
-    configure(batch, false, false, false);
+    configure(batch, false, false, false, quantized_at_start_);
     TORCH_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
                 format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
                 "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
                 smallest->describe());
   }
   plan.chosen = *best;
-  configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward);
-  plan.measured_peak = trainer_.trial(sample).peak + plan.optimizer_bytes;
+  configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
+            best->quantized_states);
+  plan.measured_peak = trainer_.trial(sample).peak +
+                       (best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
   return plan;
 }
 

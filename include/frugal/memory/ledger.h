@@ -28,16 +28,34 @@ struct Ledger {
 };
 
 /// Measures the ledger of `module` and, if given, `optimizer` on the probe's device.
-/// Optimizer state is read for SGD, Adam, AdamW, Adagrad, RMSprop and LBFGS; other
-/// optimizers' state lands in `other`.
+/// Optimizer state is read for SGD, Adam, AdamW, Adagrad, RMSprop, LBFGS and states that
+/// are a StateTensorList (frugal's 8-bit optimizers); other optimizers' state lands in
+/// `other`.
 ///
 /// Example:
 ///   auto ledger = frugal::measure_ledger(probe, *model, &optimizer);
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
                       const torch::optim::Optimizer* optimizer = nullptr);
 
+/// For optimizer param states of other types than LibTorch's: a state that derives from
+/// this (as well as from OptimizerParamState) says which tensors it holds, and the ledger
+/// and the trainer's step guard see them.
+///
+/// Example:
+///   struct MyState : torch::optim::OptimizerCloneableParamState<MyState>,
+///                    frugal::StateTensorList {
+///     torch::Tensor buffer;
+///     std::vector<torch::Tensor> state_tensors() const override { return {buffer}; }
+///   };
+class StateTensorList {
+ public:
+  virtual ~StateTensorList() = default;
+  virtual std::vector<torch::Tensor> state_tensors() const = 0;
+};
+
 /// The tensors one parameter's optimizer state holds, for the state types of SGD, Adam,
-/// AdamW, Adagrad, RMSprop and LBFGS (undefined ones included); empty for other types.
+/// AdamW, Adagrad, RMSprop and LBFGS and states that are a StateTensorList (undefined ones
+/// included); empty for other types.
 std::vector<torch::Tensor> optimizer_state_tensors(
     const torch::optim::OptimizerParamState& state);
 

@@ -83,6 +83,13 @@ class InPlaceOptimizer {
   virtual int scratch_buffers(const torch::optim::OptimizerOptions& options) const = 0;
   /// Updates one parameter in place; must not allocate tensors (all-or-nothing).
   virtual void update(ParamUpdate& u) const = 0;
+  /// The dtype of the scratch buffers for `param`: its own, unless the update computes in
+  /// another (frugal's 8-bit optimizers compute in float32).
+  virtual c10::ScalarType scratch_type(const torch::Tensor& param) const {
+    return param.scalar_type();
+  }
+  /// Chunks are a multiple of this many elements (8-bit states: the quantization block).
+  virtual std::int64_t chunk_multiple() const { return 1; }
 
  private:
   struct Planned;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "frugal/optim/adam8bit.h"
 #include "frugal/policy/autocast.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/step_in_backward.h"
@@ -25,6 +26,10 @@ struct PlannerOptions {
   /// The optimizer step in backward (StepInBackward) is an option; needs one of frugal's
   /// optimizers.
   TORCH_ARG(bool, step_in_backward) = false;
+  /// 8-bit optimizer states are an option; needs one of frugal's 8-bit optimizers
+  /// (frugal::optim::Adam8bit, AdamW8bit) with no state yet. They change the numerics a
+  /// little, so they are chosen only when nothing fits with float32 states.
+  TORCH_ARG(bool, quantized_states) = false;
 };
 
 /// One configuration the planner considered.
@@ -34,11 +39,12 @@ struct PlanOption {
   bool checkpoint = false;
   bool autocast = false;
   bool step_in_backward = false;
+  bool quantized_states = false;    ///< 8-bit optimizer states
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
 
-  /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward"
+  /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward + 8-bit states"
   std::string describe() const;
 };
 
@@ -50,6 +56,9 @@ struct MemoryPlan {
   /// The ordinary optimizer step's peak: what lives between steps, all gradients, and the
   /// step's own temporaries (whole-parameter ones for LibTorch's, a chunk for frugal's).
   std::int64_t optimizer_step_peak = 0;
+  /// The same two with 8-bit optimizer states, where they are an option (else 0).
+  std::int64_t quantized_optimizer_bytes = 0;
+  std::int64_t quantized_step_peak = 0;
   std::vector<PlanOption> options;   ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;    ///< the chosen plan's peak, measured (with the state)
@@ -76,9 +85,14 @@ struct MemoryPlan {
 ///
 /// Pass the largest batch the run will see: the plan holds for the sample it measured.
 ///
+/// With frugal's 8-bit optimizers (Adam8bit, AdamW8bit) the state to come is counted from
+/// their format, and with PlannerOptions::quantized_states each configuration is also
+/// predicted with 8-bit states (the trials do not depend on the states' format).
+///
 /// Cheapest: the least predicted time; plans within 5% of it count as equal and the one
-/// with the fewest policies wins. Autocast changes the numerics, so it is chosen only when
-/// nothing fits without it. The chosen plan is applied to the trainer (its micro-batch and
+/// with the fewest policies wins. 8-bit states and autocast change the numerics, so they
+/// are chosen only when nothing fits without them: float32 states first, then 8-bit
+/// states, then autocast, then both. The chosen plan is applied to the trainer (its micro-batch and
 /// the planner's policies, added to the trainer once) and measured.
 ///
 /// Example:
@@ -92,8 +106,9 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
-  void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward);
-  std::int64_t pending_optimizer_bytes();
+  void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,
+                 bool quantized = false);
+  std::int64_t pending_optimizer_bytes(bool quantized);
   std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
   Trainer& trainer_;
@@ -101,6 +116,8 @@ class MemoryPlanner {
   std::shared_ptr<CheckpointPolicy> checkpoint_;
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
+  optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
+  bool quantized_at_start_ = false;
 };
 
 }  // namespace frugal

@@ -1,0 +1,152 @@
+// Adam and AdamW with 8-bit optimizer states: block-wise quantized moments, about 2 bytes
+// a parameter instead of 8.
+#pragma once
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/serialize.h>
+
+#include <map>
+#include <utility>
+
+#include "frugal/memory/ledger.h"
+#include "frugal/optim/blockwise.h"
+#include "frugal/optim/in_place.h"
+
+namespace frugal::optim {
+
+/// How frugal's 8-bit optimizers store their states.
+///
+/// Example:
+///   frugal::optim::Adam8bit adam(model->parameters(), torch::optim::AdamOptions(1e-3),
+///                                frugal::optim::QuantizedStateOptions().block(2048));
+struct QuantizedStateOptions {
+  /// Elements that share one float32 scale: smaller blocks follow outliers more closely
+  /// and cost 4 bytes each (256: 1.6% of the codes' bytes).
+  TORCH_ARG(std::int64_t, block) = 256;
+  /// Parameters with fewer elements keep float32 states (biases, norms: little memory, and
+  /// the most sensitive to quantization).
+  TORCH_ARG(std::int64_t, min_elements) = 4096;
+};
+
+/// One parameter's state in Adam8bit and AdamW8bit. Quantized (`block` > 0): `exp_avg` and
+/// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed and unsigned
+/// dynamic maps (`signed_map`, `unsigned_map`, shared by every state on a device), with
+/// one float32 scale per block of `block` elements. Not quantized (`block` 0): float32
+/// tensors shaped like the parameter, as torch's Adam keeps them.
+struct Adam8bitParamState
+    : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
+      public StateTensorList {
+  TORCH_ARG(std::int64_t, step) = 0;
+  TORCH_ARG(std::int64_t, block) = 0;
+  TORCH_ARG(torch::Tensor, exp_avg);
+  TORCH_ARG(torch::Tensor, exp_avg_scales);
+  TORCH_ARG(torch::Tensor, exp_avg_sq);
+  TORCH_ARG(torch::Tensor, exp_avg_sq_scales);
+  TORCH_ARG(torch::Tensor, signed_map);    ///< not saved: the optimizer's, attached on load
+  TORCH_ARG(torch::Tensor, unsigned_map);  ///< not saved: likewise
+
+ public:
+  bool quantized() const { return block() > 0; }
+  std::vector<torch::Tensor> state_tensors() const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+};
+
+/// What the planner (frugal::MemoryPlanner) sees of an 8-bit optimizer: whether new states
+/// are quantized, and what they will cost.
+class QuantizedStateOptimizer {
+ public:
+  virtual ~QuantizedStateOptimizer() = default;
+  /// Whether states made from now on are 8-bit (the default); parameters under
+  /// QuantizedStateOptions::min_elements keep float32 states either way.
+  virtual bool quantized() const = 0;
+  /// Chooses the states' format; refused once any state exists.
+  virtual void set_quantized(bool on) = 0;
+  /// Bytes of state the first step would allocate for every parameter, quantized or not:
+  /// codes (1 byte an element, two moments), scales (4 bytes a block, two moments) and the
+  /// two code books (2 x 511 float32 per device); 8 bytes an element for float32 states.
+  virtual std::int64_t pending_state_bytes(bool quantized) = 0;
+};
+
+namespace detail {
+
+/// Adam (coupled L2 weight decay, with AdamOptions) or AdamW (decoupled, with
+/// AdamWOptions) on 8-bit states; see Adam8bit.
+template <typename Options>
+class Adam8bitBase : public torch::optim::Optimizer,
+                     public InPlaceOptimizer,
+                     public QuantizedStateOptimizer {
+ public:
+  explicit Adam8bitBase(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        Options defaults = {}, QuantizedStateOptions quantized = {},
+                        InPlaceOptions in_place = {});
+  explicit Adam8bitBase(std::vector<torch::Tensor> params, Options defaults = {},
+                        QuantizedStateOptions quantized = {}, InPlaceOptions in_place = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override { return run_step(closure); }
+  torch::optim::Optimizer& optimizer() override { return *this; }
+  /// torch::save / torch::load: options as torch's Adam(W) saves them, states with their
+  /// codes and scales. A load that does not fit these parameters (shapes, block size)
+  /// fails naming the parameter and changes nothing.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  const QuantizedStateOptions& quantized_options() const { return quantized_; }
+  bool quantized() const override { return enabled_; }
+  void set_quantized(bool on) override;
+  std::int64_t pending_state_bytes(bool quantized) override;
+
+ protected:
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  void update(ParamUpdate& u) const override;
+  c10::ScalarType scratch_type(const torch::Tensor&) const override { return torch::kFloat32; }
+  std::int64_t chunk_multiple() const override { return quantized_.block(); }
+
+ private:
+  struct Books {
+    CodeBook signed_book, unsigned_book;
+  };
+  const Books& books(torch::Device device) const;
+  // Checks that loaded states fit these parameters, then moves them to their devices.
+  void adopt_loaded();
+
+  QuantizedStateOptions quantized_;
+  bool enabled_ = true;
+  mutable std::map<std::pair<c10::DeviceType, c10::DeviceIndex>, Books> books_;
+};
+
+extern template class Adam8bitBase<torch::optim::AdamOptions>;
+extern template class Adam8bitBase<torch::optim::AdamWOptions>;
+
+}  // namespace detail
+
+/// Adam whose moments are stored in 8 bits, block-wise quantized with the dynamic map of
+/// Dettmers et al. (2021): 2 bytes a parameter (plus 8 bytes a block of 256) instead of 8.
+/// Each step dequantizes a chunk of the moments into float32 scratch, updates them and the
+/// parameter exactly as Adam does, and quantizes them back; the scratch is 4 buffers of
+/// InPlaceOptions::chunk elements, never a whole state. Options are torch's AdamOptions
+/// (AMSGrad is not offered); the step is frugal's (in place, all or nothing, usable by
+/// StepInBackward); torch::save/load round-trips the codes bit for bit.
+///
+/// Example:
+///   frugal::optim::Adam8bit adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+class Adam8bit : public detail::Adam8bitBase<torch::optim::AdamOptions> {
+ public:
+  using Adam8bitBase::Adam8bitBase;  // (params or groups, AdamOptions, QuantizedStateOptions,
+                                     //  InPlaceOptions)
+};
+
+/// AdamW (decoupled weight decay) on 8-bit states; see Adam8bit.
+///
+/// Example:
+///   frugal::optim::AdamW8bit adamw(model->parameters(),
+///                                  torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+class AdamW8bit : public detail::Adam8bitBase<torch::optim::AdamWOptions> {
+ public:
+  using Adam8bitBase::Adam8bitBase;
+};
+
+}  // namespace frugal::optim

@@ -1,0 +1,332 @@
+#include "frugal/optim/adam8bit.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <set>
+#include <type_traits>
+
+#include "frugal/compat.h"
+
+namespace frugal::optim {
+namespace {
+
+using torch::optim::AdamOptions;
+using torch::optim::AdamWOptions;
+
+std::int64_t blocks_of(std::int64_t numel, std::int64_t block) {
+  return (numel + block - 1) / block;
+}
+
+constexpr std::int64_t kBookBytes = 2 * 511 * 4;  // two CodeBook tables of float32
+
+template <typename Options>
+void check_options(const Options& o, const QuantizedStateOptions& q) {
+  TORCH_CHECK(o.lr() >= 0, "frugal: invalid learning rate: ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "frugal: invalid epsilon: ", o.eps());
+  const auto [beta1, beta2] = o.betas();
+  TORCH_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
+  TORCH_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
+  TORCH_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
+  TORCH_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
+              "(amsgrad must be false)");
+  TORCH_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
+              q.block());
+  TORCH_CHECK(q.min_elements() >= 0,
+              "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
+}
+
+// Reads what `tensors` may hold: a missing key leaves the tensor undefined.
+void read_tensor(torch::serialize::InputArchive& archive, const char* key, torch::Tensor& t) {
+  c10::IValue value;
+  if (archive.try_read(key, value)) {
+    TORCH_CHECK(value.isTensor(), "frugal: 8-bit optimizer state '", key, "' is not a tensor");
+    t = value.toTensor();
+  }
+}
+
+std::int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "frugal: the optimizer state has "
+              "no '", key, "': it was not saved by frugal's Adam8bit or AdamW8bit");
+  return value.toInt();
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> Adam8bitParamState::state_tensors() const {
+  return {exp_avg(), exp_avg_scales(), exp_avg_sq(), exp_avg_sq_scales(), signed_map(),
+          unsigned_map()};
+}
+
+void Adam8bitParamState::serialize(torch::serialize::OutputArchive& archive) const {
+  archive.write("step", c10::IValue(step()));
+  archive.write("block", c10::IValue(block()));
+  for (const auto& [key, t] : {std::pair<const char*, torch::Tensor>{"exp_avg", exp_avg()},
+                               {"exp_avg_scales", exp_avg_scales()},
+                               {"exp_avg_sq", exp_avg_sq()},
+                               {"exp_avg_sq_scales", exp_avg_sq_scales()}}) {
+    if (t.defined()) {
+      archive.write(key, c10::IValue(t));
+    }
+  }
+}
+
+void Adam8bitParamState::serialize(torch::serialize::InputArchive& archive) {
+  step(read_int(archive, "step"));
+  block(read_int(archive, "block"));
+  read_tensor(archive, "exp_avg", exp_avg_);
+  read_tensor(archive, "exp_avg_scales", exp_avg_scales_);
+  read_tensor(archive, "exp_avg_sq", exp_avg_sq_);
+  read_tensor(archive, "exp_avg_sq_scales", exp_avg_sq_scales_);
+}
+
+namespace detail {
+
+template <typename Options>
+Adam8bitBase<Options>::Adam8bitBase(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                    Options defaults, QuantizedStateOptions quantized,
+                                    InPlaceOptions in_place)
+    : torch::optim::Optimizer(groups, std::make_unique<Options>(defaults)),
+      InPlaceOptimizer(in_place),
+      quantized_(quantized) {
+  check_options(defaults, quantized_);
+}
+
+template <typename Options>
+Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options defaults,
+                                    QuantizedStateOptions quantized, InPlaceOptions in_place)
+    : torch::optim::Optimizer(std::move(params), std::make_unique<Options>(defaults)),
+      InPlaceOptimizer(in_place),
+      quantized_(quantized) {
+  check_options(defaults, quantized_);
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::set_quantized(bool on) {
+  TORCH_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
+              ") after states exist (", state().size(), " parameters): the states' format is "
+              "chosen before the first step");
+  enabled_ = on;
+}
+
+template <typename Options>
+std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
+  std::int64_t bytes = 0;
+  std::set<std::pair<c10::DeviceType, c10::DeviceIndex>> devices;
+  for (auto& group : param_groups()) {
+    for (const auto& p : group.params()) {
+      if (state().count(compat::optimizer_state_key(p)) != 0) {
+        continue;
+      }
+      const auto n = p.numel();
+      if (quantized && n >= quantized_.min_elements()) {
+        bytes += 2 * (n + 4 * blocks_of(n, quantized_.block()));
+        const auto device = std::make_pair(p.device().type(), p.device().index());
+        if (books_.count(device) == 0 && devices.insert(device).second) {
+          bytes += kBookBytes;
+        }
+      } else {
+        bytes += 8 * n;
+      }
+    }
+  }
+  return bytes;
+}
+
+template <typename Options>
+const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(
+    torch::Device device) const {
+  const auto key = std::make_pair(device.type(), device.index());
+  auto it = books_.find(key);
+  if (it == books_.end()) {
+    it = books_.emplace(key, Books{CodeBook(dynamic_map(true).to(device)),
+                                   CodeBook(dynamic_map(false).to(device))})
+             .first;
+  }
+  return it->second;
+}
+
+template <typename Options>
+std::unique_ptr<torch::optim::OptimizerParamState> Adam8bitBase<Options>::make_state(
+    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
+  check_options(static_cast<const Options&>(options), quantized_);
+  auto state = std::make_unique<Adam8bitParamState>();
+  const auto f32 = torch::TensorOptions().device(param.device()).dtype(torch::kFloat32);
+  if (enabled_ && param.numel() >= quantized_.min_elements()) {
+    const auto& b = books(param.device());
+    const auto blocks = blocks_of(param.numel(), quantized_.block());
+    const auto u8 = f32.dtype(torch::kUInt8);
+    state->block(quantized_.block())
+        .exp_avg(torch::empty(param.sizes(), u8))
+        .exp_avg_scales(torch::empty({blocks}, f32))
+        .exp_avg_sq(torch::empty(param.sizes(), u8))
+        .exp_avg_sq_scales(torch::empty({blocks}, f32))
+        .signed_map(b.signed_book.values)
+        .unsigned_map(b.unsigned_book.values);
+  } else {
+    state->exp_avg(torch::empty(param.sizes(), f32)).exp_avg_sq(torch::empty(param.sizes(), f32));
+  }
+  return state;
+}
+
+template <typename Options>
+int Adam8bitBase<Options>::scratch_buffers(const torch::optim::OptimizerOptions&) const {
+  return 4;  // the two moments in float32, the denominator, the codes' indices
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::update(ParamUpdate& u) const {
+  const auto& o = static_cast<const Options&>(u.options);
+  auto& s = static_cast<Adam8bitParamState&>(*u.state);
+  s.step(s.step() + 1);
+  const auto [beta1, beta2] = o.betas();
+  const double bias_correction1 = 1 - std::pow(beta1, s.step());
+  const double bias_correction2 = 1 - std::pow(beta2, s.step());
+  const double step_size = o.lr() / bias_correction1;
+  const Books* b = s.quantized() ? &books_.at({u.param.device().type(), u.param.device().index()})
+                                 : nullptr;
+  for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
+    auto p = u.part(u.param, offset, n);
+    auto grad = u.part(u.grad, offset, n);
+    auto work = u.scratch_part(2, n);
+    torch::Tensor m, v, index, m_codes, v_codes, m_scales, v_scales;
+    if (b != nullptr) {
+      m = u.scratch_part(0, n);
+      v = u.scratch_part(1, n);
+      index = u.scratch.at(3).narrow(0, 0, n).view(torch::kInt32);
+      m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
+      v_codes = s.exp_avg_sq().view(-1).narrow(0, offset, n);
+      const auto first = offset / s.block();
+      m_scales = s.exp_avg_scales().narrow(0, first, blocks_of(n, s.block()));
+      v_scales = s.exp_avg_sq_scales().narrow(0, first, blocks_of(n, s.block()));
+      if (!u.fresh) {
+        dequantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), index);
+        dequantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), index);
+      }
+    } else {
+      m = u.part(s.exp_avg(), offset, n);
+      v = u.part(s.exp_avg_sq(), offset, n);
+    }
+    if (u.fresh) {  // torch starts the moments from zeros
+      m.zero_();
+      v.zero_();
+    }
+    if (o.weight_decay() != 0) {
+      if (std::is_same_v<Options, AdamWOptions>) {
+        p.mul_(1 - o.lr() * o.weight_decay());
+      } else {
+        at::add_out(work, grad, p, o.weight_decay());
+        grad = work;
+      }
+    }
+    m.mul_(beta1).add_(grad, 1 - beta1);
+    v.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+    at::sqrt_out(work, v);  // the decayed gradient is used up
+    work.div_(std::sqrt(bias_correction2)).add_(o.eps());
+    p.addcdiv_(m, work, -step_size);
+    if (b != nullptr) {
+      quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1), index);
+      quantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), work.view(-1),
+                    index);
+    }
+  });
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::save(torch::serialize::OutputArchive& archive) const {
+  torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::load(torch::serialize::InputArchive& archive) {
+  // What is here now, to put back if the file does not fit.
+  using Key = std::decay_t<decltype(state().begin()->first)>;
+  std::vector<std::pair<Key, std::unique_ptr<torch::optim::OptimizerParamState>>> kept_state;
+  for (const auto& [key, s] : state()) {
+    kept_state.emplace_back(key, s->clone());
+  }
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> kept_options;
+  for (auto& group : param_groups()) {
+    kept_options.push_back(group.options().clone());
+  }
+  try {
+    torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
+    adopt_loaded();
+  } catch (...) {
+    state().clear();
+    for (auto& [key, s] : kept_state) {
+      state()[key] = std::move(s);
+    }
+    for (std::size_t g = 0; g < kept_options.size(); ++g) {
+      param_groups()[g].set_options(std::move(kept_options[g]));
+    }
+    throw;
+  }
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::adopt_loaded() {
+  std::int64_t index = 0;
+  for (const auto& group : param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = state().find(compat::optimizer_state_key(p));
+      ++index;
+      if (it == state().end()) {
+        continue;
+      }
+      auto& s = static_cast<Adam8bitParamState&>(*it->second);
+      const auto name = [&] {
+        return c10::str("frugal: the loaded state of parameter ", index - 1, " (shape ",
+                        p.sizes(), ")");
+      };
+      TORCH_CHECK(s.block() >= 0 && s.step() >= 0, name(), " has block ", s.block(),
+                  " and step ", s.step());
+      TORCH_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
+                  " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
+                  quantized_.block());
+      const auto moment_type = s.quantized() ? torch::kUInt8 : torch::kFloat32;
+      for (const auto& t : {s.exp_avg(), s.exp_avg_sq()}) {
+        TORCH_CHECK(t.defined() && t.sizes() == p.sizes() && t.scalar_type() == moment_type,
+                    name(), " holds a moment of ",
+                    t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "nothing",
+                    " where ", p.sizes(), " ", moment_type, " belongs");
+      }
+      if (s.quantized()) {
+        const auto blocks = blocks_of(p.numel(), s.block());
+        for (const auto& t : {s.exp_avg_scales(), s.exp_avg_sq_scales()}) {
+          TORCH_CHECK(t.defined() && t.dim() == 1 && t.numel() == blocks &&
+                          t.scalar_type() == torch::kFloat32,
+                      name(), " needs ", blocks, " float32 scales, got ",
+                      t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "none");
+        }
+      }
+    }
+  }
+  // Everything fits: move the states to their parameters' devices and attach the books.
+  for (const auto& group : param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = state().find(compat::optimizer_state_key(p));
+      if (it == state().end()) {
+        continue;
+      }
+      auto& s = static_cast<Adam8bitParamState&>(*it->second);
+      const auto here = [&](const torch::Tensor& t) {
+        return t.defined() ? t.to(p.device()).contiguous() : t;
+      };
+      s.exp_avg(here(s.exp_avg())).exp_avg_sq(here(s.exp_avg_sq()));
+      s.exp_avg_scales(here(s.exp_avg_scales())).exp_avg_sq_scales(here(s.exp_avg_sq_scales()));
+      if (s.quantized()) {
+        const auto& b = books(p.device());
+        s.signed_map(b.signed_book.values).unsigned_map(b.unsigned_book.values);
+      }
+    }
+  }
+}
+
+template class Adam8bitBase<AdamOptions>;
+template class Adam8bitBase<AdamWOptions>;
+
+}  // namespace detail
+}  // namespace frugal::optim

@@ -1,0 +1,137 @@
+#include "frugal/optim/blockwise.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace frugal::optim {
+namespace {
+
+// Calls fn(offset, rows, columns) for the whole blocks of n elements (as one rows x block
+// matrix) and then for the shorter last block, if any.
+template <typename Fn>
+void for_block_rows(std::int64_t n, std::int64_t block, Fn fn) {
+  const std::int64_t full = n / block;
+  if (full > 0) {
+    fn(0, full, block);
+  }
+  if (n % block != 0) {
+    fn(full * block, 1, n % block);
+  }
+}
+
+torch::Tensor rows(const torch::Tensor& flat, std::int64_t offset, std::int64_t rows,
+                   std::int64_t columns) {
+  return flat.narrow(0, offset, rows * columns).view({rows, columns});
+}
+
+void check_block(std::int64_t block) {
+  TORCH_CHECK(block >= 1, "frugal: the quantization block must be >= 1 element, got ", block);
+}
+
+}  // namespace
+
+torch::Tensor dynamic_map(bool is_signed) {
+  // Exponents 10^-6 .. 10^0; at exponent i the fraction has 2^i (signed) or 2^(i+1)
+  // (unsigned) linear steps between 0.1 and 1, each value the middle of its step.
+  std::vector<float> values;
+  for (int i = 0; i < 7; ++i) {
+    const int steps = is_signed ? (1 << i) : (1 << (i + 1));
+    const double scale = std::pow(10.0, i - 6);
+    for (int k = 0; k < steps; ++k) {
+      const double lo = 0.1 + 0.9 * k / steps;
+      const double hi = 0.1 + 0.9 * (k + 1) / steps;
+      values.push_back(static_cast<float>(scale * (lo + hi) / 2));
+      if (is_signed) {
+        values.push_back(static_cast<float>(-scale * (lo + hi) / 2));
+      }
+    }
+  }
+  values.push_back(0.0F);
+  values.push_back(1.0F);
+  std::sort(values.begin(), values.end());
+  TORCH_INTERNAL_ASSERT(values.size() == 256);
+  return torch::tensor(values, torch::kFloat32);
+}
+
+BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& map,
+                                  std::int64_t block) {
+  check_block(block);
+  TORCH_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
+              "tensor, got ", x.scalar_type());
+  const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
+  const std::int64_t n = flat.numel();
+  const auto options = flat.options();
+  BlockwiseCodes q{torch::empty(x.sizes(), options.dtype(torch::kUInt8)),
+                   torch::empty({(n + block - 1) / block}, options), block};
+  const detail::CodeBook book(map.to(x.device()));
+  detail::quantize_into(flat, q.codes.view(-1), q.scales, book, block,
+                        torch::empty({n}, options), torch::empty({n}, options.dtype(torch::kInt32)));
+  return q;
+}
+
+torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor& map) {
+  check_block(q.block);
+  const std::int64_t n = q.codes.numel();
+  TORCH_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
+              " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
+              " scales, got ", q.scales.numel());
+  const detail::CodeBook book(map.to(q.codes.device()));
+  auto out = torch::empty(q.codes.sizes(), q.scales.options());
+  detail::dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
+                          torch::empty({n}, q.scales.options().dtype(torch::kInt32)));
+  return out;
+}
+
+namespace detail {
+
+CodeBook::CodeBook(const torch::Tensor& map) {
+  TORCH_CHECK(map.dim() == 1 && map.numel() == 256,
+              "frugal: a quantization map has 256 values, got shape ", map.sizes());
+  const auto table = torch::empty({511}, map.options().dtype(torch::kFloat32));
+  values = table.narrow(0, 0, 256);
+  values.copy_(map);
+  boundaries = table.narrow(0, 256, 255);
+  at::add_out(boundaries, values.narrow(0, 0, 255), values.narrow(0, 1, 255));
+  boundaries.div_(2);
+}
+
+void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
+                     const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
+                     const torch::Tensor& index) {
+  const std::int64_t n = out.numel();
+  auto idx = index.narrow(0, 0, n);
+  idx.copy_(codes);
+  at::index_select_out(const_cast<torch::Tensor&>(out), book.values, 0, idx);
+  std::int64_t b = 0;
+  for_block_rows(n, block, [&](std::int64_t offset, std::int64_t r, std::int64_t c) {
+    rows(out, offset, r, c).mul_(scales.narrow(0, b, r).unsqueeze(1));
+    b += r;
+  });
+}
+
+void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
+                   const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
+                   const torch::Tensor& work, const torch::Tensor& index) {
+  const std::int64_t n = x.numel();
+  auto w = work.narrow(0, 0, n);
+  auto idx = index.narrow(0, 0, n);
+  at::abs_out(w, x);
+  std::int64_t b = 0;
+  for_block_rows(n, block, [&](std::int64_t offset, std::int64_t r, std::int64_t c) {
+    auto scale = scales.narrow(0, b, r);
+    at::amax_out(scale, rows(w, offset, r, c), {1});
+    auto normalized = rows(w, offset, r, c);
+    at::div_out(normalized, rows(x, offset, r, c), scale.unsqueeze(1));
+    b += r;
+  });
+  w.nan_to_num_(0.0);  // 0 / 0 in an all-zero block
+  at::bucketize_out(idx, w, book.boundaries, /*out_int32=*/true, /*right=*/false);
+  codes.copy_(idx);
+}
+
+}  // namespace detail
+}  // namespace frugal::optim

@@ -1,0 +1,465 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <iostream>
+#include <sstream>
+
+#include "fashion_mnist/models.h"
+#include "frugal/compat.h"
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/ledger.h"
+#include "frugal/memory/probe.h"
+#include "frugal/optim/adam.h"
+#include "frugal/optim/adam8bit.h"
+
+namespace {
+
+namespace to = torch::optim;
+namespace fo = frugal::optim;
+
+// ---- Block-wise quantization ------------------------------------------------------------
+
+// Heavy-tailed: a standard Cauchy sample (normal / normal), a few huge outliers.
+torch::Tensor heavy_tailed(std::int64_t n) {
+  return torch::randn({n}) / torch::randn({n});
+}
+
+// The distance from each normalized value to the nearest map value.
+torch::Tensor nearest_distance(const torch::Tensor& normalized, const torch::Tensor& map) {
+  return (normalized.unsqueeze(1) - map.unsqueeze(0)).abs().amin(1);
+}
+
+TEST(Blockwise, MapsAreSortedAndHoldZeroAndOne) {
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed);
+    ASSERT_EQ(map.numel(), 256);
+    EXPECT_TRUE(torch::equal(map, std::get<0>(map.sort())));
+    EXPECT_EQ(map.max().item<float>(), 1.0F);
+    EXPECT_EQ((map == 0).sum().item<int64_t>(), 1);
+    EXPECT_EQ(map.min().item<float>() < 0, is_signed);
+    EXPECT_EQ(std::get<0>(at::_unique(map)).numel(), 256);  // 256 distinct codes
+  }
+}
+
+TEST(Blockwise, EachElementGetsTheNearestCodeOfItsBlock) {
+  torch::manual_seed(21);
+  const std::int64_t n = 10 * 256 + 77;  // a shorter last block
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed);
+    for (const auto& [name, x0] :
+         {std::pair<const char*, torch::Tensor>{"normal", torch::randn({n})},
+          {"heavy-tailed", heavy_tailed(n)}}) {
+      SCOPED_TRACE(::testing::Message() << name << (is_signed ? " signed" : " unsigned"));
+      const auto x = is_signed ? x0 : x0.abs();
+      const auto q = fo::quantize_blockwise(x, map, 256);
+      ASSERT_EQ(q.scales.numel(), 11);
+      const auto y = fo::dequantize_blockwise(q, map);
+      // Each scale is its block's absolute maximum; the element that sets it is exact
+      // when positive (the map holds 1).
+      const auto padded = torch::cat({x.abs(), torch::zeros({11 * 256 - n})}).view({11, 256});
+      EXPECT_TRUE(torch::equal(q.scales, std::get<0>(padded.max(1))));
+      // Rounded to the nearest code: the error is the distance to the nearest map value.
+      const auto scale = q.scales.repeat_interleave(256).narrow(0, 0, n);
+      const auto error = (y - x).abs() / scale;
+      const auto best = nearest_distance(x / scale, map);
+      EXPECT_LE((error - best).max().item<double>(), 1e-6);
+      // The map's bound: in the top decade, [0.1, 1] of the block's maximum, the codes are
+      // 0.9/64 apart (signed) or 0.9/128 (unsigned); half that is the largest error.
+      const auto top = (x.abs() / scale) >= 0.1;
+      const double half_gap = 0.9 / (is_signed ? 128 : 256);
+      EXPECT_LE(error.masked_select(top).max().item<double>(), half_gap * (1 + 1e-5));
+    }
+  }
+}
+
+TEST(Blockwise, BlocksKeepOutliersFromSwampingTheRest) {
+  // The point of blocks (Dettmers et al. 2021): with one scale for the whole tensor, an
+  // outlier pushes most values into the coarse bottom of the map.
+  torch::manual_seed(22);
+  const auto x = heavy_tailed(1 << 16);
+  const auto map = fo::dynamic_map(true);
+  const auto error = [&](std::int64_t block) {
+    const auto y = fo::dequantize_blockwise(fo::quantize_blockwise(x, map, block), map);
+    return ((y - x).abs() / x.abs().clamp_min(1e-12)).median().item<double>();
+  };
+  const double blockwise = error(256), whole = error(x.numel());
+  std::cout << "[ 8-bit    ] median relative error, Cauchy sample: blocks of 256 " << blockwise
+            << ", one scale " << whole << "\n";
+  EXPECT_LT(blockwise * 2, whole);
+}
+
+// ---- The optimizers ---------------------------------------------------------------------
+
+// Parameters of several shapes: large ones of several chunks and blocks (one with a short
+// last block), a small one (float32 states), one not contiguous (stepped whole).
+std::vector<torch::Tensor> make_params() {
+  torch::manual_seed(11);
+  auto strided = torch::randn({100, 50}).t();
+  return {torch::randn({64, 75}).requires_grad_(), torch::randn({9000}).requires_grad_(),
+          torch::randn({75}).requires_grad_(), strided.detach().requires_grad_()};
+}
+
+std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) {
+    auto c = torch::empty_strided(p.sizes(), p.strides());
+    c.copy_(p.detach());
+    out.push_back(c.requires_grad_());
+  }
+  return out;
+}
+
+void set_grads(std::vector<torch::Tensor>& params, int step) {
+  torch::manual_seed(1000 + step);
+  for (auto& p : params) {
+    p.mutable_grad() = torch::randn_like(p) * (1 + step % 3);
+  }
+}
+
+double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double most = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    most = std::max(most, (a[i] - b[i]).abs().max().item<double>());
+  }
+  return most;
+}
+
+// Chunks of three blocks: the 9000-element parameter takes four, the last one partial.
+const fo::InPlaceOptions kChunks = fo::InPlaceOptions().chunk(768);
+
+fo::Adam8bitParamState& state_of(to::Optimizer& o, const torch::Tensor& p) {
+  return static_cast<fo::Adam8bitParamState&>(*o.state().at(frugal::compat::optimizer_state_key(p)));
+}
+
+TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
+  // Same arithmetic as Adam: with float32 states the two agree exactly, so the 8-bit
+  // optimizer differs from Adam by its quantization only.
+  for (const double decay : {0.0, 0.01}) {
+    auto a = make_params(), b = clone_params(a), c = clone_params(a), d = clone_params(a);
+    fo::Adam adam(a, to::AdamOptions(1e-2).weight_decay(decay), kChunks);
+    fo::Adam8bit adam8(b, to::AdamOptions(1e-2).weight_decay(decay), {}, kChunks);
+    fo::AdamW adamw(c, to::AdamWOptions(1e-2).weight_decay(decay), kChunks);
+    fo::AdamW8bit adamw8(d, to::AdamWOptions(1e-2).weight_decay(decay), {}, kChunks);
+    adam8.set_quantized(false);
+    adamw8.set_quantized(false);
+    for (int step = 0; step < 20; ++step) {
+      for (auto* params : {&a, &b, &c, &d}) {
+        set_grads(*params, step);
+      }
+      adam.step();
+      adam8.step();
+      adamw.step();
+      adamw8.step();
+    }
+    EXPECT_EQ(max_abs_diff(a, b), 0) << "decay " << decay;
+    EXPECT_EQ(max_abs_diff(c, d), 0) << "decay " << decay;
+  }
+}
+
+TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
+  // Run 8-bit Adam for a while, give float32 Adam the states it stands for, and take one
+  // step with each from the same parameters and gradient: the parameter updates agree to
+  // float rounding (tolerance 1e-6 of the update's size), and the new 8-bit states are
+  // the new float32 ones rounded to the nearest code.
+  auto params8 = make_params();
+  fo::Adam8bit adam8(params8, to::AdamOptions(1e-2).weight_decay(1e-3),
+                     fo::QuantizedStateOptions().min_elements(0), kChunks);
+  for (int step = 0; step < 5; ++step) {
+    set_grads(params8, step);
+    adam8.step();
+  }
+  auto params32 = clone_params(params8);
+  fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
+  set_grads(params32, 99);
+  adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
+  const auto map_s = fo::dynamic_map(true), map_u = fo::dynamic_map(false);
+  const auto values = [&](const torch::Tensor& codes, const torch::Tensor& scales, bool sgn) {
+    return fo::dequantize_blockwise({codes, scales, 256}, sgn ? map_s : map_u);
+  };
+  for (std::size_t i = 0; i < params8.size(); ++i) {
+    params32[i].detach().copy_(params8[i].detach());
+    auto& s8 = state_of(adam8, params8[i]);
+    auto& s32 = static_cast<to::AdamParamState&>(
+        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
+    s32.step(s8.step());
+    s32.exp_avg().copy_(values(s8.exp_avg(), s8.exp_avg_scales(), true));
+    s32.exp_avg_sq().copy_(values(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), false));
+  }
+  const auto before = clone_params(params8);
+  set_grads(params8, 5);
+  set_grads(params32, 5);
+  adam8.step();
+  adam32.step();
+  double worst = 0;
+  for (std::size_t i = 0; i < params8.size(); ++i) {
+    const auto update8 = params8[i] - before[i], update32 = params32[i] - before[i];
+    worst = std::max(worst, ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
+    auto& s8 = state_of(adam8, params8[i]);
+    auto& s32 = static_cast<to::AdamParamState&>(
+        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
+    for (const auto& [codes, scales, exact, sgn] :
+         {std::make_tuple(s8.exp_avg(), s8.exp_avg_scales(), s32.exp_avg(), true),
+          std::make_tuple(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), s32.exp_avg_sq(), false)}) {
+      const auto requantized = fo::quantize_blockwise(exact, sgn ? map_s : map_u, 256);
+      EXPECT_TRUE(torch::equal(codes, requantized.codes)) << "parameter " << i;
+      EXPECT_TRUE(torch::equal(scales, requantized.scales)) << "parameter " << i;
+    }
+  }
+  std::cout << "[ 8-bit    ] one step from the same state: largest update difference "
+            << worst << " of the update\n";
+  EXPECT_LE(worst, 1e-6);
+}
+
+// Bytes of 8-bit Adam's state, from the format: codes (1 byte an element) and scales
+// (4 bytes a block) for both moments of parameters of at least `min` elements, float32
+// moments (8 bytes an element) for the others, and the two code books (511 float32 each).
+std::int64_t formula_bytes(const std::vector<torch::Tensor>& params, std::int64_t min) {
+  std::int64_t bytes = 2 * 511 * 4;
+  for (const auto& p : params) {
+    const auto n = p.numel();
+    bytes += n >= min ? 2 * n + 2 * 4 * ((n + 255) / 256) : 8 * n;
+  }
+  return bytes;
+}
+
+struct Holder : torch::nn::Module {
+  explicit Holder(const std::vector<torch::Tensor>& params) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      std::ostringstream name;
+      name << "p" << i;
+      register_parameter(name.str(), params[i]);
+    }
+  }
+};
+
+TEST(Optim8bit, TheLedgerCountsTheFormulasBytes) {
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  auto params = make_params();
+  Holder holder(params);
+  fo::Adam8bit adam8(params, to::AdamOptions(1e-3));
+  const auto expected = formula_bytes(params, 4096);
+  EXPECT_EQ(adam8.pending_state_bytes(true), expected);
+  std::int64_t numel = 0;
+  for (const auto& p : params) {
+    numel += p.numel();
+  }
+  EXPECT_EQ(adam8.pending_state_bytes(false), 8 * numel);
+  set_grads(params, 0);
+  const auto before = probe.allocated();
+  adam8.step();
+  EXPECT_EQ(probe.allocated() - before, expected);  // the step keeps nothing else
+  EXPECT_EQ(frugal::measure_ledger(probe, holder, &adam8).optimizer, expected);
+  EXPECT_EQ(adam8.pending_state_bytes(true), 0);
+  EXPECT_THROW(adam8.set_quantized(false), c10::Error);
+}
+
+TEST(Optim8bit, TheCnnsStatesTakeAQuarterOfAdams) {
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  auto cnn = fashion::make_cnn(0.0);
+  const auto x = torch::randn({8, 1, 28, 28});
+  std::int64_t adam_bytes = 0, adam8_bytes = 0;
+  {
+    fo::Adam adam(cnn->parameters(), to::AdamOptions(1e-3));
+    cnn->zero_grad();
+    cnn->forward(x).sum().backward();
+    adam.step();
+    adam_bytes = frugal::measure_ledger(probe, *cnn, &adam).optimizer;
+  }
+  {
+    fo::Adam8bit adam8(cnn->parameters(), to::AdamOptions(1e-3));
+    adam8.step();
+    adam8_bytes = frugal::measure_ledger(probe, *cnn, &adam8).optimizer;
+    EXPECT_EQ(adam8_bytes, formula_bytes(cnn->parameters(), 4096));
+  }
+  const double ratio = static_cast<double>(adam8_bytes) / static_cast<double>(adam_bytes);
+  std::cout << "[ 8-bit    ] CNN optimizer state: Adam " << adam_bytes << " B, Adam8bit "
+            << adam8_bytes << " B (" << ratio << "x)\n";
+  EXPECT_LE(ratio, 0.27);
+}
+
+TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
+  auto a = make_params();
+  fo::AdamW8bit ours(a, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  for (int step = 0; step < 3; ++step) {
+    set_grads(a, step);
+    ours.step();
+  }
+  std::stringstream file;
+  torch::save(ours, file);
+  auto b = clone_params(a);
+  fo::AdamW8bit loaded(b, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  torch::load(loaded, file);
+  ASSERT_EQ(loaded.state().size(), a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto mine = state_of(ours, a[i]).state_tensors();
+    const auto theirs = state_of(loaded, b[i]).state_tensors();
+    EXPECT_EQ(state_of(loaded, b[i]).step(), 3);
+    for (std::size_t t = 0; t < mine.size(); ++t) {
+      ASSERT_EQ(mine[t].defined(), theirs[t].defined());
+      if (mine[t].defined()) {
+        EXPECT_TRUE(torch::equal(mine[t], theirs[t])) << "parameter " << i << " tensor " << t;
+      }
+    }
+  }
+  for (int step = 3; step < 8; ++step) {
+    set_grads(a, step);
+    set_grads(b, step);
+    ours.step();
+    loaded.step();
+  }
+  EXPECT_EQ(max_abs_diff(a, b), 0);
+}
+
+// torch::load into `optimizer` must fail with `message` and leave its state as it was.
+void expect_refused(to::Optimizer& optimizer, std::stringstream& file, const std::string& message,
+                    const std::vector<torch::Tensor>& params) {
+  std::vector<std::vector<torch::Tensor>> before;
+  for (const auto& p : params) {
+    std::vector<torch::Tensor> copies;
+    for (const auto& t : state_of(optimizer, p).state_tensors()) {
+      copies.push_back(t.defined() ? t.clone() : t);
+    }
+    before.push_back(copies);
+  }
+  file.seekg(0);
+  try {
+    torch::load(optimizer, file);
+    ADD_FAILURE() << "loaded; expected: " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto now = state_of(optimizer, params[i]).state_tensors();
+    for (std::size_t t = 0; t < now.size(); ++t) {
+      if (now[t].defined()) {
+        EXPECT_TRUE(torch::equal(now[t], before[i][t])) << "parameter " << i;
+      }
+    }
+  }
+}
+
+TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
+  auto a = make_params();
+  fo::Adam8bit saved(a, to::AdamOptions(1e-2), {}, kChunks);
+  to::Adam torch_adam(a, to::AdamOptions(1e-2));
+  set_grads(a, 0);
+  saved.step();
+  torch_adam.step();
+  std::stringstream ours, torchs;
+  torch::save(saved, ours);
+  torch::save(torch_adam, torchs);
+
+  auto b = clone_params(a);
+  fo::Adam8bit other_block(b, to::AdamOptions(1e-2), fo::QuantizedStateOptions().block(512),
+                           kChunks);
+  set_grads(b, 1);
+  other_block.step();
+  expect_refused(other_block, ours, "but this optimizer's block is 512", b);
+  expect_refused(other_block, torchs, "not saved by frugal's Adam8bit", b);
+
+  auto c = clone_params(a);
+  std::swap(c[0], c[1]);  // same count, other shapes
+  fo::Adam8bit other_shapes(c, to::AdamOptions(1e-2), {}, kChunks);
+  set_grads(c, 1);
+  other_shapes.step();
+  expect_refused(other_shapes, ours, "the loaded state of parameter 0 (shape [9000])", c);
+}
+
+TEST(Optim8bit, ParametersWithoutGradientAreSkipped) {
+  auto params = make_params();
+  const auto before = params[1].detach().clone();
+  fo::Adam8bit adam8(params, to::AdamOptions(1e-2));
+  set_grads(params, 0);
+  params[1].mutable_grad().reset();
+  adam8.step();
+  EXPECT_TRUE(torch::equal(params[1], before));
+  EXPECT_EQ(adam8.state().size(), params.size() - 1);
+}
+
+TEST(Optim8bit, StepParameterEqualsTheWholeStep) {
+  auto whole = make_params();
+  auto one_by_one = clone_params(whole);
+  fo::Adam8bit a(whole, to::AdamOptions(1e-2), {}, kChunks);
+  fo::Adam8bit b(one_by_one, to::AdamOptions(1e-2), {}, kChunks);
+  for (int step = 0; step < 4; ++step) {
+    set_grads(whole, step);
+    set_grads(one_by_one, step);
+    a.step();
+    for (auto it = one_by_one.rbegin(); it != one_by_one.rend(); ++it) {
+      b.step_parameter(*it);
+    }
+  }
+  EXPECT_EQ(max_abs_diff(one_by_one, whole), 0);
+}
+
+TEST(Optim8bit, TheStepNeedsItsScratchAndNoFullSizeCopy) {
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  torch::manual_seed(3);
+  const std::int64_t big = 1 << 20;
+  std::vector<torch::Tensor> params{torch::randn({big}).requires_grad_()};
+  fo::Adam8bit adam8(params, to::AdamOptions(1e-3).weight_decay(1e-2));
+  set_grads(params, 0);
+  adam8.step();
+  set_grads(params, 1);
+  frugal::ScopedPeak peak(probe);
+  const auto base = probe.allocated();
+  adam8.step();
+  const auto overhead = peak.end() - base;
+  // Four float32 buffers of one chunk (65536 elements): 1 MiB, a quarter of one float32
+  // copy of a moment; beyond it only the 0-d tensors LibTorch wraps scalars in.
+  EXPECT_EQ(adam8.scratch_bytes(), 4 * adam8.in_place_options().chunk() * 4);
+  EXPECT_GE(overhead, adam8.scratch_bytes());
+  EXPECT_LE(overhead, adam8.scratch_bytes() + 256);
+  std::cout << "[ 8-bit    ] step of a 4 MiB parameter: " << overhead << " B above its start\n";
+}
+
+TEST(Optim8bit, AFailedStepChangesNeitherParametersNorState) {
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  auto params = make_params();
+  fo::Adam8bit adam8(params, to::AdamOptions(1e-2), {}, kChunks);
+  set_grads(params, 0);
+  adam8.step();
+  set_grads(params, 1);
+  const auto before = clone_params(params);
+  std::vector<torch::Tensor> codes;
+  for (const auto& p : params) {
+    codes.push_back(state_of(adam8, p).exp_avg().clone());
+  }
+  {
+    frugal::ScopedCpuCap cap(probe.allocated() + adam8.scratch_bytes() / 2);
+    EXPECT_THROW(adam8.step(), c10::OutOfMemoryError);
+  }
+  EXPECT_EQ(max_abs_diff(params, before), 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(state_of(adam8, params[i]).exp_avg(), codes[i]));
+    EXPECT_EQ(state_of(adam8, params[i]).step(), 1);
+  }
+}
+
+TEST(Optim8bit, BadOptionsNameTheValue) {
+  auto params = make_params();
+  const auto message = [&](auto make) {
+    try {
+      make();
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { fo::Adam8bit(params, to::AdamOptions(1e-3).amsgrad(true)); })
+                .find("amsgrad must be false"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              fo::Adam8bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().block(0));
+            }).find("block must be >= 1 element, got 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] { fo::AdamW8bit(params, to::AdamWOptions(-1)); })
+                .find("invalid learning rate: -1"),
+            std::string::npos);
+}
+
+}  // namespace
