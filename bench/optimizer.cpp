@@ -1,4 +1,4 @@
-// frugal's in-place Adam against LibTorch's, and the whole step with the optimizer step in
+// frugal's in-place Adam and 8-bit Adam against LibTorch's Adam, and the whole step with the optimizer step in
 // backward against the ordinary one, side by side, on the Fashion-MNIST CNN (batch 64).
 //
 //   bench_optimizer --rounds 15 --calls 10 --threads 2
@@ -67,9 +67,11 @@ int main(int argc, char** argv) {
 
   auto theirs = make_stepper<torch::optim::Adam>();
   auto ours = make_stepper<frugal::optim::Adam>();
+  auto ours8 = make_stepper<frugal::optim::Adam8bit>();
   const auto steps = bench::interleave(
       {{"LibTorch Adam", [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
-       {"frugal Adam", [&] { return bench::ms_per_call([&] { ours.optimizer->step(); }, calls); }}},
+       {"frugal Adam", [&] { return bench::ms_per_call([&] { ours.optimizer->step(); }, calls); }},
+       {"frugal Adam8bit", [&] { return bench::ms_per_call([&] { ours8.optimizer->step(); }, calls); }}},
       rounds);
 
   torch::manual_seed(1);
@@ -83,6 +85,7 @@ int main(int argc, char** argv) {
 
   const double torch_ms = bench::median(steps.at("LibTorch Adam"));
   const double frugal_ms = bench::median(steps.at("frugal Adam"));
+  const double frugal8_ms = bench::median(steps.at("frugal Adam8bit"));
   const double plain_ms = bench::median(whole.at("ordinary step"));
   const double fused_ms = bench::median(whole.at("step in backward"));
   fmt::print("bench_optimizer: Fashion-MNIST CNN (3.27 M parameters), batch 64, {} rounds of {} "
@@ -90,6 +93,8 @@ int main(int argc, char** argv) {
   fmt::print("| what | LibTorch / ordinary (ms) | frugal (ms) | ratio |\n|---|---|---|---|\n");
   fmt::print("| Adam step (state exists) | {:.2f} | {:.2f} | {:.2f} |\n", torch_ms, frugal_ms,
              frugal_ms / torch_ms);
+  fmt::print("| Adam8bit step (8-bit states) vs LibTorch's Adam | {:.2f} | {:.2f} | {:.2f} |\n",
+             torch_ms, frugal8_ms, frugal8_ms / torch_ms);
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);
   return 0;

@@ -158,9 +158,10 @@ TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
 
 TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // Run 8-bit Adam for a while, give float32 Adam the states it stands for, and take one
-  // step with each from the same parameters and gradient: the parameter updates agree to
-  // float rounding (tolerance 1e-6 of the update's size), and the new 8-bit states are
-  // the new float32 ones rounded to the nearest code.
+  // step with each from the same parameters and gradient: the parameter updates agree up to
+  // float rounding (the 8-bit step's fused loop rounds a little differently from LibTorch's
+  // vectorised kernels; tolerance 1e-4 of the largest update), and the new 8-bit states
+  // are the new float32 ones rounded to the nearest code.
   auto params8 = make_params();
   fo::Adam8bit adam8(params8, to::AdamOptions(1e-2).weight_decay(1e-3),
                      fo::QuantizedStateOptions().min_elements(0), kChunks);
@@ -173,41 +174,78 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   set_grads(params32, 99);
   adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
   const auto map_s = fo::dynamic_map(true), map_u = fo::dynamic_map(false);
-  const auto values = [&](const torch::Tensor& codes, const torch::Tensor& scales, bool sgn) {
-    return fo::dequantize_blockwise({codes, scales, 256}, sgn ? map_s : map_u);
+  const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
+    return static_cast<to::AdamParamState&>(
+        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
   };
   for (std::size_t i = 0; i < params8.size(); ++i) {
     params32[i].detach().copy_(params8[i].detach());
     auto& s8 = state_of(adam8, params8[i]);
-    auto& s32 = static_cast<to::AdamParamState&>(
-        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
-    s32.step(s8.step());
-    s32.exp_avg().copy_(values(s8.exp_avg(), s8.exp_avg_scales(), true));
-    s32.exp_avg_sq().copy_(values(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), false));
+    float_state(i).step(s8.step());
+    float_state(i).exp_avg().copy_(
+        fo::dequantize_blockwise({s8.exp_avg(), s8.exp_avg_scales(), 256}, map_s));
+    float_state(i).exp_avg_sq().copy_(
+        fo::dequantize_blockwise({s8.exp_avg_sq(), s8.exp_avg_sq_scales(), 256}, map_u));
   }
   const auto before = clone_params(params8);
   set_grads(params8, 5);
   set_grads(params32, 5);
   adam8.step();
   adam32.step();
-  double worst = 0;
+  double worst = 0, worst_state = 0;
   for (std::size_t i = 0; i < params8.size(); ++i) {
     const auto update8 = params8[i] - before[i], update32 = params32[i] - before[i];
     worst = std::max(worst, ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
     auto& s8 = state_of(adam8, params8[i]);
-    auto& s32 = static_cast<to::AdamParamState&>(
-        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
-    for (const auto& [codes, scales, exact, sgn] :
-         {std::make_tuple(s8.exp_avg(), s8.exp_avg_scales(), s32.exp_avg(), true),
-          std::make_tuple(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), s32.exp_avg_sq(), false)}) {
-      const auto requantized = fo::quantize_blockwise(exact, sgn ? map_s : map_u, 256);
-      EXPECT_TRUE(torch::equal(codes, requantized.codes)) << "parameter " << i;
-      EXPECT_TRUE(torch::equal(scales, requantized.scales)) << "parameter " << i;
+    for (const auto& [codes, scales, exact, map] :
+         {std::make_tuple(s8.exp_avg(), s8.exp_avg_scales(), float_state(i).exp_avg(), map_s),
+          std::make_tuple(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), float_state(i).exp_avg_sq(),
+                          map_u)}) {
+      // Each scale is the block's largest magnitude, and each value the nearest code to the
+      // float32 state's (up to the rounding above).
+      const auto flat = exact.contiguous().view(-1);
+      const auto blocks = (flat.numel() + 255) / 256;
+      const auto padded = torch::cat({flat.abs(), torch::zeros({blocks * 256 - flat.numel()})});
+      EXPECT_TRUE(torch::allclose(scales, std::get<0>(padded.view({blocks, 256}).max(1)), 1e-5, 0));
+      const auto scale = scales.repeat_interleave(256).narrow(0, 0, flat.numel());
+      const auto error = (fo::dequantize_blockwise({codes, scales, 256}, map).view(-1) - flat)
+                             .abs() / scale;
+      const auto excess = error - nearest_distance(flat / scale, map);
+      worst_state = std::max(worst_state, excess.max().item<double>());
     }
   }
   std::cout << "[ 8-bit    ] one step from the same state: largest update difference "
-            << worst << " of the update\n";
-  EXPECT_LE(worst, 1e-6);
+            << worst << " of the update; states at most " << worst_state
+            << " (of the scale) beyond the nearest code\n";
+  EXPECT_LE(worst, 1e-4);
+  EXPECT_LE(worst_state, 1e-5);
+}
+
+TEST(Optim8bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {
+  // float32 contiguous parameters on the CPU take the fused loop; the same values in a
+  // transposed layout take the tensor-ops step that other devices (CUDA) and dtypes use.
+  torch::manual_seed(12);
+  auto fused = std::vector<torch::Tensor>{torch::randn({150, 60}).requires_grad_()};
+  auto strided = std::vector<torch::Tensor>{
+      fused[0].detach().t().contiguous().t().requires_grad_()};
+  ASSERT_FALSE(strided[0].is_contiguous());
+  fo::AdamW8bit a(fused, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  fo::AdamW8bit b(strided, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  for (int step = 0; step < 20; ++step) {
+    set_grads(fused, step);
+    strided[0].mutable_grad() = fused[0].grad().t().contiguous().t();
+    a.step();
+    b.step();
+  }
+  const double diff = ((fused[0] - strided[0]).abs().max() / fused[0].abs().max()).item<double>();
+  const auto codes_a = state_of(a, fused[0]).exp_avg(), codes_b = state_of(b, strided[0]).exp_avg();
+  const auto apart = (codes_a.to(torch::kInt) - codes_b.to(torch::kInt)).abs();
+  std::cout << "[ 8-bit    ] fused vs tensor ops after 20 steps: parameters " << diff
+            << " apart (of the largest), " << (apart > 0).sum().item<int64_t>() << " of "
+            << apart.numel() << " first-moment codes differ\n";
+  EXPECT_LE(diff, 1e-5);
+  EXPECT_LE(apart.max().item<int64_t>(), 1);
+  EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
 }
 
 // Bytes of 8-bit Adam's state, from the format: codes (1 byte an element) and scales

@@ -7,6 +7,7 @@
 #include <set>
 #include <type_traits>
 
+#include "adam8bit_kernel.h"
 #include "frugal/compat.h"
 
 namespace frugal::optim {
@@ -187,9 +188,34 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const double step_size = o.lr() / bias_correction1;
   const Books* b = s.quantized() ? &books_.at({u.param.device().type(), u.param.device().index()})
                                  : nullptr;
+  // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
+  const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
+                     u.param.scalar_type() == torch::kFloat32 &&
+                     u.grad.scalar_type() == torch::kFloat32;
+  AdamScalars scalars;
+  scalars.beta1 = static_cast<float>(beta1);
+  scalars.one_minus_beta1 = static_cast<float>(1 - beta1);
+  scalars.beta2 = static_cast<float>(beta2);
+  scalars.one_minus_beta2 = static_cast<float>(1 - beta2);
+  scalars.eps = static_cast<float>(o.eps());
+  scalars.weight_decay = static_cast<float>(o.weight_decay());
+  scalars.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
+  scalars.neg_step_size = static_cast<float>(-step_size);
+  scalars.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  scalars.decoupled = std::is_same_v<Options, AdamWOptions>;
+  scalars.fresh = u.fresh;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
     auto p = u.part(u.param, offset, n);
     auto grad = u.part(u.grad, offset, n);
+    if (fused) {
+      const auto first = offset / s.block();
+      adam8bit_cpu(p.data_ptr<float>(), grad.data_ptr<float>(),
+                   s.exp_avg().data_ptr<std::uint8_t>() + offset,
+                   s.exp_avg_scales().data_ptr<float>() + first,
+                   s.exp_avg_sq().data_ptr<std::uint8_t>() + offset,
+                   s.exp_avg_sq_scales().data_ptr<float>() + first, n, s.block(), scalars);
+      return;
+    }
     auto work = u.scratch_part(2, n);
     torch::Tensor m, v, index, m_codes, v_codes, m_scales, v_scales;
     if (b != nullptr) {

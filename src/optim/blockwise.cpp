@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace frugal::optim {
@@ -131,6 +132,52 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
   w.nan_to_num_(0.0);  // 0 / 0 in an all-zero block
   at::bucketize_out(idx, w, book.boundaries, /*out_int32=*/true, /*right=*/false);
   codes.copy_(idx);
+}
+
+NearestCode::NearestCode(bool is_signed) {
+  const auto map = dynamic_map(is_signed);
+  values_.assign(map.data_ptr<float>(), map.data_ptr<float>() + 256);
+  std::vector<float> boundaries;  // as CodeBook computes them, in float32
+  for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
+    boundaries.push_back((values_[i] + values_[i + 1]) / 2);
+  }
+  const auto key_value = [](std::int64_t key) {
+    const auto bits = static_cast<std::uint32_t>(key << kShift);
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  bound_.resize(2 * kBuckets);
+  base_.resize(2 * kBuckets);
+  for (int negative = 0; negative < 2; ++negative) {
+    for (std::int64_t k = 0; k < kBuckets; ++k) {
+      const float lo = k == 0 ? 0.0F : key_value(kFirstKey + k);
+      const float hi = k == kBuckets - 1 ? std::numeric_limits<float>::infinity()
+                                         : key_value(kFirstKey + k + 1);
+      // The bucket holds y in [lo, hi), or (-hi, -lo] for negatives; its code is the count
+      // of boundaries below y: those below the bucket, plus the one inside if y is above.
+      std::int64_t below = 0, inside = 0;
+      float bound = std::numeric_limits<float>::infinity();
+      for (const float b : boundaries) {
+        const bool under = negative ? b <= -hi : b < lo;
+        const bool in = negative ? (b > -hi && b <= -lo) : (b >= lo && b < hi);
+        below += under ? 1 : 0;
+        if (in) {
+          ++inside;
+          bound = b;
+        }
+      }
+      TORCH_INTERNAL_ASSERT(inside <= 1, "two rounding boundaries in one bucket");
+      const auto i = static_cast<std::size_t>(k + negative * kBuckets);
+      base_[i] = static_cast<std::int32_t>(below);
+      bound_[i] = inside == 1 ? bound : std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+const NearestCode& nearest_code(bool is_signed) {
+  static const NearestCode signed_code(true), unsigned_code(false);
+  return is_signed ? signed_code : unsigned_code;
 }
 
 }  // namespace detail
