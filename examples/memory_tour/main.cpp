@@ -32,6 +32,8 @@ struct Setup {
   bool keep_losses = false;  // the anti-pattern: loss tensors kept "for logging"
   bool in_place = false;     // frugal::optim::SGD rather than LibTorch's
   bool in_backward = false;  // the optimizer step in backward (with frugal's SGD)
+  std::string optimizer = "sgd";      // or "adam", "adam8bit": frugal's, in place
+  std::string baseline = "baseline";  // the row it is compared with
 };
 
 struct Row {
@@ -53,7 +55,12 @@ Row train(const Args& a, const Setup& s, const frugal::Batch& data, torch::Devic
   net->to(device);
   const auto sgd_options = torch::optim::SGDOptions(0.01).momentum(0.9);
   std::unique_ptr<torch::optim::Optimizer> sgd;
-  if (s.in_place || s.in_backward) {
+  if (s.optimizer == "adam") {
+    sgd = std::make_unique<frugal::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+  } else if (s.optimizer == "adam8bit") {
+    sgd = std::make_unique<frugal::optim::Adam8bit>(net->parameters(),
+                                                    torch::optim::AdamOptions(1e-3));
+  } else if (s.in_place || s.in_backward) {
     sgd = std::make_unique<frugal::optim::SGD>(net->parameters(), sgd_options);
   } else {
     sgd = std::make_unique<torch::optim::SGD>(net->parameters(), sgd_options);
@@ -78,7 +85,7 @@ Row train(const Args& a, const Setup& s, const frugal::Batch& data, torch::Devic
     trainer.add_hook(frugal::Phase::BeforeBackward,
                      [&kept](frugal::StepContext& c) { kept.push_back(c.loss); });
   }
-  Row row{s.name, 0, 0, 0, 0, "baseline"};
+  Row row{s.name, 0, 0, 0, 0, s.baseline};
   std::vector<double> times;
   for (std::int64_t i = 0; i < a.steps; ++i) {
     const auto r = trainer.step(data);
@@ -168,6 +175,9 @@ int main(int argc, char** argv) {
         {"all together", 4, true, true, true, false, false, false},
         {"all together + step in backward", 4, true, true, true, false, true, true},
         {"loss tensors kept (no detach)", 1, false, false, false, true, false, false},
+        {"Adam (frugal::optim::Adam)", 1, false, false, true, false, true, false, "adam"},
+        {"8-bit Adam states (frugal::optim::Adam8bit)", 1, false, false, true, false, true, false,
+         "adam8bit", "Adam (frugal"},
     };
     std::vector<Row> rows;
     for (const auto& s : setups) {
@@ -196,7 +206,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     fmt::print("memory_tour: residual MLP, {} blocks, width {}, hidden {}, batch {}, SGD with "
-               "momentum, {} steps each, {}, {} threads, LibTorch {}.{}\n\n",
+               "momentum (unless the row says), {} steps each, {}, {} threads, LibTorch {}.{}\n\n",
                a.blocks, a.width, a.hidden, a.batch, a.steps, device.str(),
                torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
     fmt::print("| policy | peak | x | allocated after step | x | time (ms) | x | note |\n");

@@ -177,6 +177,29 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::optim::OptimizerOptions&
   return 4;  // the two moments in float32, the denominator, the codes' indices
 }
 
+// The fused CPU loop needs no scratch; float32 states need the denominator only; parameters
+// of other dtypes are updated on float32 copies.
+template <typename Options>
+int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat,
+                                           const torch::optim::OptimizerOptions& options) const {
+  const bool is_float = param.scalar_type() == torch::kFloat32;
+  const int copies = is_float ? 0 : 2;  // the parameter and its gradient in float32
+  if (!quantizes(param)) {
+    return 1 + copies;
+  }
+  const bool fused = flat && param.device().is_cpu() && is_float;
+  return fused ? 0 : scratch_buffers(options) + copies;
+}
+
+template <typename Options>
+bool Adam8bitBase<Options>::quantizes(const torch::Tensor& param) const {
+  const auto it = state().find(compat::optimizer_state_key(param));
+  if (it != state().end()) {
+    return static_cast<const Adam8bitParamState&>(*it->second).quantized();
+  }
+  return enabled_ && param.numel() >= quantized_.min_elements();
+}
+
 template <typename Options>
 void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const auto& o = static_cast<const Options&>(u.options);
@@ -190,8 +213,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
                                  : nullptr;
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
   const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
-                     u.param.scalar_type() == torch::kFloat32 &&
-                     u.grad.scalar_type() == torch::kFloat32;
+                     u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
   AdamScalars scalars;
   scalars.beta1 = static_cast<float>(beta1);
   scalars.one_minus_beta1 = static_cast<float>(1 - beta1);
@@ -204,6 +226,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   scalars.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   scalars.decoupled = std::is_same_v<Options, AdamWOptions>;
   scalars.fresh = u.fresh;
+  const bool cast = u.param.scalar_type() != torch::kFloat32;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
     auto p = u.part(u.param, offset, n);
     auto grad = u.part(u.grad, offset, n);
@@ -216,7 +239,15 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
                    s.exp_avg_sq_scales().data_ptr<float>() + first, n, s.block(), scalars);
       return;
     }
-    auto work = u.scratch_part(2, n);
+    // Buffers: the moments, the work buffer and the indices when quantized, the work buffer
+    // alone when not; then float32 copies of a parameter and gradient of another dtype.
+    auto work = u.scratch_part(b != nullptr ? 2 : 0, n);
+    const auto param_out = p;
+    if (cast) {
+      const std::size_t first = b != nullptr ? 4 : 1;
+      p = u.scratch_part(first, n).copy_(p);
+      grad = u.scratch_part(first + 1, n).copy_(grad);
+    }
     torch::Tensor m, v, index, m_codes, v_codes, m_scales, v_scales;
     if (b != nullptr) {
       m = u.scratch_part(0, n);
@@ -252,6 +283,9 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     at::sqrt_out(work, v);  // the decayed gradient is used up
     work.div_(std::sqrt(bias_correction2)).add_(o.eps());
     p.addcdiv_(m, work, -step_size);
+    if (cast) {
+      param_out.copy_(p);
+    }
     if (b != nullptr) {
       quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1), index);
       quantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), work.view(-1),

@@ -101,6 +101,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
   std::unique_ptr<torch::optim::OptimizerParamState> make_state(
       const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
   int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::Tensor& param, bool flat,
+                      const torch::optim::OptimizerOptions& options) const override;
   void update(ParamUpdate& u) const override;
   c10::ScalarType scratch_type(const torch::Tensor&) const override { return torch::kFloat32; }
   std::int64_t chunk_multiple() const override { return quantized_.block(); }
@@ -110,6 +112,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
     CodeBook signed_book, unsigned_book;
   };
   const Books& books(torch::Device device) const;
+  // Whether `param`'s state is (or, made now, would be) quantized.
+  bool quantizes(const torch::Tensor& param) const;
   // Checks that loaded states fit these parameters, then moves them to their devices.
   void adopt_loaded();
 

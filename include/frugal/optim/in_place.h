@@ -81,6 +81,12 @@ class InPlaceOptimizer {
       const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const = 0;
   /// Chunk-sized scratch buffers the update needs under these options.
   virtual int scratch_buffers(const torch::optim::OptimizerOptions& options) const = 0;
+  /// The same for one parameter, updated flat (contiguous) or not: scratch_buffers unless
+  /// an optimizer needs less for some parameters.
+  virtual int scratch_buffers(const torch::Tensor& /*param*/, bool /*flat*/,
+                              const torch::optim::OptimizerOptions& options) const {
+    return scratch_buffers(options);
+  }
   /// Updates one parameter in place; must not allocate tensors (all-or-nothing).
   virtual void update(ParamUpdate& u) const = 0;
   /// The dtype of the scratch buffers for `param`: its own, unless the update computes in
