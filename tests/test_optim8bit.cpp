@@ -39,6 +39,11 @@ TEST(Blockwise, MapsAreSortedAndHoldZeroAndOne) {
     EXPECT_EQ(map.min().item<float>() < 0, is_signed);
     EXPECT_EQ(std::get<0>(at::_unique(map)).numel(), 256);  // 256 distinct codes
   }
+  // Adam's second moment: no zero, its place taken by half the smallest positive value.
+  const auto no_zero = fo::dynamic_map(false, false), with_zero = fo::dynamic_map(false);
+  EXPECT_EQ(no_zero[0].item<float>(), with_zero[1].item<float>() / 2);
+  EXPECT_TRUE(torch::equal(no_zero.narrow(0, 1, 255), with_zero.narrow(0, 1, 255)));
+  EXPECT_THROW(fo::dynamic_map(true, false), c10::Error);
 }
 
 TEST(Blockwise, EachElementGetsTheNearestCodeOfItsBlock) {
@@ -69,6 +74,28 @@ TEST(Blockwise, EachElementGetsTheNearestCodeOfItsBlock) {
       const double half_gap = 0.9 / (is_signed ? 128 : 256);
       EXPECT_LE(error.masked_select(top).max().item<double>(), half_gap * (1 + 1e-5));
     }
+  }
+}
+
+TEST(Blockwise, TheHostTableRoundsToTheNearestCode) {
+  // The fused CPU step rounds through a table over the float's bits; across nine decades
+  // of magnitudes it picks a code exactly as near as the nearest one.
+  torch::manual_seed(23);
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::detail::moment_map(is_signed);
+    const auto& table = fo::detail::nearest_code(is_signed);
+    auto y = torch::pow(10.0, torch::rand({100000}) * -9);
+    if (is_signed) {
+      y = y * (torch::randint(0, 2, {100000}) * 2 - 1);
+    }
+    y = torch::cat({y, map, torch::zeros({1}), torch::ones({1})});  // and the codes themselves
+    const auto best = nearest_distance(y, map);
+    auto codes = torch::empty({y.numel()}, torch::kLong);
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      codes[i] = table(y[i].item<float>());
+    }
+    const auto got = (y - map.index_select(0, codes)).abs();
+    EXPECT_LE((got - best).max().item<double>(), 0) << (is_signed ? "signed" : "unsigned");
   }
 }
 
@@ -173,7 +200,7 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
   set_grads(params32, 99);
   adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
-  const auto map_s = fo::dynamic_map(true), map_u = fo::dynamic_map(false);
+  const auto map_s = fo::detail::moment_map(true), map_u = fo::detail::moment_map(false);
   const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
     return static_cast<to::AdamParamState&>(
         *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
@@ -219,6 +246,30 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
             << " (of the scale) beyond the nearest code\n";
   EXPECT_LE(worst, 1e-4);
   EXPECT_LE(worst_state, 1e-5);
+}
+
+TEST(Optim8bit, ASmallSecondMomentNeverRoundsToZero) {
+  // One large gradient beside small ones in a block: the small elements' second moments
+  // are 1e-10 of the block's largest. Rounded to zero, the next step's denominator would
+  // be the fresh gradient's share alone and their updates some 30x Adam's; the map
+  // without zero keeps every update within Adam's.
+  for (const bool fused : {true, false}) {
+    auto p8 = fused ? torch::zeros({4096}) : torch::zeros({64, 64}).t();
+    std::vector<torch::Tensor> params8{p8.requires_grad_()}, params32{torch::zeros({4096}).requires_grad_()};
+    fo::Adam8bit adam8(params8, to::AdamOptions(1e-3), {}, kChunks);
+    fo::Adam adam32(params32, to::AdamOptions(1e-3));
+    auto grad = torch::full({4096}, 1e-2);
+    grad[0] = 1e3;
+    for (int step = 0; step < 10; ++step) {
+      params8[0].mutable_grad() = grad.view(params8[0].sizes()).clone();
+      params32[0].mutable_grad() = grad.clone();
+      adam8.step();
+      adam32.step();
+    }
+    const auto small8 = params8[0].reshape(-1).narrow(0, 1, 4095).abs().max().item<double>();
+    const auto small32 = params32[0].narrow(0, 1, 4095).abs().max().item<double>();
+    EXPECT_LE(small8, small32 * 1.01) << (fused ? "fused" : "tensor ops");
+  }
 }
 
 TEST(Optim8bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {

@@ -142,8 +142,8 @@ const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(
   const auto key = std::make_pair(device.type(), device.index());
   auto it = books_.find(key);
   if (it == books_.end()) {
-    it = books_.emplace(key, Books{CodeBook(dynamic_map(true).to(device)),
-                                   CodeBook(dynamic_map(false).to(device))})
+    it = books_.emplace(key, Books{CodeBook(moment_map(true).to(device)),
+                                   CodeBook(moment_map(false).to(device))})
              .first;
   }
   return it->second;

@@ -35,7 +35,7 @@ void check_block(std::int64_t block) {
 
 }  // namespace
 
-torch::Tensor dynamic_map(bool is_signed) {
+torch::Tensor dynamic_map(bool is_signed, bool with_zero) {
   // Exponents 10^-6 .. 10^0; at exponent i the fraction has 2^i (signed) or 2^(i+1)
   // (unsigned) linear steps between 0.1 and 1, each value the middle of its step.
   std::vector<float> values;
@@ -55,6 +55,10 @@ torch::Tensor dynamic_map(bool is_signed) {
   values.push_back(1.0F);
   std::sort(values.begin(), values.end());
   TORCH_INTERNAL_ASSERT(values.size() == 256);
+  if (!with_zero) {
+    TORCH_CHECK(!is_signed, "frugal: only the unsigned dynamic map can leave out zero");
+    values[0] = values[1] / 2;
+  }
   return torch::tensor(values, torch::kFloat32);
 }
 
@@ -134,9 +138,11 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
   codes.copy_(idx);
 }
 
-NearestCode::NearestCode(bool is_signed) {
-  const auto map = dynamic_map(is_signed);
-  values_.assign(map.data_ptr<float>(), map.data_ptr<float>() + 256);
+NearestCode::NearestCode(const torch::Tensor& map) {
+  const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
+  TORCH_CHECK(host.dim() == 1 && host.numel() == 256,
+              "frugal: a quantization map has 256 values, got shape ", map.sizes());
+  values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + 256);
   std::vector<float> boundaries;  // as CodeBook computes them, in float32
   for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
     boundaries.push_back((values_[i] + values_[i + 1]) / 2);
@@ -175,8 +181,10 @@ NearestCode::NearestCode(bool is_signed) {
   }
 }
 
+torch::Tensor moment_map(bool is_signed) { return dynamic_map(is_signed, is_signed); }
+
 const NearestCode& nearest_code(bool is_signed) {
-  static const NearestCode signed_code(true), unsigned_code(false);
+  static const NearestCode signed_code(moment_map(true)), unsigned_code(moment_map(false));
   return is_signed ? signed_code : unsigned_code;
 }
 

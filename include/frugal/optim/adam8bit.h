@@ -30,8 +30,9 @@ struct QuantizedStateOptions {
 };
 
 /// One parameter's state in Adam8bit and AdamW8bit. Quantized (`block` > 0): `exp_avg` and
-/// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed and unsigned
-/// dynamic maps (`signed_map`, `unsigned_map`, shared by every state on a device), with
+/// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed dynamic map and
+/// the unsigned one without zero (`signed_map`, `unsigned_map`: detail::moment_map, shared
+/// by every state on a device), with
 /// one float32 scale per block of `block` elements. Not quantized (`block` 0): float32
 /// tensors shaped like the parameter, as torch's Adam keeps them.
 struct Adam8bitParamState
@@ -129,6 +130,8 @@ extern template class Adam8bitBase<torch::optim::AdamWOptions>;
 
 /// Adam whose moments are stored in 8 bits, block-wise quantized with the dynamic map of
 /// Dettmers et al. (2021): 2 bytes a parameter (plus 8 bytes a block of 256) instead of 8.
+/// The second moment's map has no zero (see dynamic_map): without that, training the
+/// Fashion-MNIST CNN lost 3 to 5 points of accuracy against float32 Adam.
 /// Each step dequantizes a chunk of the moments into float32 scratch, updates them and the
 /// parameter exactly as Adam does, and quantizes them back; the scratch is 4 buffers of
 /// InPlaceOptions::chunk elements, never a whole state. Options are torch's AdamOptions

@@ -15,11 +15,16 @@ namespace frugal::optim {
 /// The 256 values an 8-bit code stands for, sorted, in [-1, 1] (`is_signed`) or [0, 1].
 /// Dynamic: a decimal exponent from 10^-6 to 10^0 and a linear fraction whose bits shrink
 /// as the exponent grows, so small magnitudes keep their relative precision. Both maps
-/// hold 0 and 1 exactly; the signed one's most negative value is about -0.993.
+/// hold 1 exactly, and 0 unless `with_zero` is false: then the unsigned map's zero becomes
+/// half its smallest positive value, so that nothing rounds to zero. (Adam's second
+/// moment is stored that way: a small second moment rounded to zero makes the next update
+/// of its parameter explode; Li et al., "Memory Efficient Optimizers with 4-bit States",
+/// 2023, call it the zero-point problem.) The signed map's most negative value is about
+/// -0.993.
 ///
 /// Example:
 ///   auto map = frugal::optim::dynamic_map(/*is_signed=*/true);  // 256 float32 values
-torch::Tensor dynamic_map(bool is_signed);
+torch::Tensor dynamic_map(bool is_signed, bool with_zero = true);
 
 /// A tensor stored as 8-bit codes: `codes[i]` indexes `map`, and each block of `block`
 /// consecutive elements (in the flattened order; the last may be shorter) is scaled by its
@@ -74,7 +79,7 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
 /// bits) gives each bucket's lowest code and the one rounding boundary inside it, if any.
 class NearestCode {
  public:
-  explicit NearestCode(bool is_signed);
+  explicit NearestCode(const torch::Tensor& map);  ///< 256 sorted float32 values
   /// The code of the map value nearest to `y` (in [-1, 1]; NaN gives some code).
   std::uint8_t operator()(float y) const {
     return static_cast<std::uint8_t>(code(y, base_.data(), bound_.data()));
@@ -101,7 +106,11 @@ class NearestCode {
   std::vector<std::int32_t> base_;
 };
 
-const NearestCode& nearest_code(bool is_signed);  ///< built once per process
+/// The codes of Adam's first moment (signed: dynamic_map(true)) or second moment (unsigned,
+/// without zero: dynamic_map(false, false)), built once per process.
+const NearestCode& nearest_code(bool is_signed);
+/// The map of Adam's first or second moment, as nearest_code rounds to it.
+torch::Tensor moment_map(bool is_signed);
 
 }  // namespace detail
 }  // namespace frugal::optim
