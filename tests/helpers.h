@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include "frugal/memory/probe.h"
+
 /// Skips a `gpu`-labelled test, with a message, where CUDA is not available.
 #define FRUGAL_SKIP_WITHOUT_CUDA()                          \
   if (!torch::cuda::is_available()) {                       \
@@ -48,6 +50,39 @@ inline void expect_all_close(const std::vector<torch::Tensor>& actual,
         << "tensor " << i << " differs by up to "
         << (actual[i] - expected[i]).abs().max().item<double>();
   }
+}
+
+/// Copies of parameters with their layout (strides kept), as leaves that require grad.
+inline std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) {
+    auto c = torch::empty_strided(p.sizes(), p.strides());
+    c.copy_(p.detach());
+    out.push_back(c.requires_grad_());
+  }
+  return out;
+}
+
+/// Seeded normal gradients times `scale`: the same step gives the same gradients.
+inline void set_grads(std::vector<torch::Tensor>& params, int step, double scale = 1.0) {
+  torch::manual_seed(1000 + step);
+  for (auto& p : params) {
+    p.mutable_grad() = torch::randn_like(p) * scale;
+  }
+}
+
+/// Bytes the second of two optimizer steps allocates above what it started with (the
+/// first makes the state).
+inline std::int64_t step_overhead(torch::optim::Optimizer& optimizer,
+                                  std::vector<torch::Tensor>& params,
+                                  const frugal::MemoryProbe& probe) {
+  set_grads(params, 0);
+  optimizer.step();
+  set_grads(params, 1);
+  frugal::ScopedPeak peak(probe);
+  const auto base = probe.allocated();
+  optimizer.step();
+  return peak.end() - base;
 }
 
 }  // namespace frugal::testing

@@ -9,11 +9,15 @@
 #include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"
 #include "frugal/optim/sgd.h"
+#include "helpers.h"
 
 namespace {
 
 namespace to = torch::optim;
 namespace fo = frugal::optim;
+using frugal::testing::clone_params;
+using frugal::testing::set_grads;
+using frugal::testing::step_overhead;
 using Factory = std::function<std::unique_ptr<to::Optimizer>(std::vector<torch::Tensor>)>;
 
 // Parameters of several shapes: one larger than the chunk (several chunks and a tail),
@@ -23,23 +27,6 @@ std::vector<torch::Tensor> make_params() {
   auto strided = torch::randn({40, 30}).t();  // a transposed view: not contiguous
   return {torch::randn({64, 75}).requires_grad_(), torch::randn({75}).requires_grad_(),
           strided.detach().requires_grad_()};
-}
-
-std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : params) {
-    auto c = torch::empty_strided(p.sizes(), p.strides());
-    c.copy_(p.detach());
-    out.push_back(c.requires_grad_());
-  }
-  return out;
-}
-
-void set_grads(std::vector<torch::Tensor>& params, int step) {
-  torch::manual_seed(1000 + step);
-  for (auto& p : params) {
-    p.mutable_grad() = torch::randn_like(p);
-  }
 }
 
 // Largest relative difference between two sets of tensors; 0 when bitwise equal.
@@ -199,18 +186,6 @@ TEST(Optim, AFailedStepChangesNeitherParametersNorState) {
   adam.step();  // with room, the same step goes through
   EXPECT_GT(max_relative_diff(params, before), 0);
   EXPECT_EQ(adam.state().size(), 3u);
-}
-
-// Bytes the step allocates above what it started with (the state exists already).
-std::int64_t step_overhead(to::Optimizer& optimizer, std::vector<torch::Tensor>& params,
-                           const frugal::MemoryProbe& probe) {
-  set_grads(params, 0);
-  optimizer.step();  // creates the state
-  set_grads(params, 1);
-  frugal::ScopedPeak peak(probe);
-  const auto base = probe.allocated();
-  optimizer.step();
-  return peak.end() - base;
 }
 
 TEST(Optim, TheStepAllocatesAChunkWhereLibTorchAllocatesWholeParameters) {

@@ -11,11 +11,14 @@
 #include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
+#include "helpers.h"
 
 namespace {
 
 namespace to = torch::optim;
 namespace fo = frugal::optim;
+using frugal::testing::clone_params;
+using frugal::testing::step_overhead;
 
 // ---- Block-wise quantization ------------------------------------------------------------
 
@@ -126,21 +129,9 @@ std::vector<torch::Tensor> make_params() {
           torch::randn({75}).requires_grad_(), strided.detach().requires_grad_()};
 }
 
-std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : params) {
-    auto c = torch::empty_strided(p.sizes(), p.strides());
-    c.copy_(p.detach());
-    out.push_back(c.requires_grad_());
-  }
-  return out;
-}
-
+// Gradients of a size that changes from step to step.
 void set_grads(std::vector<torch::Tensor>& params, int step) {
-  torch::manual_seed(1000 + step);
-  for (auto& p : params) {
-    p.mutable_grad() = torch::randn_like(p) * (1 + step % 3);
-  }
+  frugal::testing::set_grads(params, step, 1 + step % 3);
 }
 
 double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
@@ -481,18 +472,6 @@ TEST(Optim8bit, StepParameterEqualsTheWholeStep) {
     }
   }
   EXPECT_EQ(max_abs_diff(one_by_one, whole), 0);
-}
-
-// Bytes the second step allocates above what it started with.
-std::int64_t step_overhead(to::Optimizer& optimizer, std::vector<torch::Tensor>& params,
-                           const frugal::MemoryProbe& probe) {
-  set_grads(params, 0);
-  optimizer.step();
-  set_grads(params, 1);
-  frugal::ScopedPeak peak(probe);
-  const auto base = probe.allocated();
-  optimizer.step();
-  return peak.end() - base;
 }
 
 TEST(Optim8bit, TheStepNeedsNoFullSizeCopyOfAState) {

@@ -104,70 +104,71 @@ TEST(Planner, TightMediumAndLooseBudgetsFitAndPredictWithinFifteenPercent) {
   }
 }
 
-TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
-  // A small batch: activations are few, the gradients (as large as the weights) dominate.
-  const frugal::Batch batch{torch::randn({32, 128}), torch::randint(0, 10, {32}, torch::kLong)};
-  const auto options = frugal::PlannerOptions().step_in_backward(true);
+// A small batch: activations are few; the gradients and the optimizer state dominate.
+frugal::Batch small_batch() {
+  return {torch::randn({32, 128}), torch::randint(0, 10, {32}, torch::kLong)};
+}
+
+// Surveys the plans under an unbounded budget, then plans again for a budget halfway
+// between the best predicted peak with the option `uses` and the best without it, and
+// trains three steps. Returns the plan, the budget and the steps' highest peak.
+struct OptionRun {
+  frugal::MemoryPlan plan;
+  std::int64_t budget = 0;
+  std::int64_t peak = 0;
+  std::int64_t optimizer_bytes = 0;  ///< the ledger's after the steps
+};
+OptionRun plan_between(Optimizer kind, const frugal::PlannerOptions& options,
+                       bool (*uses)(const frugal::PlanOption&)) {
+  const auto batch = small_batch();
   frugal::MemoryPlan survey;
   {
-    auto s = setup(Optimizer::FrugalSgd);
+    auto s = setup(kind);
     survey = frugal::MemoryPlanner(*s.trainer, options).plan(std::int64_t{1} << 40, batch);
   }
   std::cout << survey.table() << "\n";
+  EXPECT_FALSE(uses(survey.chosen)) << "with room enough, no policy is needed";
   std::int64_t with = std::int64_t{1} << 40, without = with;
   for (const auto& o : survey.options) {
-    auto& best = o.step_in_backward ? with : without;
+    auto& best = uses(o) ? with : without;
     best = std::min(best, o.predicted_peak);
   }
-  ASSERT_LT(with, without);
-  const auto budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
-
-  auto s = setup(Optimizer::FrugalSgd);
+  EXPECT_LT(with, without);
+  OptionRun run;
+  run.budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
+  auto s = setup(kind);
   frugal::MemoryPlanner planner(*s.trainer, options);
-  const auto plan = planner.plan(budget, batch);
-  EXPECT_TRUE(plan.chosen.step_in_backward) << plan.table();
-  std::int64_t peak = 0;
+  run.plan = planner.plan(run.budget, batch);
   for (int i = 0; i < 3; ++i) {
-    peak = std::max(peak, s.trainer->step(batch).peak);
+    const auto report = s.trainer->step(batch);
+    run.peak = std::max(run.peak, report.peak);
+    run.optimizer_bytes = report.ledger.optimizer;
   }
-  EXPECT_LE(peak, budget);
-  EXPECT_NEAR(static_cast<double>(plan.chosen.predicted_peak), static_cast<double>(peak),
-              0.15 * static_cast<double>(peak));
+  return run;
+}
+
+TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
+  const auto options = frugal::PlannerOptions().step_in_backward(true);
+  const auto run = plan_between(Optimizer::FrugalSgd, options,
+                                [](const frugal::PlanOption& o) { return o.step_in_backward; });
+  EXPECT_TRUE(run.plan.chosen.step_in_backward) << run.plan.table();
+  EXPECT_LE(run.peak, run.budget);
+  EXPECT_NEAR(static_cast<double>(run.plan.chosen.predicted_peak), static_cast<double>(run.peak),
+              0.15 * static_cast<double>(run.peak));
   // LibTorch's SGD cannot step in backward: the planner refuses the option up front.
   auto plain = setup();
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
 }
 
 TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
-  // A small batch: Adam's two float32 moments (8 bytes a parameter) set the peak.
-  const frugal::Batch batch{torch::randn({32, 128}), torch::randint(0, 10, {32}, torch::kLong)};
+  // Adam's two float32 moments (8 bytes a parameter) set the peak.
   const auto options = frugal::PlannerOptions().quantized_states(true);
-  frugal::MemoryPlan survey;
-  {
-    auto s = setup(Optimizer::Adam8bit);
-    survey = frugal::MemoryPlanner(*s.trainer, options).plan(std::int64_t{1} << 40, batch);
-  }
-  std::cout << survey.table() << "\n";
-  EXPECT_FALSE(survey.chosen.quantized_states);  // room enough: float32 states
-  std::int64_t with = std::int64_t{1} << 40, without = with;
-  for (const auto& o : survey.options) {
-    auto& best = o.quantized_states ? with : without;
-    best = std::min(best, o.predicted_peak);
-  }
-  ASSERT_LT(with, without);
-  const auto budget = static_cast<std::int64_t>((with + without) / 2 / (1 - survey.margin));
-
-  auto s = setup(Optimizer::Adam8bit);
-  frugal::MemoryPlanner planner(*s.trainer, options);
-  const auto plan = planner.plan(budget, batch);
-  ASSERT_TRUE(plan.chosen.quantized_states) << plan.table();
-  std::int64_t peak = 0;
-  for (int i = 0; i < 3; ++i) {
-    peak = std::max(peak, s.trainer->step(batch).peak);
-  }
-  EXPECT_LE(peak, budget);
+  const auto run = plan_between(Optimizer::Adam8bit, options,
+                                [](const frugal::PlanOption& o) { return o.quantized_states; });
+  ASSERT_TRUE(run.plan.chosen.quantized_states) << run.plan.table();
+  EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
-  EXPECT_EQ(s.trainer->step(batch).ledger.optimizer, plan.quantized_optimizer_bytes);
+  EXPECT_EQ(run.optimizer_bytes, run.plan.quantized_optimizer_bytes);
   // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
