@@ -226,19 +226,17 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   scalars.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
   scalars.decoupled = std::is_same_v<Options, AdamWOptions>;
   scalars.fresh = u.fresh;
+  if (fused) {  // the whole parameter at once: it needs no scratch
+    adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
+                 s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
+                 s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(),
+                 u.numel(), s.block(), scalars);
+    return;
+  }
   const bool cast = u.param.scalar_type() != torch::kFloat32;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
     auto p = u.part(u.param, offset, n);
     auto grad = u.part(u.grad, offset, n);
-    if (fused) {
-      const auto first = offset / s.block();
-      adam8bit_cpu(p.data_ptr<float>(), grad.data_ptr<float>(),
-                   s.exp_avg().data_ptr<std::uint8_t>() + offset,
-                   s.exp_avg_scales().data_ptr<float>() + first,
-                   s.exp_avg_sq().data_ptr<std::uint8_t>() + offset,
-                   s.exp_avg_sq_scales().data_ptr<float>() + first, n, s.block(), scalars);
-      return;
-    }
     // Buffers: the moments, the work buffer and the indices when quantized, the work buffer
     // alone when not; then float32 copies of a parameter and gradient of another dtype.
     auto work = u.scratch_part(b != nullptr ? 2 : 0, n);

@@ -112,6 +112,8 @@ void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scal
                   const AdamScalars& a) {
   const std::int64_t blocks = (n + block - 1) / block;
   const std::int64_t grain = std::max<std::int64_t>(1, 16384 / block);
+  // LibTorch's OpenMP threads (this file is compiled with OpenMP where the compiler has
+  // it, and links the libgomp LibTorch loads; without it the loop runs on this thread).
   at::parallel_for(0, blocks, grain, [&](std::int64_t first, std::int64_t last) {
     // The new moments of one block, between the pass that finds their maxima and the pass
     // that encodes them, and their codes (host memory, three blocks per thread).

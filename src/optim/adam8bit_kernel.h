@@ -15,8 +15,9 @@ struct AdamScalars {
   bool fresh = false;      ///< no moments yet: start from zeros
 };
 
-/// One chunk of `n` elements that starts a block: parameter `p` and gradient `g`, and the
-/// moments as codes (`m_codes`, `v_codes`) with one scale per block of `block` elements.
+/// A parameter of `n` elements (`p`) with its gradient (`g`) and moments as codes
+/// (`m_codes`, `v_codes`) with one scale per block of `block` elements; blocks are shared
+/// out among at::get_num_threads() threads.
 void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
                   const AdamScalars& a);
