@@ -548,3 +548,28 @@ TEST(Optim8bit, BadOptionsNameTheValue) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CudaOptim8bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(13);
+  std::vector<torch::Tensor> cpu{torch::randn({150, 60}).requires_grad_()};
+  std::vector<torch::Tensor> cuda{cpu[0].detach().to(torch::kCUDA).requires_grad_()};
+  fo::AdamW8bit a(cpu, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  fo::AdamW8bit b(cuda, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
+  for (int step = 0; step < 20; ++step) {
+    set_grads(cpu, step);
+    cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
+    a.step();
+    b.step();
+  }
+  const auto here = cuda[0].detach().cpu();
+  EXPECT_LE(((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>(), 1e-5);
+  const auto apart = (state_of(a, cpu[0]).exp_avg().to(torch::kInt) -
+                      state_of(b, cuda[0]).exp_avg().cpu().to(torch::kInt)).abs();
+  EXPECT_LE(apart.max().item<int64_t>(), 1);
+  EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
+}
+
+}  // namespace
