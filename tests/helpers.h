@@ -85,4 +85,9 @@ inline std::int64_t step_overhead(torch::optim::Optimizer& optimizer,
   return peak.end() - base;
 }
 
+/// The distance from each value of `x` (1-D) to the nearest value of `map` (1-D).
+inline torch::Tensor nearest_distance(const torch::Tensor& x, const torch::Tensor& map) {
+  return (x.unsqueeze(1) - map.unsqueeze(0)).abs().amin(1);
+}
+
 }  // namespace frugal::testing

@@ -214,23 +214,23 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
   const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
-  AdamScalars scalars;
-  scalars.beta1 = static_cast<float>(beta1);
-  scalars.one_minus_beta1 = static_cast<float>(1 - beta1);
-  scalars.beta2 = static_cast<float>(beta2);
-  scalars.one_minus_beta2 = static_cast<float>(1 - beta2);
-  scalars.eps = static_cast<float>(o.eps());
-  scalars.weight_decay = static_cast<float>(o.weight_decay());
-  scalars.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
-  scalars.neg_step_size = static_cast<float>(-step_size);
-  scalars.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  scalars.decoupled = std::is_same_v<Options, AdamWOptions>;
-  scalars.fresh = u.fresh;
   if (fused) {  // the whole parameter at once: it needs no scratch
+    AdamScalars a;
+    a.beta1 = static_cast<float>(beta1);
+    a.one_minus_beta1 = static_cast<float>(1 - beta1);
+    a.beta2 = static_cast<float>(beta2);
+    a.one_minus_beta2 = static_cast<float>(1 - beta2);
+    a.eps = static_cast<float>(o.eps());
+    a.weight_decay = static_cast<float>(o.weight_decay());
+    a.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
+    a.neg_step_size = static_cast<float>(-step_size);
+    a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+    a.decoupled = std::is_same_v<Options, AdamWOptions>;
+    a.fresh = u.fresh;
     adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
                  s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
                  s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(),
-                 u.numel(), s.block(), scalars);
+                 u.numel(), s.block(), a);
     return;
   }
   const bool cast = u.param.scalar_type() != torch::kFloat32;

@@ -1,0 +1,107 @@
+// Block-wise 8-bit quantization: the dynamic maps, rounding to the nearest code (tensor
+// ops and the host table), and what blocks are for.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <iostream>
+
+#include "frugal/optim/blockwise.h"
+#include "helpers.h"
+
+namespace {
+
+namespace fo = frugal::optim;
+using frugal::testing::nearest_distance;
+
+// Heavy-tailed: a standard Cauchy sample (normal / normal), a few huge outliers.
+torch::Tensor heavy_tailed(std::int64_t n) {
+  return torch::randn({n}) / torch::randn({n});
+}
+
+TEST(Blockwise, MapsAreSortedAndHoldZeroAndOne) {
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed);
+    ASSERT_EQ(map.numel(), 256);
+    EXPECT_TRUE(torch::equal(map, std::get<0>(map.sort())));
+    EXPECT_EQ(map.max().item<float>(), 1.0F);
+    EXPECT_EQ((map == 0).sum().item<int64_t>(), 1);
+    EXPECT_EQ(map.min().item<float>() < 0, is_signed);
+    EXPECT_EQ(std::get<0>(at::_unique(map)).numel(), 256);  // 256 distinct codes
+  }
+  // Adam's second moment: no zero, its place taken by half the smallest positive value.
+  const auto no_zero = fo::dynamic_map(false, false), with_zero = fo::dynamic_map(false);
+  EXPECT_EQ(no_zero[0].item<float>(), with_zero[1].item<float>() / 2);
+  EXPECT_TRUE(torch::equal(no_zero.narrow(0, 1, 255), with_zero.narrow(0, 1, 255)));
+  EXPECT_THROW(fo::dynamic_map(true, false), c10::Error);
+}
+
+TEST(Blockwise, EachElementGetsTheNearestCodeOfItsBlock) {
+  torch::manual_seed(21);
+  const std::int64_t n = 10 * 256 + 77;  // a shorter last block
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed);
+    for (const auto& [name, x0] :
+         {std::pair<const char*, torch::Tensor>{"normal", torch::randn({n})},
+          {"heavy-tailed", heavy_tailed(n)}}) {
+      SCOPED_TRACE(::testing::Message() << name << (is_signed ? " signed" : " unsigned"));
+      const auto x = is_signed ? x0 : x0.abs();
+      const auto q = fo::quantize_blockwise(x, map, 256);
+      ASSERT_EQ(q.scales.numel(), 11);
+      const auto y = fo::dequantize_blockwise(q, map);
+      // Each scale is its block's absolute maximum; the element that sets it is exact
+      // when positive (the map holds 1).
+      const auto padded = torch::cat({x.abs(), torch::zeros({11 * 256 - n})}).view({11, 256});
+      EXPECT_TRUE(torch::equal(q.scales, std::get<0>(padded.max(1))));
+      // Rounded to the nearest code: the error is the distance to the nearest map value.
+      const auto scale = q.scales.repeat_interleave(256).narrow(0, 0, n);
+      const auto error = (y - x).abs() / scale;
+      const auto best = nearest_distance(x / scale, map);
+      EXPECT_LE((error - best).max().item<double>(), 1e-6);
+      // The map's bound: in the top decade, [0.1, 1] of the block's maximum, the codes are
+      // 0.9/64 apart (signed) or 0.9/128 (unsigned); half that is the largest error.
+      const auto top = (x.abs() / scale) >= 0.1;
+      const double half_gap = 0.9 / (is_signed ? 128 : 256);
+      EXPECT_LE(error.masked_select(top).max().item<double>(), half_gap * (1 + 1e-5));
+    }
+  }
+}
+
+TEST(Blockwise, TheHostTableRoundsToTheNearestCode) {
+  // The fused CPU step rounds through a table over the float's bits; across nine decades
+  // of magnitudes it picks a code exactly as near as the nearest one.
+  torch::manual_seed(23);
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::detail::moment_map(is_signed);
+    const auto& table = fo::detail::nearest_code(is_signed);
+    auto y = torch::pow(10.0, torch::rand({100000}) * -9);
+    if (is_signed) {
+      y = y * (torch::randint(0, 2, {100000}) * 2 - 1);
+    }
+    y = torch::cat({y, map, torch::zeros({1}), torch::ones({1})});  // and the codes themselves
+    const auto best = nearest_distance(y, map);
+    auto codes = torch::empty({y.numel()}, torch::kLong);
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      codes[i] = table(y[i].item<float>());
+    }
+    const auto got = (y - map.index_select(0, codes)).abs();
+    EXPECT_LE((got - best).max().item<double>(), 0) << (is_signed ? "signed" : "unsigned");
+  }
+}
+
+TEST(Blockwise, BlocksKeepOutliersFromSwampingTheRest) {
+  // The point of blocks (Dettmers et al. 2021): with one scale for the whole tensor, an
+  // outlier pushes most values into the coarse bottom of the map.
+  torch::manual_seed(22);
+  const auto x = heavy_tailed(1 << 16);
+  const auto map = fo::dynamic_map(true);
+  const auto error = [&](std::int64_t block) {
+    const auto y = fo::dequantize_blockwise(fo::quantize_blockwise(x, map, block), map);
+    return ((y - x).abs() / x.abs().clamp_min(1e-12)).median().item<double>();
+  };
+  const double blockwise = error(256), whole = error(x.numel());
+  std::cout << "[ 8-bit    ] median relative error, Cauchy sample: blocks of 256 " << blockwise
+            << ", one scale " << whole << "\n";
+  EXPECT_LT(blockwise * 2, whole);
+}
+
+}  // namespace
