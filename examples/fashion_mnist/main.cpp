@@ -44,8 +44,8 @@ struct Args {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
                                                         std::vector<torch::Tensor> params) {
   namespace to = torch::optim;
-  const bool adamw = args.optimizer.rfind("adamw", 0) == 0;
-  if (args.optimizer.size() > 4 && args.optimizer.compare(args.optimizer.size() - 4, 4, "8bit") == 0) {
+  const bool adamw = args.optimizer == "adamw" || args.optimizer == "adamw8bit";
+  if (args.optimizer == "adam8bit" || args.optimizer == "adamw8bit") {
     if (args.torch_optimizer) {
       throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
     }

@@ -2,7 +2,7 @@
 
 #include <torch/torch.h>
 
-#include <cmath>
+#include "adam_chunk.h"
 
 namespace frugal::optim {
 namespace {
@@ -28,43 +28,14 @@ void adam_update(ParamUpdate& u, bool decoupled) {
   const auto& o = static_cast<const Options&>(u.options);
   auto& state = static_cast<State&>(*u.state);
   state.step(state.step() + 1);
-  const auto [beta1, beta2] = o.betas();
-  const double bias_correction1 = 1 - std::pow(beta1, state.step());
-  const double bias_correction2 = 1 - std::pow(beta2, state.step());
-  const double step_size = o.lr() / bias_correction1;
+  const auto step = detail::adam_chunk_step(o, state.step(), decoupled, u.fresh);
+  // Scratch: the denominator, and Adam's decayed gradient when it has weight decay.
+  const std::size_t decayed = !decoupled && o.weight_decay() != 0 ? 1 : 0;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
-    auto p = u.part(u.param, offset, n);
-    auto grad = u.part(u.grad, offset, n);
-    if (o.weight_decay() != 0) {
-      if (decoupled) {
-        p.mul_(1 - o.lr() * o.weight_decay());
-      } else {
-        auto decayed = u.scratch_part(1, n);
-        at::add_out(decayed, grad, p, o.weight_decay());
-        grad = decayed;
-      }
-    }
-    auto exp_avg = u.part(state.exp_avg(), offset, n);
-    auto exp_avg_sq = u.part(state.exp_avg_sq(), offset, n);
-    if (u.fresh) {  // torch starts the moments from zeros
-      exp_avg.zero_();
-      exp_avg_sq.zero_();
-    }
-    exp_avg.mul_(beta1).add_(grad, 1 - beta1);
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    auto denom = u.scratch_part(0, n);
-    if (o.amsgrad()) {
-      auto max_exp_avg_sq = u.part(state.max_exp_avg_sq(), offset, n);
-      if (u.fresh) {
-        max_exp_avg_sq.zero_();
-      }
-      at::max_out(max_exp_avg_sq, exp_avg_sq, max_exp_avg_sq);
-      at::sqrt_out(denom, max_exp_avg_sq);
-    } else {
-      at::sqrt_out(denom, exp_avg_sq);
-    }
-    denom.div_(std::sqrt(bias_correction2)).add_(o.eps());
-    p.addcdiv_(exp_avg, denom, -step_size);
+    detail::adam_chunk(u.part(u.param, offset, n), u.part(u.grad, offset, n),
+                       u.part(state.exp_avg(), offset, n), u.part(state.exp_avg_sq(), offset, n),
+                       o.amsgrad() ? u.part(state.max_exp_avg_sq(), offset, n) : torch::Tensor(),
+                       u.scratch_part(decayed, n), u.scratch_part(0, n), step);
   });
 }
 

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "adam8bit_kernel.h"
+#include "adam_chunk.h"
 #include "frugal/compat.h"
 
 namespace frugal::optim {
@@ -181,10 +182,15 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::optim::OptimizerOptions&
 // of other dtypes are updated on float32 copies.
 template <typename Options>
 int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat,
+                                           const torch::optim::OptimizerParamState* state,
                                            const torch::optim::OptimizerOptions& options) const {
+  // Without a state yet (the planner asks before the first step): as make_state would.
+  const bool quantized = state != nullptr
+                             ? static_cast<const Adam8bitParamState*>(state)->quantized()
+                             : enabled_ && param.numel() >= quantized_.min_elements();
   const bool is_float = param.scalar_type() == torch::kFloat32;
   const int copies = is_float ? 0 : 2;  // the parameter and its gradient in float32
-  if (!quantizes(param)) {
+  if (!quantized) {
     return 1 + copies;
   }
   const bool fused = flat && param.device().is_cpu() && is_float;
@@ -192,23 +198,11 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
 }
 
 template <typename Options>
-bool Adam8bitBase<Options>::quantizes(const torch::Tensor& param) const {
-  const auto it = state().find(compat::optimizer_state_key(param));
-  if (it != state().end()) {
-    return static_cast<const Adam8bitParamState&>(*it->second).quantized();
-  }
-  return enabled_ && param.numel() >= quantized_.min_elements();
-}
-
-template <typename Options>
 void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const auto& o = static_cast<const Options&>(u.options);
   auto& s = static_cast<Adam8bitParamState&>(*u.state);
   s.step(s.step() + 1);
-  const auto [beta1, beta2] = o.betas();
-  const double bias_correction1 = 1 - std::pow(beta1, s.step());
-  const double bias_correction2 = 1 - std::pow(beta2, s.step());
-  const double step_size = o.lr() / bias_correction1;
+  const auto step = adam_chunk_step(o, s.step(), std::is_same_v<Options, AdamWOptions>, u.fresh);
   const Books* b = s.quantized() ? &books_.at({u.param.device().type(), u.param.device().index()})
                                  : nullptr;
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
@@ -216,17 +210,17 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
   if (fused) {  // the whole parameter at once: it needs no scratch
     AdamScalars a;
-    a.beta1 = static_cast<float>(beta1);
-    a.one_minus_beta1 = static_cast<float>(1 - beta1);
-    a.beta2 = static_cast<float>(beta2);
-    a.one_minus_beta2 = static_cast<float>(1 - beta2);
-    a.eps = static_cast<float>(o.eps());
-    a.weight_decay = static_cast<float>(o.weight_decay());
-    a.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
-    a.neg_step_size = static_cast<float>(-step_size);
-    a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-    a.decoupled = std::is_same_v<Options, AdamWOptions>;
-    a.fresh = u.fresh;
+    a.beta1 = static_cast<float>(step.beta1);
+    a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
+    a.beta2 = static_cast<float>(step.beta2);
+    a.one_minus_beta2 = static_cast<float>(1 - step.beta2);
+    a.eps = static_cast<float>(step.eps);
+    a.weight_decay = static_cast<float>(step.weight_decay);
+    a.decay_factor = static_cast<float>(1 - step.lr * step.weight_decay);
+    a.neg_step_size = static_cast<float>(-step.step_size);
+    a.bias_correction2_sqrt = static_cast<float>(std::sqrt(step.bias_correction2));
+    a.decoupled = step.decoupled;
+    a.fresh = step.fresh;
     adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
                  s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
                  s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(),
@@ -264,23 +258,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       m = u.part(s.exp_avg(), offset, n);
       v = u.part(s.exp_avg_sq(), offset, n);
     }
-    if (u.fresh) {  // torch starts the moments from zeros
-      m.zero_();
-      v.zero_();
-    }
-    if (o.weight_decay() != 0) {
-      if (std::is_same_v<Options, AdamWOptions>) {
-        p.mul_(1 - o.lr() * o.weight_decay());
-      } else {
-        at::add_out(work, grad, p, o.weight_decay());
-        grad = work;
-      }
-    }
-    m.mul_(beta1).add_(grad, 1 - beta1);
-    v.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
-    at::sqrt_out(work, v);  // the decayed gradient is used up
-    work.div_(std::sqrt(bias_correction2)).add_(o.eps());
-    p.addcdiv_(m, work, -step_size);
+    adam_chunk(p, grad, m, v, torch::Tensor(), work, work, step);
     if (cast) {
       param_out.copy_(p);
     }

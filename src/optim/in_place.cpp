@@ -94,7 +94,8 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     }
     w.flat = p.is_contiguous() && g.is_contiguous();
     w.chunk = chunk_of(p, w.flat);
-    w.buffers = scratch_buffers(p, w.flat, w.group->options());
+    const auto* param_state = w.has_state ? state.find(w.key)->second.get() : w.new_state.get();
+    w.buffers = scratch_buffers(p, w.flat, param_state, w.group->options());
     auto& size = sizes[Kind{p.device().type(), p.device().index(), scratch_type(p)}];
     size.first = std::max(size.first, w.chunk);
     size.second = std::max(size.second, w.buffers);
@@ -157,7 +158,9 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
   std::int64_t most = 0;
   for (auto& group : optimizer().param_groups()) {
     for (const auto& p : group.params()) {
-      const int buffers = scratch_buffers(p, p.is_contiguous(), group.options());
+      const auto it = optimizer().state().find(compat::optimizer_state_key(p));
+      const auto* param_state = it == optimizer().state().end() ? nullptr : it->second.get();
+      const int buffers = scratch_buffers(p, p.is_contiguous(), param_state, group.options());
       const auto elements = chunk_of(p, p.is_contiguous());
       const auto element = static_cast<std::int64_t>(c10::elementSize(scratch_type(p)));
       most = std::max(most, elements * element * buffers);

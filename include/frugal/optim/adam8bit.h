@@ -103,6 +103,7 @@ class Adam8bitBase : public torch::optim::Optimizer,
       const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
   int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
   int scratch_buffers(const torch::Tensor& param, bool flat,
+                      const torch::optim::OptimizerParamState* state,
                       const torch::optim::OptimizerOptions& options) const override;
   void update(ParamUpdate& u) const override;
   c10::ScalarType scratch_type(const torch::Tensor&) const override { return torch::kFloat32; }
@@ -113,8 +114,6 @@ class Adam8bitBase : public torch::optim::Optimizer,
     CodeBook signed_book, unsigned_book;
   };
   const Books& books(torch::Device device) const;
-  // Whether `param`'s state is (or, made now, would be) quantized.
-  bool quantizes(const torch::Tensor& param) const;
   // Checks that loaded states fit these parameters, then moves them to their devices.
   void adopt_loaded();
 

@@ -81,9 +81,11 @@ class InPlaceOptimizer {
       const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const = 0;
   /// Chunk-sized scratch buffers the update needs under these options.
   virtual int scratch_buffers(const torch::optim::OptimizerOptions& options) const = 0;
-  /// The same for one parameter, updated flat (contiguous) or not: scratch_buffers unless
-  /// an optimizer needs less for some parameters.
+  /// The same for one parameter, updated flat (contiguous) or not, with its state (the one
+  /// the step will make, if it has none yet; null if the optimizer keeps none): scratch_buffers
+  /// unless an optimizer needs less for some parameters.
   virtual int scratch_buffers(const torch::Tensor& /*param*/, bool /*flat*/,
+                              const torch::optim::OptimizerParamState* /*state*/,
                               const torch::optim::OptimizerOptions& options) const {
     return scratch_buffers(options);
   }
