@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "frugal/train/trainer.h"
+
 namespace frugal {
 namespace {
 
@@ -31,6 +33,8 @@ CheckpointPolicy::CheckpointPolicy(CheckpointSelect select, CheckpointOptions op
   TORCH_CHECK(!select_.names().empty() || !select_.types().empty() || select_.every() > 0,
               "frugal: CheckpointPolicy chooses nothing: give names, types or every");
 }
+
+void CheckpointPolicy::on_add(Trainer& trainer) { apply(trainer.module()); }
 
 void CheckpointPolicy::on_step_begin(StepContext& ctx) {
   if (!applied_) {

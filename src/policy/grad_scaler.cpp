@@ -7,6 +7,8 @@
 #include <cmath>
 #include <map>
 
+#include "frugal/state/archive.h"
+
 namespace frugal {
 namespace {
 
@@ -269,5 +271,24 @@ void GradScalerPolicy::on_optimizer_error(Trainer&, StepContext& ctx, const std:
 }
 
 void GradScalerPolicy::on_step_end(StepContext& ctx) { ctx.report.scale = scaler_->get_scale(); }
+
+void GradScalerPolicy::save_state(torch::serialize::OutputArchive& archive) const {
+  state::write_int(archive, "enabled", scaler_->is_enabled() ? 1 : 0);
+  for (const auto& [key, value] : scaler_->state_dict()) {
+    state::write_double(archive, key, value);
+  }
+}
+
+void GradScalerPolicy::load_state(torch::serialize::InputArchive& archive) {
+  const bool enabled = state::read_int(archive, "enabled") != 0;
+  TORCH_CHECK(enabled == scaler_->is_enabled(), "frugal: the saved GradScaler was ",
+              enabled ? "enabled" : "disabled", ", this one is ",
+              scaler_->is_enabled() ? "enabled" : "disabled");
+  std::map<std::string, double> state;
+  for (const auto& [key, value] : scaler_->state_dict()) {
+    state[key] = state::read_double(archive, key);
+  }
+  scaler_->load_state_dict(state);
+}
 
 }  // namespace frugal

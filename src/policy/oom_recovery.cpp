@@ -7,6 +7,7 @@
 #include "frugal/memory/format.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/optim/in_place.h"
+#include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -109,6 +110,24 @@ void OomRecovery::on_step_end(StepContext& ctx) {
     trainer_->set_micro_batch(std::min(largest_, trainer_->micro_batch() * 2));
     clean_steps_ = 0;
   }
+}
+
+void OomRecovery::save_state(torch::serialize::OutputArchive& archive) const {
+  state::write_int(archive, "largest", largest_);
+  state::write_int(archive, "clean_steps", clean_steps_);
+  state::write_int(archive, "recovered", recovered_);
+}
+
+void OomRecovery::load_state(torch::serialize::InputArchive& archive) {
+  const auto largest = state::read_int(archive, "largest");
+  const auto clean_steps = state::read_int(archive, "clean_steps");
+  const auto recovered = state::read_int(archive, "recovered");
+  TORCH_CHECK(largest >= 0 && clean_steps >= 0 && recovered >= 0,
+              "frugal: invalid saved OomRecovery state: largest ", largest, ", clean_steps ",
+              clean_steps, ", recovered ", recovered);
+  largest_ = largest;
+  clean_steps_ = clean_steps;
+  recovered_ = recovered;
 }
 
 }  // namespace frugal

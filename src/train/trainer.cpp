@@ -65,6 +65,25 @@ void Trainer::set_micro_batch(std::int64_t size) {
   micro_batch_ = size;
 }
 
+TrainerCounters Trainer::counters() const {
+  return {steps_, skipped_, batches_, micro_batch_, eval_batch_};
+}
+
+void Trainer::restore_counters(const TrainerCounters& c) {
+  TORCH_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
+              window_batches_, " of ", options_.accumulate(), " batches run)");
+  TORCH_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
+                  c.micro_batch >= 0 && c.eval_batch >= 0,
+              "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
+              ", batches ", c.batches, ", micro_batch ", c.micro_batch, ", eval_batch ",
+              c.eval_batch);
+  steps_ = c.steps;
+  skipped_ = c.skipped;
+  batches_ = c.batches;
+  micro_batch_ = c.micro_batch;
+  eval_batch_ = c.eval_batch;
+}
+
 torch::Tensor Trainer::loss_of(const Batch& micro) const {
   return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro.inputs), micro.targets);
 }

@@ -37,6 +37,9 @@ class CheckpointPolicy : public Policy {
  public:
   explicit CheckpointPolicy(CheckpointSelect select, CheckpointOptions options = {});
   std::string name() const override { return "checkpoint"; }
+  /// Wraps the blocks when added, so that the module's names are final before a saved
+  /// training state is loaded into it.
+  void on_add(Trainer& trainer) override;
   void on_step_begin(StepContext& ctx) override;
 
   /// Wraps the chosen children of `root` (once); returns their qualified names.

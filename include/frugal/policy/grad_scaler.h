@@ -103,6 +103,9 @@ class GradScalerPolicy : public Policy {
   void on_optimizer_error(Trainer& trainer, StepContext& ctx,
                           const std::exception& error) override;
   void on_step_end(StepContext& ctx) override;
+  /// The scaler's state_dict (scale, growth tracker and options).
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive) override;
   GradScaler& scaler() { return *scaler_; }
 
  private:

@@ -40,6 +40,10 @@ class OomRecovery : public Policy {
                      const std::exception& error) override;
   bool retries_steps() const override { return true; }
   void on_step_end(StepContext& ctx) override;
+  /// Keeps the micro-batch it started from, its clean-step count and recoveries (the
+  /// micro-batch in use is the trainer's, saved with it).
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive) override;
 
   /// Out-of-memory errors recovered from so far (steps and evaluations).
   std::int64_t recovered() const { return recovered_; }

@@ -3,6 +3,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include <functional>
 #include <memory>
@@ -116,6 +117,14 @@ class Policy {
   /// True when the policy changes parameters during backward. The engine refuses it
   /// together with a policy that needs all gradients.
   virtual bool updates_in_backward() const { return false; }
+
+  /// What a saved training state (frugal::save_training_state) keeps of this policy: the
+  /// state a resumed run needs to go on as if never stopped (a loss scale, a micro-batch
+  /// chosen after an out-of-memory error). Stateless policies write nothing.
+  virtual void save_state(torch::serialize::OutputArchive&) const {}
+  /// Reads back what save_state wrote; throw (naming what is wrong) and change nothing
+  /// when the archive does not fit.
+  virtual void load_state(torch::serialize::InputArchive&) {}
 };
 
 /// A policy made of one user function at one phase: the engine's hooks.

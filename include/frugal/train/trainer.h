@@ -37,6 +37,15 @@ class PartialStepError : public std::runtime_error {
   std::vector<std::string> updated;
 };
 
+/// The trainer's counters and sizes, as a saved training state carries them.
+struct TrainerCounters {
+  std::int64_t steps = 0;    ///< optimizer steps taken
+  std::int64_t skipped = 0;  ///< optimizer steps skipped (inf/NaN gradients)
+  std::int64_t batches = 0;  ///< batches run
+  std::int64_t micro_batch = 0;
+  std::int64_t eval_batch = 0;
+};
+
 /// An exception's message without LibTorch's C++ backtrace.
 std::string error_message(const std::exception& error);
 
@@ -126,6 +135,11 @@ class Trainer {
   torch::optim::Optimizer& optimizer() { return optimizer_; }
   std::int64_t steps() const { return steps_; }
   std::int64_t skipped_steps() const { return skipped_; }
+  /// True between the first batch of an accumulation window and the step that ends it.
+  bool window_open() const { return window_batches_ > 0; }
+  TrainerCounters counters() const;
+  /// Puts back counters read from a saved state; refused inside an accumulation window.
+  void restore_counters(const TrainerCounters& counters);
 
  private:
   Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,

@@ -1,0 +1,91 @@
+// The fit loop: epochs of shuffled batches through a Trainer, evaluation, LR schedules by
+// policy, saving every N steps and on SIGINT/SIGTERM, and resuming from a folder.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "frugal/fit/data_source.h"
+#include "frugal/state/training_state.h"
+#include "frugal/train/step_report.h"
+
+namespace frugal {
+
+class Trainer;
+
+/// Where a fit run stands: epochs count from 1, batches within the epoch from 1.
+struct FitPosition {
+  std::int64_t epoch = 1;
+  std::int64_t batch = 0;  ///< batches of this epoch done
+  std::int64_t batches_per_epoch = 0;
+  std::int64_t step = 0;   ///< the trainer's optimizer steps, from the start of the run
+  bool end_of_epoch = false;
+};
+
+struct FitOptions {
+  using StepFn = std::function<void(const StepReport&, const FitPosition&)>;
+  using EvalFn = std::function<void(const EvalReport&, const FitPosition&)>;
+  using SaveFn = std::function<void(UserState&)>;
+  using ResumeFn = std::function<void(const UserState&)>;
+  using LogFn = std::function<void(const std::string&)>;
+
+  /// Epochs, counted from the start of the run (also after a resume).
+  TORCH_ARG(std::int64_t, epochs) = 1;
+  /// Samples per trainer step (the trainer splits it into micro-batches).
+  TORCH_ARG(std::int64_t, batch_size) = 32;
+  /// Stop after this many optimizer steps from the start of the run (0: no limit).
+  TORCH_ARG(std::int64_t, max_steps) = 0;
+  /// Each epoch in the order of the next torch::randperm of a generator seeded with `seed`.
+  TORCH_ARG(bool, shuffle) = true;
+  TORCH_ARG(std::uint64_t, seed) = 0;
+  /// Evaluate every this many optimizer steps (0: at the end of each epoch and run).
+  TORCH_ARG(std::int64_t, eval_every) = 0;
+  /// Folder of saved states (frugal::SaveDir); empty: no saving.
+  TORCH_ARG(std::string, save_dir) = "";
+  /// Save every this many optimizer steps (0: only at the end and on a signal).
+  TORCH_ARG(std::int64_t, save_every) = 0;
+  /// Saved states kept in save_dir.
+  TORCH_ARG(std::int64_t, keep) = 3;
+  /// Resume from the newest loadable state in save_dir (a fresh start when there is none).
+  TORCH_ARG(bool, resume) = false;
+  /// On SIGINT or SIGTERM, finish the step (and the accumulation window), save, and return
+  /// with FitResult::signal set. The previous handlers are back when fit returns.
+  TORCH_ARG(bool, handle_signals) = true;
+
+  TORCH_ARG(StepFn, on_step);
+  TORCH_ARG(EvalFn, on_eval);
+  /// Adds the caller's own values to each save; on_resume gets them back.
+  TORCH_ARG(SaveFn, on_save);
+  TORCH_ARG(ResumeFn, on_resume);
+  /// Where notices go (resumed from, fell back to an older save, saved on a signal);
+  /// default: standard error.
+  TORCH_ARG(LogFn, log);
+};
+
+struct FitResult {
+  std::int64_t steps = 0;      ///< the trainer's optimizer steps at the end
+  FitPosition position;        ///< where the run stopped
+  int signal = 0;              ///< SIGINT or SIGTERM when stopped by one, else 0
+  std::string resumed_from;    ///< the save file the run resumed from, or empty
+  std::string saved;           ///< the last save file written, or empty
+  EvalReport eval;             ///< the last evaluation (samples == 0: none)
+};
+
+/// Trains `trainer` on `train` under `options`, evaluating on `eval` when it has inputs.
+/// An epoch that ends inside an accumulation window steps it (Trainer::flush). Saves are
+/// made only between optimizer steps; a resumed run meets the same batches and gets the
+/// same weights, bit for bit, as one never stopped.
+///
+/// Example:
+///   frugal::TensorData train({images, labels});
+///   auto result = frugal::fit(trainer, train,
+///                             frugal::FitOptions().epochs(3).batch_size(64).seed(1)
+///                                 .save_dir("run").save_every(500).resume(true),
+///                             {test_images, test_labels});
+FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& options = {},
+              const Batch& eval = {});
+
+}  // namespace frugal

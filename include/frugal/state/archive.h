@@ -1,0 +1,43 @@
+// Reading and writing numbers in LibTorch archives, with errors that name the key.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <string>
+
+namespace frugal::state {
+
+inline void write_int(torch::serialize::OutputArchive& archive, const std::string& key,
+                      std::int64_t value) {
+  archive.write(key, c10::IValue(value));
+}
+
+inline void write_double(torch::serialize::OutputArchive& archive, const std::string& key,
+                         double value) {
+  archive.write(key, c10::IValue(value));
+}
+
+/// The value under `key`; throws naming the key when it is missing or of another kind.
+inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value), "frugal: the saved state has no '", key, "'");
+  return value;
+}
+
+inline std::int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
+  const auto value = read_value(archive, key);
+  TORCH_CHECK(value.isInt(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+              ", not an integer");
+  return value.toInt();
+}
+
+inline double read_double(torch::serialize::InputArchive& archive, const std::string& key) {
+  const auto value = read_value(archive, key);
+  TORCH_CHECK(value.isDouble(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+              ", not a number");
+  return value.toDouble();
+}
+
+}  // namespace frugal::state

@@ -1,0 +1,27 @@
+// The test binary: Google Test, or one of the child processes tests start (children.h).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "frugal/memory/counting_allocator.h"
+
+#include "children.h"
+
+int main(int argc, char** argv) {
+  if (argc >= 3 && std::string(argv[1]) == "--child") {
+    const auto& registry = frugal::testing::children();
+    const auto found = registry.find(argv[2]);
+    if (found == registry.end()) {
+      fmt::print(stderr, "no child named '{}'\n", argv[2]);
+      return 2;
+    }
+    frugal::CountingAllocator::install();  // counted from the start, as in the tests
+    try {
+      return found->second(std::vector<std::string>(argv + 3, argv + argc));
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "child {}: {}\n", argv[2], e.what());
+      return 3;
+    }
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

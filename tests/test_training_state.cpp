@@ -1,0 +1,256 @@
+// Saved training states: all or nothing on bad files, other models, other optimizers.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "resume_setup.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using frugal::testing::flat_state;
+using frugal::testing::make_resume_setup;
+using frugal::testing::ResumeSetup;
+
+fs::path temp_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("frugal_state_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void train(ResumeSetup& s, int steps) {
+  const auto data = frugal::testing::resume_data();
+  for (int i = 0; i < steps; ++i) {
+    const auto start = (s.trainer->counters().batches * 32) % 320;
+    s.trainer->step(data.slice(start, 32));
+  }
+}
+
+// Everything a load could change, to check that a refused one changed nothing.
+struct Fingerprint {
+  torch::Tensor weights, rng;
+  std::string optimizer;
+  std::int64_t steps, micro_batch;
+
+  explicit Fingerprint(ResumeSetup& s)
+      : weights(flat_state(*s.model)),
+        rng(torch::globalContext().defaultGenerator(torch::kCPU).get_state()),
+        optimizer(optimizer_bytes(*s.optimizer)),
+        steps(s.trainer->steps()),
+        micro_batch(s.trainer->micro_batch()) {}
+  static std::string optimizer_bytes(torch::optim::Optimizer& optimizer) {
+    torch::serialize::OutputArchive archive;
+    optimizer.save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    return out.str();
+  }
+  void expect_same(ResumeSetup& s) const {
+    const Fingerprint now(s);
+    EXPECT_TRUE(torch::equal(now.weights, weights)) << "the weights changed";
+    EXPECT_TRUE(torch::equal(now.rng, rng)) << "the CPU generator changed";
+    EXPECT_EQ(now.optimizer, optimizer) << "the optimizer's state changed";
+    EXPECT_EQ(now.steps, steps);
+    EXPECT_EQ(now.micro_batch, micro_batch);
+  }
+};
+
+void expect_refused(ResumeSetup& s, const std::string& path, const std::string& expected) {
+  const Fingerprint before(s);
+  try {
+    frugal::load_training_state(*s.trainer, path);
+    ADD_FAILURE() << "loading " << path << " did not fail (expected: " << expected << ")";
+  } catch (const c10::Error& e) {
+    const auto message = frugal::error_message(e);
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+    EXPECT_NE(message.find(path), std::string::npos) << "the error does not name the file: "
+                                                     << message;
+  }
+  before.expect_same(s);
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST(TrainingState, LoadPutsBackWeightsOptimizerGeneratorCountersAndUserState) {
+  const auto dir = temp_dir("roundtrip");
+  auto a = make_resume_setup("checkpoint");
+  train(*a, 4);
+  const auto path = (dir / "state.frugal").string();
+  frugal::UserState user{{{"epoch", 3}, {"position", -7}}, {{"running", 0.1 + 0.2}},
+                         std::string("a\0binary\nblob", 13)};
+  frugal::save_training_state(*a->trainer, path, user);
+  train(*a, 5);  // what the loaded trainer must repeat exactly
+  const auto expected = flat_state(*a->model);
+
+  auto b = make_resume_setup("checkpoint");
+  const auto loaded = frugal::load_training_state(*b->trainer, path);
+  EXPECT_EQ(loaded.values, user.values);
+  EXPECT_EQ(loaded.numbers, user.numbers);  // bit for bit: 0.1 + 0.2 is not 0.3
+  EXPECT_EQ(loaded.blob, user.blob);
+  EXPECT_EQ(b->trainer->steps(), 4);
+  train(*b, 5);
+  EXPECT_TRUE(torch::equal(flat_state(*b->model), expected));
+  EXPECT_EQ(b->optimizer->param_groups()[0].options().get_lr(),
+            a->optimizer->param_groups()[0].options().get_lr());
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, DamagedFilesAreRefusedAndChangeNothing) {
+  const auto dir = temp_dir("damaged");
+  auto s = make_resume_setup("adam8bit");
+  train(*s, 3);
+  const auto good = (dir / "good.frugal").string();
+  frugal::save_training_state(*s->trainer, good);
+  train(*s, 2);  // the trainer now differs from the file
+  const auto bytes = read_bytes(good);
+  const auto bad = (dir / "bad.frugal").string();
+  for (int tenth = 0; tenth < 10; ++tenth) {
+    const auto length = bytes.size() * tenth / 10;
+    write_bytes(bad, bytes.substr(0, length));
+    SCOPED_TRACE("truncated to " + std::to_string(length) + " bytes");
+    expect_refused(*s, bad, length < 8 ? "not a frugal training state" : "truncated");
+  }
+  for (const auto at : {bytes.size() / 3, bytes.size() / 2, bytes.size() - 1}) {
+    auto flipped = bytes;
+    flipped[at] = static_cast<char>(flipped[at] ^ 0x10);
+    write_bytes(bad, flipped);
+    SCOPED_TRACE("byte " + std::to_string(at) + " flipped");
+    expect_refused(*s, bad, "is damaged: its CRC-32");
+  }
+  auto newer = bytes;
+  newer[8] = 2;  // the format version
+  write_bytes(bad, newer);
+  expect_refused(*s, bad, "has format version 2; this frugal reads version 1");
+  write_bytes(bad, bytes + "x");
+  expect_refused(*s, bad, "1 bytes after its end");
+  expect_refused(*s, (dir / "missing.frugal").string(), "No such file");
+  // The good file still loads, and then the trainer is where it was at step 3.
+  frugal::load_training_state(*s->trainer, good);
+  EXPECT_EQ(s->trainer->steps(), 3);
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, AnotherModelOptimizerOrPolicyListIsRefusedByName) {
+  const auto dir = temp_dir("other");
+  const auto path = (dir / "state.frugal").string();
+  auto wide = make_resume_setup("bf16", /*hidden=*/48);
+  train(*wide, 1);
+  frugal::save_training_state(*wide->trainer, path);
+
+  auto s = make_resume_setup("bf16");
+  train(*s, 2);
+  expect_refused(*s, path, "parameter '0.linear.weight' has shape [48, 16] in the file, [32, 16] here");
+
+  auto plain = make_resume_setup("plain");  // LibTorch's Adam, no policies
+  train(*plain, 1);
+  frugal::save_training_state(*plain->trainer, path);
+  expect_refused(*s, path, "the optimizer is torch::optim::Adam in the file, "
+                           "frugal::optim::Adam here");
+
+  auto in_backward = make_resume_setup("in-backward");  // frugal's Adam, another policy
+  train(*in_backward, 1);
+  frugal::save_training_state(*in_backward->trainer, path);
+  expect_refused(*s, path, "the list of policies is [step-in-backward] in the file");
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, AnOptimizerThatRefusesTheFileIsPutBack) {
+  const auto dir = temp_dir("rollback");
+  const auto path = (dir / "state.frugal").string();
+  auto other = make_resume_setup("adam8bit");
+  train(*other, 2);
+  frugal::save_training_state(*other->trainer, path);
+
+  // Same model and optimizer type, but 8-bit states in blocks of 128: the optimizer's own
+  // load refuses, after the file's model and counters were found to fit.
+  auto s = make_resume_setup("adam8bit");
+  s->trainer.reset();
+  auto params = s->model->parameters();
+  s->optimizer = std::make_unique<frugal::optim::Adam8bit>(
+      params, torch::optim::AdamOptions(1e-2),
+      frugal::optim::QuantizedStateOptions().block(128).min_elements(64));
+  s->trainer = std::make_unique<frugal::Trainer>(
+      s->model, *s->optimizer,
+      [](const torch::Tensor& o, const torch::Tensor& y) {
+        return torch::nn::functional::cross_entropy(o, y);
+      });
+  s->trainer->add_policy(std::make_shared<frugal::LrSchedule>(
+      frugal::LrScheduleOptions().decay(frugal::LrDecay::Step).step_size(30).gamma(0.5)));
+  train(*s, 3);
+  expect_refused(*s, path, "nothing was changed");
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
+  const auto dir = temp_dir("window");
+  auto s = make_resume_setup("micro");  // accumulate(2)
+  train(*s, 1);
+  ASSERT_TRUE(s->trainer->window_open());
+  const auto path = dir / "state.frugal";
+  try {
+    frugal::save_training_state(*s->trainer, path.string());
+    ADD_FAILURE() << "saved inside an accumulation window";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inside an accumulation window"), std::string::npos);
+  }
+  EXPECT_FALSE(fs::exists(path));
+  train(*s, 1);  // ends the window
+  frugal::save_training_state(*s->trainer, path.string());
+  EXPECT_TRUE(fs::exists(path));
+  fs::remove_all(dir);
+}
+
+TEST(SaveDir, KeepsTheNewestAndResumesPastADamagedOne) {
+  const auto dir = temp_dir("savedir");
+  auto s = make_resume_setup("plain");
+  frugal::SaveDir saves(dir.string(), /*keep=*/3);
+  for (int i = 0; i < 5; ++i) {
+    train(*s, 1);
+    saves.save(*s->trainer);
+  }
+  const auto files = saves.files();
+  ASSERT_EQ(files.size(), 3u);
+  EXPECT_EQ(fs::path(files[0]).filename(), "step-000000000005.frugal");
+  EXPECT_EQ(fs::path(files[2]).filename(), "step-000000000003.frugal");
+  fs::resize_file(files[0], fs::file_size(files[0]) / 2);
+
+  auto fresh = make_resume_setup("plain");
+  std::vector<std::string> warnings;
+  const auto user =
+      saves.resume(*fresh->trainer, [&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(user.has_value());
+  EXPECT_EQ(saves.resumed_from(), files[1]);
+  EXPECT_EQ(fresh->trainer->steps(), 4);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find(files[0] + "' is truncated"), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("resuming from the previous save, " + files[1]), std::string::npos)
+      << warnings[0];
+
+  for (const auto& file : files) {
+    fs::resize_file(file, 10);
+  }
+  auto none = make_resume_setup("plain");
+  try {
+    saves.resume(*none->trainer);
+    ADD_FAILURE() << "resumed from damaged files";
+  } catch (const c10::Error& e) {
+    for (const auto& file : files) {
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(none->trainer->steps(), 0);
+  fs::remove_all(dir);
+}
+
+}  // namespace
