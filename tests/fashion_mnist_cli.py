@@ -4,14 +4,19 @@
   a memory cap between the two peaks is survived by OOM recovery with the same losses;
   the same seed gives the same losses twice;
   frugal's Adam gives LibTorch's losses with a lower peak, and so does the step in backward;
+  a run saved and resumed (also after SIGTERM, also past a damaged newest save) continues
+  the step numbers with the losses of a run never stopped;
   bad command lines end with a clear message, a non-zero status and no stack trace.
 Usage: fashion_mnist_cli.py PATH/TO/fashion_mnist WORK_DIR
 """
 import gzip
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 BINARY, WORK = sys.argv[1], sys.argv[2]
 os.makedirs(WORK, exist_ok=True)
@@ -84,6 +89,55 @@ capped = train("capped", "--batch", "256", "--memory-cap", str((peak_full + peak
 check(capped[0]["oom_retries"] > 0, f"the capped run retried its first step ({capped[0]['oom_retries']} retries, micro-batch {capped[0]['micro_batch']})")
 check(same_losses(capped, big_micro), "the capped run's losses match the micro-batched run's")
 
+# Saving and resuming: 7 steps saved every 5 (and at the end), then a resumed run to 12,
+# give the first 12 steps of the run never stopped, step numbers continued.
+saves = os.path.join(WORK, "saves")
+shutil.rmtree(saves, ignore_errors=True)
+first = train("first7", "--save-dir", saves, "--save-every", "5", steps=7)
+resumed = train("resumed12", "--save-dir", saves, "--resume", steps=12)
+check([r["step"] for r in resumed] == list(range(8, 13)), "the resumed report goes on from step 8")
+check(same_losses(first + resumed, full[:12], 0.0), "saved at 7 and resumed: the losses of the run never stopped")
+check(sorted(os.listdir(saves)) == [f"step-{n:012d}.frugal" for n in (5, 7, 12)], f"the newest 3 saves are kept ({sorted(os.listdir(saves))})")
+
+# The newest save damaged: --resume warns and goes on from the one before.
+newest = os.path.join(saves, "step-000000000012.frugal")
+with open(newest, "r+b") as f:
+    f.truncate(os.path.getsize(newest) // 2)
+report = os.path.join(WORK, "fallback.jsonl")
+done = subprocess.run([BINARY, "--model", "cnn", "--dropout", "0", "--seed", "3", "--max-steps", "9",
+                       "--threads", "2", "--quiet", "--report", report, "--save-dir", saves, "--resume"],
+                      capture_output=True, text=True)
+fallback = [json.loads(line) for line in open(report) if '"event"' not in line]
+check(done.returncode == 0 and "is truncated" in done.stderr and "resuming from the previous save" in done.stderr
+      and [r["step"] for r in fallback] == [8, 9] and same_losses(fallback, full[7:9], 0.0),
+      f"a damaged newest save: warned, resumed from step 7 ({done.stderr.strip().splitlines()[0] if done.stderr.strip() else ''})")
+
+# SIGTERM: the step finishes, the state is saved, the exit status is 128 + 15; resumed, the
+# run gives the losses of one never stopped.
+term_saves = os.path.join(WORK, "term_saves")
+shutil.rmtree(term_saves, ignore_errors=True)
+report = os.path.join(WORK, "term.jsonl")
+if os.path.exists(report):
+    os.remove(report)
+proc = subprocess.Popen([BINARY, "--model", "cnn", "--dropout", "0", "--seed", "3", "--max-steps", "1000",
+                         "--threads", "2", "--quiet", "--report", report, "--save-dir", term_saves],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+while not (os.path.exists(report) and sum(1 for _ in open(report)) >= 3) and proc.poll() is None:
+    time.sleep(0.01)
+proc.send_signal(signal.SIGTERM)
+out, err = proc.communicate(timeout=120)
+term = [json.loads(line) for line in open(report)]
+stopped = term[-1]["steps"]
+check(proc.returncode == 128 + signal.SIGTERM and term[-1]["status"] == "stopped by signal 15"
+      and os.listdir(term_saves) == [f"step-{stopped:012d}.frugal"],
+      f"SIGTERM: exit {proc.returncode}, saved at step {stopped} ({out.strip()})")
+if stopped + 2 <= len(full):
+    after = train("after_term", "--save-dir", term_saves, "--resume", steps=stopped + 2)
+    check(same_losses([r for r in term if "event" not in r] + after, full[:stopped + 2], 0.0),
+          f"stopped by SIGTERM at step {stopped} and resumed: the losses of the run never stopped")
+else:
+    check(False, f"SIGTERM came late (step {stopped} of at most {len(full) - 2} compared)")
+
 # An empty data set is refused when it is loaded, naming the file.
 empty = os.path.join(WORK, "empty_set")
 os.makedirs(empty, exist_ok=True)
@@ -102,6 +156,11 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                      (["--threads", "100000"], "100000"),
                      (["--memory-cap", "2000000", "--max-steps", "1"], "out of memory"),
                      (["--bogus"], "--bogus"),
+                     (["--resume"], "--resume and --save-every need --save-dir"),
+                     (["--save-dir", saves, "--resume", "--model", "mlp", "--max-steps", "20"],
+                      "does not fit this trainer"),
+                     (["--lr-schedule", "cosine", "--warmup-steps", "50", "--max-steps", "10"],
+                      "total_steps (10) must be greater than warmup_steps (50)"),
                      (["--batch", "-3"], "must be > 0, got -3"),
                      (["--model", "rnn"], "rnn"),
                      (["--step-in-backward", "--torch-optimizer", "--max-steps", "1"], "frugal::optim::SGD, Adam or AdamW"),

@@ -38,6 +38,11 @@ struct Args {
   bool torch_optimizer = false;
   bool step_in_backward = false;
   bool quiet = false;
+  std::string save_dir;
+  std::int64_t save_every = 0;
+  bool resume = false;
+  std::string lr_schedule = "constant";
+  std::int64_t warmup_steps = 0;
 };
 
 // frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
@@ -98,6 +103,21 @@ class Progress {
   bool enabled_;
   std::int64_t total_;
 };
+
+// The schedule --lr-schedule names: linear and cosine decay to 0 at the run's last step,
+// step halves the rate every epoch; all after --warmup-steps.
+frugal::LrScheduleOptions lr_schedule(const Args& args, std::int64_t per_epoch,
+                                      std::int64_t total) {
+  auto options = frugal::LrScheduleOptions().warmup_steps(args.warmup_steps).total_steps(total);
+  if (args.lr_schedule == "linear") {
+    options.decay(frugal::LrDecay::Linear);
+  } else if (args.lr_schedule == "cosine") {
+    options.decay(frugal::LrDecay::Cosine);
+  } else if (args.lr_schedule == "step") {
+    options.decay(frugal::LrDecay::Step).step_size(per_epoch).gamma(0.5);
+  }
+  return options;
+}
 
 int run(const Args& args) {
   torch::manual_seed(args.seed);
@@ -173,70 +193,104 @@ int run(const Args& args) {
   auto seconds = [&start] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(args.seed);
-  std::int64_t step = 0;
+  auto fit_options = frugal::FitOptions()
+                         .epochs(args.epochs)
+                         .batch_size(args.batch)
+                         .max_steps(args.max_steps)
+                         .seed(args.seed)
+                         .save_dir(args.save_dir)
+                         .save_every(args.save_every)
+                         .resume(args.resume);
+  if (args.lr_schedule != "constant" || args.warmup_steps > 0) {
+    const std::int64_t total = args.max_steps > 0 ? args.max_steps : per_epoch * args.epochs;
+    trainer.add_policy(std::make_shared<frugal::LrSchedule>(lr_schedule(args, per_epoch, total)));
+  }
+
   std::int64_t peak = 0;
   frugal::EvalReport eval;
+  frugal::RunningMean loss;  // of the epoch, carried over a resume
+  std::optional<Progress> progress;
+  auto epoch_start = std::chrono::steady_clock::now();
+  std::int64_t epoch_begin_batch = 0;  // not 0 when a resumed run goes on inside an epoch
+  fit_options.on_epoch_begin([&](const frugal::FitPosition& at) {
+    if (jsonl) {
+      jsonl->set("epoch", at.epoch);
+    }
+    if (at.batch == 0) {
+      loss.reset();
+    }
+    const std::int64_t left = args.max_steps > 0 ? args.max_steps - at.step : per_epoch;
+    progress.emplace(terminal, at.batch + std::min(per_epoch - at.batch, left));
+    epoch_start = std::chrono::steady_clock::now();
+    epoch_begin_batch = at.batch;
+  });
+  fit_options.on_step([&](const frugal::StepReport& report, const frugal::FitPosition& at) {
+    if (!std::isfinite(report.loss)) {
+      throw std::runtime_error(fmt::format("the training loss is {} at step {}; lower --lr "
+                                           "(now {})", report.loss, at.step, args.lr));
+    }
+    peak = std::max(peak, report.peak);
+    loss.add(report.loss, static_cast<double>(report.samples));
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+    progress->update(at.batch, static_cast<double>(at.batch - epoch_begin_batch) / secs,
+                     loss.mean(), report.memory.allocated, report.peak);
+    if (!terminal && !args.quiet && at.batch % 100 == 0) {
+      fmt::print("epoch {} step {}/{} loss {:.4f} | {}\n", at.epoch, at.batch, per_epoch,
+                 loss.mean(), report.memory.summary());
+    }
+  });
+  fit_options.on_eval([&](const frugal::EvalReport& report, const frugal::FitPosition& at) {
+    eval = report;
+    peak = std::max(peak, eval.peak);
+    if (!args.quiet) {
+      fmt::print("epoch {}: train loss {:.4f} | test loss {:.4f} accuracy {:.4f}\n", at.epoch,
+                 loss.mean(), eval.loss, eval.accuracy);
+    }
+  });
+  fit_options.on_save([&](frugal::UserState& user) {
+    user.numbers["train_loss_sum"] = loss.sum();
+    user.numbers["train_loss_weight"] = loss.weight();
+    user.values["train_loss_count"] = loss.count();
+    user.values["max_peak_bytes"] = peak;
+  });
+  fit_options.on_resume([&](const frugal::UserState& user) {
+    loss.restore(user.numbers.at("train_loss_sum"), user.numbers.at("train_loss_weight"),
+                 user.values.at("train_loss_count"));
+    peak = user.values.at("max_peak_bytes");
+  });
+  fit_options.log([](const std::string& line) { fmt::print(stderr, "fashion_mnist: {}\n", line); });
+
   // The report ends with one record of the run, whichever way it ends.
   auto end_record = [&](const std::string& status) {
     if (!jsonl) {
       return;
     }
     jsonl->set("status", status);
-    jsonl->set("steps", step);
+    jsonl->set("steps", trainer.steps());
     jsonl->set("test_accuracy", eval.accuracy);
     jsonl->set("test_loss", eval.loss);
     jsonl->set("max_peak_bytes", peak);
     jsonl->set("seconds", seconds());
     jsonl->write_event("end");
   };
+  frugal::FitResult result;
   try {
-    for (int epoch = 1; epoch <= args.epochs; ++epoch) {
-      if (jsonl) {
-        jsonl->set("epoch", static_cast<std::int64_t>(epoch));
-      }
-      const auto order = torch::randperm(n, generator);
-      const std::int64_t steps =
-          args.max_steps > 0 ? std::min(per_epoch, args.max_steps - step) : per_epoch;
-      Progress progress(terminal, steps);
-      frugal::RunningMean loss;
-      const auto epoch_start = std::chrono::steady_clock::now();
-      for (std::int64_t i = 0; i < steps; ++i) {
-        const auto idx = order.narrow(0, i * args.batch, std::min(args.batch, n - i * args.batch));
-        const auto report = trainer.step({train.inputs.index_select(0, idx),
-                                          train.targets.index_select(0, idx)});
-        ++step;
-        if (!std::isfinite(report.loss)) {
-          throw std::runtime_error(fmt::format("the training loss is {} at step {}; lower --lr "
-                                               "(now {})", report.loss, step, args.lr));
-        }
-        peak = std::max(peak, report.peak);
-        loss.add(report.loss, static_cast<double>(report.samples));
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                          epoch_start).count();
-        progress.update(i + 1, static_cast<double>(i + 1) / secs, loss.mean(),
-                        report.memory.allocated, report.peak);
-        if (!terminal && !args.quiet && (i + 1) % 100 == 0) {
-          fmt::print("epoch {} step {}/{} loss {:.4f} | {}\n", epoch, i + 1, steps, loss.mean(),
-                     report.memory.summary());
-        }
-      }
-      eval = trainer.evaluate(test);
-      peak = std::max(peak, eval.peak);
-      if (!args.quiet) {
-        fmt::print("epoch {}: train loss {:.4f} | test loss {:.4f} accuracy {:.4f}\n", epoch,
-                   loss.mean(), eval.loss, eval.accuracy);
-      }
-      if (args.max_steps > 0 && step >= args.max_steps) {
-        break;
-      }
-    }
+    result = frugal::fit(trainer, frugal::TensorData(train), fit_options,
+                         frugal::Batch{test.inputs, test.targets});
   } catch (const std::exception& e) {
     end_record("error: " + frugal::error_message(e));
     throw;
   }
+  if (result.signal != 0) {
+    end_record(fmt::format("stopped by signal {}", result.signal));
+    fmt::print("stopped by signal {} at step {}{}\n", result.signal, result.steps,
+               result.saved.empty() ? std::string(" (no --save-dir: nothing saved)")
+                                    : "; saved " + result.saved + ", go on with --resume");
+    return 128 + result.signal;
+  }
   end_record("ok");
-  fmt::print("done: {} steps, test accuracy {:.4f}, peak memory {}, {:.1f} s\n", step,
+  fmt::print("done: {} steps, test accuracy {:.4f}, peak memory {}, {:.1f} s\n", result.steps,
              eval.accuracy, frugal::format_bytes(peak), seconds());
   return 0;
 }
@@ -336,7 +390,27 @@ int main(int argc, char** argv) {
   app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");
   app.add_option("--report", args.report, "Write a JSON-lines report to this file");
   app.add_flag("--quiet", args.quiet, "Print the last line only (and errors)");
+  app.add_option("--save-dir", args.save_dir,
+                 "Save the training state in this folder (at the end, every --save-every "
+                 "steps, and on SIGINT/SIGTERM; the newest 3 kept)");
+  app.add_option("--save-every", args.save_every, "Save every this many steps (0: at the end)")
+      ->check(kNonNegative)
+      ->capture_default_str();
+  app.add_flag("--resume", args.resume,
+               "Go on from the newest loadable save in --save-dir (--epochs and --max-steps "
+               "count from the start of the run)");
+  app.add_option("--lr-schedule", args.lr_schedule,
+                 "constant, linear or cosine (to 0 at the last step), step (halved every epoch)")
+      ->check(CLI::IsMember({"constant", "linear", "cosine", "step"}))
+      ->capture_default_str();
+  app.add_option("--warmup-steps", args.warmup_steps, "Linear warm-up steps before the schedule")
+      ->check(kNonNegative)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if ((args.resume || args.save_every > 0) && args.save_dir.empty()) {
+    fmt::print(stderr, "fashion_mnist: --resume and --save-every need --save-dir\n");
+    return 2;
+  }
   try {
     return run(args);
   } catch (const std::exception& e) {

@@ -121,6 +121,10 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   bool stop = reached_max();
   for (; pos.epoch <= options.epochs() && !stop; ++pos.epoch, pos.batch = 0) {
     pos.end_of_epoch = false;
+    pos.step = trainer.steps();
+    if (options.on_epoch_begin()) {
+      options.on_epoch_begin()(pos);
+    }
     const auto order = options.shuffle() ? torch::randperm(n, generator)
                                          : torch::arange(n, torch::kLong);
     while (pos.batch < pos.batches_per_epoch) {

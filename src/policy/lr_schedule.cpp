@@ -65,7 +65,24 @@ void LrSchedule::on_step_begin(StepContext& ctx) {
   }
 }
 
+namespace {
+
+// The options as (name, value) pairs: saved, and compared when a state is loaded.
+std::vector<std::pair<std::string, double>> option_values(const LrScheduleOptions& o) {
+  return {{"decay", static_cast<double>(o.decay())},
+          {"warmup_steps", static_cast<double>(o.warmup_steps())},
+          {"total_steps", static_cast<double>(o.total_steps())},
+          {"min_factor", o.min_factor()},
+          {"step_size", static_cast<double>(o.step_size())},
+          {"gamma", o.gamma()}};
+}
+
+}  // namespace
+
 void LrSchedule::save_state(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [name, value] : option_values(options_)) {
+    state::write_double(archive, name, value);
+  }
   state::write_int(archive, "groups", static_cast<std::int64_t>(base_lrs_.size()));
   for (std::size_t g = 0; g < base_lrs_.size(); ++g) {
     state::write_double(archive, "base_lr/" + std::to_string(g), base_lrs_[g]);
@@ -73,6 +90,12 @@ void LrSchedule::save_state(torch::serialize::OutputArchive& archive) const {
 }
 
 void LrSchedule::load_state(torch::serialize::InputArchive& archive) {
+  // Another schedule is another run: its rates would not continue the saved ones.
+  for (const auto& [name, value] : option_values(options_)) {
+    const double saved = state::read_double(archive, name);
+    TORCH_CHECK(saved == value, "frugal: the saved LrSchedule has ", name, " ", saved,
+                ", this one ", value);
+  }
   const auto groups = state::read_int(archive, "groups");
   TORCH_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()), "frugal: the saved "
               "LrSchedule has ", groups, " param groups, this one ", base_lrs_.size());

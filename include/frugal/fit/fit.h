@@ -26,6 +26,7 @@ struct FitPosition {
 };
 
 struct FitOptions {
+  using PositionFn = std::function<void(const FitPosition&)>;
   using StepFn = std::function<void(const StepReport&, const FitPosition&)>;
   using EvalFn = std::function<void(const EvalReport&, const FitPosition&)>;
   using SaveFn = std::function<void(UserState&)>;
@@ -55,6 +56,8 @@ struct FitOptions {
   /// with FitResult::signal set. The previous handlers are back when fit returns.
   TORCH_ARG(bool, handle_signals) = true;
 
+  /// At the start of each epoch, and of the rest of one a resumed run goes on with.
+  TORCH_ARG(PositionFn, on_epoch_begin);
   TORCH_ARG(StepFn, on_step);
   TORCH_ARG(EvalFn, on_eval);
   /// Adds the caller's own values to each save; on_resume gets them back.

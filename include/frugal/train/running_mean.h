@@ -18,6 +18,14 @@ class RunningMean {
   }
   double mean() const { return weight_ > 0 ? sum_ / weight_ : 0.0; }
   std::int64_t count() const { return count_; }
+  /// The weighted sum and the weight: with count(), all a saved run needs (restore()).
+  double sum() const { return sum_; }
+  double weight() const { return weight_; }
+  void restore(double sum, double weight, std::int64_t count) {
+    sum_ = sum;
+    weight_ = weight;
+    count_ = count;
+  }
   void reset() { *this = RunningMean(); }
 
  private:
