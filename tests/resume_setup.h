@@ -99,6 +99,16 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   return out;
 }
 
+/// Puts a new optimizer under the setup's model, with a new trainer and no policies.
+inline void replace_optimizer(ResumeSetup& s, std::unique_ptr<torch::optim::Optimizer> optimizer) {
+  s.trainer.reset();  // it refers to the old optimizer
+  s.optimizer = std::move(optimizer);
+  s.trainer = std::make_unique<Trainer>(
+      s.model, *s.optimizer, [](const torch::Tensor& o, const torch::Tensor& y) {
+        return torch::nn::functional::cross_entropy(o, y);
+      });
+}
+
 /// The parameters and buffers, flattened into one tensor, for bitwise comparison.
 inline torch::Tensor flat_state(torch::nn::Module& module) {
   std::vector<torch::Tensor> parts;

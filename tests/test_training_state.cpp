@@ -165,6 +165,26 @@ TEST(TrainingState, AnotherModelOptimizerOrPolicyListIsRefusedByName) {
   fs::remove_all(dir);
 }
 
+TEST(TrainingState, AnotherLrScheduleIsRefused) {
+  const auto dir = temp_dir("schedule");
+  const auto path = (dir / "state.frugal").string();
+  auto saved = make_resume_setup("checkpoint");  // cosine over 100 steps
+  train(*saved, 2);
+  frugal::save_training_state(*saved->trainer, path);
+
+  auto s = make_resume_setup("plain");
+  frugal::testing::replace_optimizer(
+      *s, std::make_unique<frugal::optim::AdamW>(s->model->parameters(),
+                                                 torch::optim::AdamWOptions(1e-2)));
+  s->trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
+      frugal::CheckpointSelect().names({"0", "1"})));
+  s->trainer->add_policy(std::make_shared<frugal::LrSchedule>(
+      frugal::LrScheduleOptions().decay(frugal::LrDecay::Cosine).warmup_steps(10).total_steps(200)));
+  train(*s, 1);
+  expect_refused(*s, path, "the saved LrSchedule has total_steps 100, this one 200");
+  fs::remove_all(dir);
+}
+
 TEST(TrainingState, AnOptimizerThatRefusesTheFileIsPutBack) {
   const auto dir = temp_dir("rollback");
   const auto path = (dir / "state.frugal").string();
@@ -175,16 +195,10 @@ TEST(TrainingState, AnOptimizerThatRefusesTheFileIsPutBack) {
   // Same model and optimizer type, but 8-bit states in blocks of 128: the optimizer's own
   // load refuses, after the file's model and counters were found to fit.
   auto s = make_resume_setup("adam8bit");
-  s->trainer.reset();
-  auto params = s->model->parameters();
-  s->optimizer = std::make_unique<frugal::optim::Adam8bit>(
-      params, torch::optim::AdamOptions(1e-2),
-      frugal::optim::QuantizedStateOptions().block(128).min_elements(64));
-  s->trainer = std::make_unique<frugal::Trainer>(
-      s->model, *s->optimizer,
-      [](const torch::Tensor& o, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(o, y);
-      });
+  frugal::testing::replace_optimizer(
+      *s, std::make_unique<frugal::optim::Adam8bit>(
+              s->model->parameters(), torch::optim::AdamOptions(1e-2),
+              frugal::optim::QuantizedStateOptions().block(128).min_elements(64)));
   s->trainer->add_policy(std::make_shared<frugal::LrSchedule>(
       frugal::LrScheduleOptions().decay(frugal::LrDecay::Step).step_size(30).gamma(0.5)));
   train(*s, 3);
