@@ -49,12 +49,14 @@ inline Batch resume_data() {
 }
 
 inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
-                                                      std::int64_t hidden = 32) {
+                                                      std::int64_t hidden = 32,
+                                                      torch::Device device = torch::kCPU) {
   namespace nn = torch::nn;
   auto out = std::make_unique<ResumeSetup>();
   torch::manual_seed(11);
   out->model = nn::Sequential(ResumeBlock(16, hidden), ResumeBlock(hidden, hidden),
                               nn::Linear(hidden, 4));
+  out->model->to(device);
   auto params = out->model->parameters();
   namespace to = torch::optim;
   if (config == "plain") {
@@ -69,7 +71,7 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   } else {
     out->optimizer = std::make_unique<optim::Adam>(params, to::AdamOptions(1e-2));
   }
-  auto options = TrainerOptions();
+  auto options = TrainerOptions().device(device);
   if (config == "micro") {
     options.micro_batch(8).accumulate(2);
   }

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "helpers.h"
 #include "resume_setup.h"
 
 namespace {
@@ -222,6 +223,21 @@ TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
   train(*s, 1);  // ends the window
   frugal::save_training_state(*s->trainer, path.string());
   EXPECT_TRUE(fs::exists(path));
+  fs::remove_all(dir);
+}
+
+TEST(CudaTrainingState, ResumesDropoutAndTheGpuGeneratorBitForBit) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  const auto dir = temp_dir("cuda");
+  const auto path = (dir / "state.frugal").string();
+  auto a = make_resume_setup("checkpoint", 32, torch::kCUDA);
+  train(*a, 3);
+  frugal::save_training_state(*a->trainer, path);
+  train(*a, 4);  // dropout draws from the GPU's generator
+  auto b = make_resume_setup("checkpoint", 32, torch::kCUDA);
+  frugal::load_training_state(*b->trainer, path);
+  train(*b, 4);
+  EXPECT_TRUE(torch::equal(flat_state(*b->model), flat_state(*a->model)));
   fs::remove_all(dir);
 }
 
