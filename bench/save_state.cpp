@@ -3,13 +3,13 @@
 // rename, fsync of the folder), side by side.
 //
 //   bench_save_state --rounds 9 --dir /tmp --optimizer adam
-#include <CLI/CLI.hpp>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
 
@@ -69,8 +69,8 @@ int main(int argc, char** argv) {
     optimizer = std::make_unique<frugal::optim::Adam8bit>(model->parameters(),
                                                           torch::optim::AdamOptions(1e-3));
   } else {
-    optimizer = std::make_unique<frugal::optim::Adam>(model->parameters(),
-                                                      torch::optim::AdamOptions(1e-3));
+    optimizer =
+        std::make_unique<frugal::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
   }
   frugal::Trainer trainer(model, *optimizer, [](const torch::Tensor& o, const torch::Tensor& y) {
     return torch::nn::functional::cross_entropy(o, y);
@@ -81,19 +81,20 @@ int main(int argc, char** argv) {
   const std::vector<char> raw(static_cast<std::size_t>(ledger.weights + ledger.optimizer), 1);
   const auto state_path = dir + "/bench_state.frugal";
   const auto raw_path = dir + "/bench_raw.bin";
-  const auto times = bench::interleave(
-      {{"raw", [&] { return write_raw(raw_path, raw); }},
-       {"save", [&] {
-          const auto start = std::chrono::steady_clock::now();
-          frugal::save_training_state(trainer, state_path);
-          return ms_since(start);
-        }},
-       {"load", [&] {
-          const auto start = std::chrono::steady_clock::now();
-          frugal::load_training_state(trainer, state_path);
-          return ms_since(start);
-        }}},
-      rounds);
+  const auto times = bench::interleave({{"raw", [&] { return write_raw(raw_path, raw); }},
+                                        {"save",
+                                         [&] {
+                                           const auto start = std::chrono::steady_clock::now();
+                                           frugal::save_training_state(trainer, state_path);
+                                           return ms_since(start);
+                                         }},
+                                        {"load",
+                                         [&] {
+                                           const auto start = std::chrono::steady_clock::now();
+                                           frugal::load_training_state(trainer, state_path);
+                                           return ms_since(start);
+                                         }}},
+                                       rounds);
   const auto file_bytes = static_cast<std::int64_t>(std::filesystem::file_size(state_path));
   const double raw_ms = bench::median(times.at("raw"));
   const double save_ms = bench::median(times.at("save"));

@@ -2,9 +2,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "frugal/memory/counting_allocator.h"
-
 #include "children.h"
+#include "frugal/memory/counting_allocator.h"
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--child") {

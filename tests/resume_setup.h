@@ -44,7 +44,8 @@ inline std::vector<std::string> resume_configs() {
 inline Batch resume_data() {
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(99);
   auto x = torch::randn({320, 16}, generator);
-  auto y = (x.narrow(1, 0, 4).argmax(1) + (x.narrow(1, 4, 1).squeeze(1) > 1.0).to(torch::kLong)) % 4;
+  auto y =
+      (x.narrow(1, 0, 4).argmax(1) + (x.narrow(1, 4, 1).squeeze(1) > 1.0).to(torch::kLong)) % 4;
   return {x, y};
 }
 
@@ -54,8 +55,8 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   namespace nn = torch::nn;
   auto out = std::make_unique<ResumeSetup>();
   torch::manual_seed(11);
-  out->model = nn::Sequential(ResumeBlock(16, hidden), ResumeBlock(hidden, hidden),
-                              nn::Linear(hidden, 4));
+  out->model =
+      nn::Sequential(ResumeBlock(16, hidden), ResumeBlock(hidden, hidden), nn::Linear(hidden, 4));
   out->model->to(device);
   auto params = out->model->parameters();
   namespace to = torch::optim;
@@ -105,10 +106,10 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
 inline void replace_optimizer(ResumeSetup& s, std::unique_ptr<torch::optim::Optimizer> optimizer) {
   s.trainer.reset();  // it refers to the old optimizer
   s.optimizer = std::move(optimizer);
-  s.trainer = std::make_unique<Trainer>(
-      s.model, *s.optimizer, [](const torch::Tensor& o, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(o, y);
-      });
+  s.trainer = std::make_unique<Trainer>(s.model, *s.optimizer,
+                                        [](const torch::Tensor& o, const torch::Tensor& y) {
+                                          return torch::nn::functional::cross_entropy(o, y);
+                                        });
 }
 
 /// The parameters and buffers, flattened into one tensor, for bitwise comparison.

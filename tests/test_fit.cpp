@@ -51,8 +51,9 @@ TEST(LrSchedule, StepDecayMatchesLibTorchStepLR) {
 
 TEST(LrSchedule, RefusesOptionsThatCannotWork) {
   using O = frugal::LrScheduleOptions;
-  EXPECT_THROW(frugal::LrSchedule(O().decay(frugal::LrDecay::Cosine).warmup_steps(5).total_steps(5)),
-               c10::Error);
+  EXPECT_THROW(
+      frugal::LrSchedule(O().decay(frugal::LrDecay::Cosine).warmup_steps(5).total_steps(5)),
+      c10::Error);
   EXPECT_THROW(frugal::LrSchedule(O().decay(frugal::LrDecay::Step).gamma(0.0)), c10::Error);
   EXPECT_THROW(frugal::LrSchedule(O().warmup_steps(-1)), c10::Error);
 }
@@ -65,9 +66,7 @@ class PairDataset : public torch::data::datasets::Dataset<PairDataset> {
     const auto index = static_cast<std::int64_t>(i);
     return {all_.inputs[index], all_.targets[index]};
   }
-  c10::optional<std::size_t> size() const override {
-    return static_cast<std::size_t>(all_.size());
-  }
+  c10::optional<std::size_t> size() const override { return static_cast<std::size_t>(all_.size()); }
 
  private:
   frugal::Batch all_;
@@ -82,11 +81,11 @@ torch::Tensor fit_weights(const frugal::DataSource& data) {
 TEST(Fit, TorchDatasetsGiveTheRunOfTheSameTensors) {
   const auto all = frugal::testing::resume_data();
   const auto expected = fit_weights(frugal::TensorData(all));
-  EXPECT_TRUE(torch::equal(fit_weights(frugal::TorchDataset<PairDataset>(PairDataset(all))),
-                           expected));
+  EXPECT_TRUE(
+      torch::equal(fit_weights(frugal::TorchDataset<PairDataset>(PairDataset(all))), expected));
   auto stacked = PairDataset(all).map(torch::data::transforms::Stack<>());
-  EXPECT_TRUE(torch::equal(fit_weights(frugal::TorchDataset<decltype(stacked)>(stacked)),
-                           expected));
+  EXPECT_TRUE(
+      torch::equal(fit_weights(frugal::TorchDataset<decltype(stacked)>(stacked)), expected));
 }
 
 TEST(Fit, EvaluatesEveryNStepsAndStopsAtMaxSteps) {
@@ -118,11 +117,12 @@ TEST(Fit, AnEpochEndingInsideAWindowStepsIt) {
   auto s = make_resume_setup("micro");  // accumulate(2)
   std::vector<std::int64_t> evals;
   const auto all = frugal::testing::resume_data();
-  const auto result = frugal::fit(
-      *s->trainer, frugal::TensorData(all),
-      frugal::FitOptions().epochs(2).batch_size(64).on_eval(
-          [&](const frugal::EvalReport&, const frugal::FitPosition& p) { evals.push_back(p.step); }),
-      all.slice(0, 32));
+  const auto result = frugal::fit(*s->trainer, frugal::TensorData(all),
+                                  frugal::FitOptions().epochs(2).batch_size(64).on_eval(
+                                      [&](const frugal::EvalReport&, const frugal::FitPosition& p) {
+                                        evals.push_back(p.step);
+                                      }),
+                                  all.slice(0, 32));
   // 5 batches an epoch: two windows of 2 and the fifth batch flushed alone.
   EXPECT_EQ(result.steps, 6);
   EXPECT_EQ(evals, (std::vector<std::int64_t>{3, 6}));

@@ -68,8 +68,8 @@ void expect_refused(ResumeSetup& s, const std::string& path, const std::string& 
   } catch (const c10::Error& e) {
     const auto message = frugal::error_message(e);
     EXPECT_NE(message.find(expected), std::string::npos) << message;
-    EXPECT_NE(message.find(path), std::string::npos) << "the error does not name the file: "
-                                                     << message;
+    EXPECT_NE(message.find(path), std::string::npos)
+        << "the error does not name the file: " << message;
   }
   before.expect_same(s);
 }
@@ -88,8 +88,10 @@ TEST(TrainingState, LoadPutsBackWeightsOptimizerGeneratorCountersAndUserState) {
   auto a = make_resume_setup("checkpoint");
   train(*a, 4);
   const auto path = (dir / "state.frugal").string();
-  frugal::UserState user{{{"epoch", 3}, {"position", -7}}, {{"running", 0.1 + 0.2}},
-                         std::string("a\0binary\nblob", 13)};
+  frugal::UserState user{{{"epoch", 3}, {"position", -7}}, {{"running", 0.1 + 0.2}}, {}};
+  for (int byte = 0; byte < 256; ++byte) {  // any bytes, not only text
+    user.blob.push_back(static_cast<char>(byte));
+  }
   frugal::save_training_state(*a->trainer, path, user);
   train(*a, 5);  // what the loaded trainer must repeat exactly
   const auto expected = flat_state(*a->model);
@@ -151,13 +153,15 @@ TEST(TrainingState, AnotherModelOptimizerOrPolicyListIsRefusedByName) {
 
   auto s = make_resume_setup("bf16");
   train(*s, 2);
-  expect_refused(*s, path, "parameter '0.linear.weight' has shape [48, 16] in the file, [32, 16] here");
+  expect_refused(*s, path,
+                 "parameter '0.linear.weight' has shape [48, 16] in the file, [32, 16] here");
 
   auto plain = make_resume_setup("plain");  // LibTorch's Adam, no policies
   train(*plain, 1);
   frugal::save_training_state(*plain->trainer, path);
-  expect_refused(*s, path, "the optimizer is torch::optim::Adam in the file, "
-                           "frugal::optim::Adam here");
+  expect_refused(*s, path,
+                 "the optimizer is torch::optim::Adam in the file, "
+                 "frugal::optim::Adam here");
 
   auto in_backward = make_resume_setup("in-backward");  // frugal's Adam, another policy
   train(*in_backward, 1);
@@ -177,10 +181,12 @@ TEST(TrainingState, AnotherLrScheduleIsRefused) {
   frugal::testing::replace_optimizer(
       *s, std::make_unique<frugal::optim::AdamW>(s->model->parameters(),
                                                  torch::optim::AdamWOptions(1e-2)));
-  s->trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
-      frugal::CheckpointSelect().names({"0", "1"})));
-  s->trainer->add_policy(std::make_shared<frugal::LrSchedule>(
-      frugal::LrScheduleOptions().decay(frugal::LrDecay::Cosine).warmup_steps(10).total_steps(200)));
+  s->trainer->add_policy(
+      std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().names({"0", "1"})));
+  s->trainer->add_policy(std::make_shared<frugal::LrSchedule>(frugal::LrScheduleOptions()
+                                                                  .decay(frugal::LrDecay::Cosine)
+                                                                  .warmup_steps(10)
+                                                                  .total_steps(200)));
   train(*s, 1);
   expect_refused(*s, path, "the saved LrSchedule has total_steps 100, this one 200");
   fs::remove_all(dir);
@@ -238,6 +244,41 @@ TEST(CudaTrainingState, ResumesDropoutAndTheGpuGeneratorBitForBit) {
   frugal::load_training_state(*b->trainer, path);
   train(*b, 4);
   EXPECT_TRUE(torch::equal(flat_state(*b->model), flat_state(*a->model)));
+  fs::remove_all(dir);
+}
+
+// Fails in backward at the second gradient, after the step in backward updated the first.
+struct FailAtSecondGradient : frugal::Policy {
+  std::string name() const override { return "fail-at-second-gradient"; }
+  bool wants_grad_ready() const override { return true; }
+  void on_grad_ready(frugal::StepContext&, const torch::Tensor&) override {
+    TORCH_CHECK(!armed || ++calls < 2, "injected failure in backward");
+  }
+  bool armed = false;
+  int calls = 0;
+};
+
+TEST(TrainingState, LoadingASaveLiftsTheHaltOfAPartialUpdate) {
+  const auto dir = temp_dir("halt");
+  const auto path = (dir / "state.frugal").string();
+  auto s = make_resume_setup("in-backward");
+  auto fail = std::make_shared<FailAtSecondGradient>();
+  s->trainer->add_policy(fail);
+  train(*s, 2);
+  frugal::save_training_state(*s->trainer, path);
+  const auto saved = flat_state(*s->model);
+  fail->armed = true;
+  EXPECT_THROW(train(*s, 1), frugal::PartialStepError);
+  ASSERT_FALSE(s->trainer->halted().empty());
+  EXPECT_FALSE(torch::equal(flat_state(*s->model), saved));
+  EXPECT_THROW(frugal::save_training_state(*s->trainer, path), c10::Error);  // half-updated
+
+  frugal::load_training_state(*s->trainer, path);
+  EXPECT_TRUE(s->trainer->halted().empty());
+  EXPECT_TRUE(torch::equal(flat_state(*s->model), saved));
+  fail->armed = false;
+  train(*s, 1);
+  EXPECT_EQ(s->trainer->steps(), 3);
   fs::remove_all(dir);
 }
 

@@ -85,8 +85,8 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
       pos.epoch = user->values.at(kEpoch);
       pos.batch = user->values.at(kBatch);
       TORCH_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch,
-                  "frugal: '", saves->resumed_from(), "' stopped at epoch ", pos.epoch,
-                  " batch ", pos.batch, ", which this data (", pos.batches_per_epoch,
+                  "frugal: '", saves->resumed_from(), "' stopped at epoch ", pos.epoch, " batch ",
+                  pos.batch, ", which this data (", pos.batches_per_epoch,
                   " batches an epoch) does not have");
       result.resumed_from = saves->resumed_from();
       if (options.on_resume()) {
@@ -111,7 +111,9 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
       options.on_eval()(result.eval, pos);
     }
   };
-  auto reached_max = [&] { return options.max_steps() > 0 && trainer.steps() >= options.max_steps(); };
+  auto reached_max = [&] {
+    return options.max_steps() > 0 && trainer.steps() >= options.max_steps();
+  };
 
   SignalWatch signals(options.handle_signals());
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(options.seed());
@@ -125,8 +127,8 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     if (options.on_epoch_begin()) {
       options.on_epoch_begin()(pos);
     }
-    const auto order = options.shuffle() ? torch::randperm(n, generator)
-                                         : torch::arange(n, torch::kLong);
+    const auto order =
+        options.shuffle() ? torch::randperm(n, generator) : torch::arange(n, torch::kLong);
     while (pos.batch < pos.batches_per_epoch) {
       const std::int64_t start = pos.batch * bs;
       const auto report = trainer.step(train.get(order.narrow(0, start, std::min(bs, n - start))));

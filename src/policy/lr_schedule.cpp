@@ -97,8 +97,10 @@ void LrSchedule::load_state(torch::serialize::InputArchive& archive) {
                 ", this one ", value);
   }
   const auto groups = state::read_int(archive, "groups");
-  TORCH_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()), "frugal: the saved "
-              "LrSchedule has ", groups, " param groups, this one ", base_lrs_.size());
+  TORCH_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()),
+              "frugal: the saved "
+              "LrSchedule has ",
+              groups, " param groups, this one ", base_lrs_.size());
   std::vector<double> lrs;
   for (std::int64_t g = 0; g < groups; ++g) {
     lrs.push_back(state::read_double(archive, "base_lr/" + std::to_string(g)));

@@ -176,8 +176,8 @@ std::string read_state_file(const std::string& path) {
   TORCH_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
               " bytes, shorter than its header (", kHeaderBytes, ")");
   const auto version = static_cast<unsigned>(get_le(header.data() + 8, 4));
-  TORCH_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ",
-              version, "; this frugal reads version ", kStateFormatVersion);
+  TORCH_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ", version,
+              "; this frugal reads version ", kStateFormatVersion);
   const std::uint64_t length = get_le(header.data() + 16, 8);
   const auto expected_crc = static_cast<std::uint32_t>(get_le(header.data() + 24, 4));
   struct stat info {};

@@ -11,7 +11,8 @@ namespace frugal::detail {
 /// (magic, format version, length, CRC-32): to a temporary file beside it, fsync, rename,
 /// fsync of the folder. On failure the temporary file is removed and `path` is untouched.
 using ByteWriter = std::function<std::size_t(const void* data, std::size_t size)>;
-void write_state_file(const std::string& path, const std::function<void(const ByteWriter&)>& payload);
+void write_state_file(const std::string& path,
+                      const std::function<void(const ByteWriter&)>& payload);
 
 /// The payload of a file written by write_state_file, after checking its header, length and
 /// checksum; the error names the file and what is wrong with it.

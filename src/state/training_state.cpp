@@ -104,8 +104,7 @@ std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& 
   for (std::size_t i = 0; i < here.names.size(); ++i) {
     const auto& name = here.names[i];
     const auto found = index.find(name);
-    TORCH_CHECK(found != index.end(), "this model's ", what, " '", name,
-                "' is not in the file");
+    TORCH_CHECK(found != index.end(), "this model's ", what, " '", name, "' is not in the file");
     auto saved = read_tensor(archive, prefix + "/" + std::to_string(found->second));
     const auto& mine = here.tensors[i];
     TORCH_CHECK(saved.sizes() == mine.sizes(), what, " '", name, "' has shape ", saved.sizes(),
@@ -217,8 +216,8 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
               "; this frugal reads layout ", kLayout);
   auto& module = trainer.module();
   try {
-    out.parameters = read_named(archive, "model/parameters", "parameter",
-                                named(module.named_parameters()));
+    out.parameters =
+        read_named(archive, "model/parameters", "parameter", named(module.named_parameters()));
     out.buffers = read_named(archive, "model/buffers", "buffer", named(module.named_buffers()));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "frugal: '", path, "' does not fit this trainer: ", error_message(e));
@@ -261,10 +260,10 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
 
   out.cpu_rng = read_tensor(archive, "rng/cpu");
   const auto mine = cpu_rng_state();
-  TORCH_CHECK(out.cpu_rng.scalar_type() == mine.scalar_type() &&
-                  out.cpu_rng.sizes() == mine.sizes(),
-              "frugal: '", path, "' holds a CPU generator state of ", out.cpu_rng.scalar_type(),
-              out.cpu_rng.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
+  TORCH_CHECK(
+      out.cpu_rng.scalar_type() == mine.scalar_type() && out.cpu_rng.sizes() == mine.sizes(),
+      "frugal: '", path, "' holds a CPU generator state of ", out.cpu_rng.scalar_type(),
+      out.cpu_rng.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
   const auto cuda = std::min(state::read_int(archive, "rng/cuda_devices"), cuda_devices());
   for (std::int64_t d = 0; d < cuda; ++d) {
     out.cuda_rng.push_back(read_tensor(archive, "rng/cuda/" + std::to_string(d)));
@@ -286,9 +285,9 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
 }  // namespace
 
 void save_training_state(Trainer& trainer, const std::string& path, const UserState& user) {
-  TORCH_CHECK(trainer.halted().empty(), "frugal: not saving a halted trainer: ",
-              trainer.halted());
-  TORCH_CHECK(!trainer.window_open(), "frugal: cannot save inside an accumulation window (its "
+  TORCH_CHECK(trainer.halted().empty(), "frugal: not saving a halted trainer: ", trainer.halted());
+  TORCH_CHECK(!trainer.window_open(),
+              "frugal: cannot save inside an accumulation window (its "
               "gradients are not saved); save after the step that ends it");
   auto check_key = [](const std::string& key) {
     TORCH_CHECK(!key.empty() && key.find('\n') == std::string::npos,
@@ -355,7 +354,8 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
 }
 
 UserState load_training_state(Trainer& trainer, const std::string& path) {
-  TORCH_CHECK(!trainer.window_open(), "frugal: cannot load a saved state inside an "
+  TORCH_CHECK(!trainer.window_open(),
+              "frugal: cannot load a saved state inside an "
               "accumulation window; load before the window's first batch");
   const auto payload = detail::read_state_file(path);
   InputArchive archive;
@@ -382,8 +382,8 @@ UserState load_training_state(Trainer& trainer, const std::string& path) {
       auto policy_old = from_bytes(old_policies[i]);
       trainer.policies()[i]->load_state(policy_old);
     }
-    TORCH_CHECK(false, "frugal: '", path, "' does not fit this trainer (nothing was changed): ",
-                error_message(error));
+    TORCH_CHECK(false, "frugal: '", path,
+                "' does not fit this trainer (nothing was changed): ", error_message(error));
   }
 
   {

@@ -82,6 +82,7 @@ void Trainer::restore_counters(const TrainerCounters& c) {
   batches_ = c.batches;
   micro_batch_ = c.micro_batch;
   eval_batch_ = c.eval_batch;
+  halted_.clear();  // the whole state was put back: nothing is half-updated any more
 }
 
 torch::Tensor Trainer::loss_of(const Batch& micro) const {

@@ -21,7 +21,7 @@ struct FitPosition {
   std::int64_t epoch = 1;
   std::int64_t batch = 0;  ///< batches of this epoch done
   std::int64_t batches_per_epoch = 0;
-  std::int64_t step = 0;   ///< the trainer's optimizer steps, from the start of the run
+  std::int64_t step = 0;  ///< the trainer's optimizer steps, from the start of the run
   bool end_of_epoch = false;
 };
 
@@ -69,12 +69,12 @@ struct FitOptions {
 };
 
 struct FitResult {
-  std::int64_t steps = 0;      ///< the trainer's optimizer steps at the end
-  FitPosition position;        ///< where the run stopped
-  int signal = 0;              ///< SIGINT or SIGTERM when stopped by one, else 0
-  std::string resumed_from;    ///< the save file the run resumed from, or empty
-  std::string saved;           ///< the last save file written, or empty
-  EvalReport eval;             ///< the last evaluation (samples == 0: none)
+  std::int64_t steps = 0;    ///< the trainer's optimizer steps at the end
+  FitPosition position;      ///< where the run stopped
+  int signal = 0;            ///< SIGINT or SIGTERM when stopped by one, else 0
+  std::string resumed_from;  ///< the save file the run resumed from, or empty
+  std::string saved;         ///< the last save file written, or empty
+  EvalReport eval;           ///< the last evaluation (samples == 0: none)
 };
 
 /// Trains `trainer` on `train` under `options`, evaluating on `eval` when it has inputs.

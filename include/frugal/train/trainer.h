@@ -138,7 +138,8 @@ class Trainer {
   /// True between the first batch of an accumulation window and the step that ends it.
   bool window_open() const { return window_batches_ > 0; }
   TrainerCounters counters() const;
-  /// Puts back counters read from a saved state; refused inside an accumulation window.
+  /// Puts back counters read from a saved state (frugal::load_training_state, which puts
+  /// back everything else first) and lifts a halt; refused inside an accumulation window.
   void restore_counters(const TrainerCounters& counters);
 
  private:
