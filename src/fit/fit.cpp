@@ -96,6 +96,10 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
                       trainer.steps(), pos.epoch, pos.batch, pos.batches_per_epoch));
     }
   }
+  std::int64_t saved_step = -1;  // the step of the newest save file
+  if (!result.resumed_from.empty()) {
+    saved_step = trainer.steps();
+  }
   auto save = [&] {
     UserState user;
     if (options.on_save()) {
@@ -104,6 +108,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     user.values[kEpoch] = pos.epoch;
     user.values[kBatch] = pos.batch;
     result.saved = saves->save(trainer, user);
+    saved_step = trainer.steps();
   };
   auto evaluate = [&] {
     result.eval = trainer.evaluate(eval);
@@ -177,7 +182,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     pos.batch = pos.batches_per_epoch;
   }
   pos.step = trainer.steps();
-  if (saves) {
+  if (saves && saved_step != trainer.steps()) {
     save();
   }
   result.steps = trainer.steps();

@@ -63,7 +63,7 @@ class TorchDataset : public DataSource {
     for (std::size_t i = 0; i < request.size(); ++i) {
       request[i] = static_cast<std::size_t>(data[i]);
     }
-    auto examples = const_cast<Dataset&>(dataset_).get_batch(request);
+    auto examples = dataset_.get_batch(request);
     if constexpr (std::is_same_v<decltype(examples), torch::data::Example<>>) {
       return {examples.data, examples.target};
     } else {
@@ -77,7 +77,7 @@ class TorchDataset : public DataSource {
   }
 
  private:
-  Dataset dataset_;
+  mutable Dataset dataset_;  // LibTorch's get_batch() is not const
   std::int64_t size_ = 0;
 };
 
