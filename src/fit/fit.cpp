@@ -60,12 +60,35 @@ void check_options(const FitOptions& o, const DataSource& train) {
 constexpr const char* kEpoch = "fit/epoch";
 constexpr const char* kBatch = "fit/batch";
 
+// Loads the newest loadable save, if any, and sets the position fit goes on from.
+void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
+            const FitOptions::LogFn& log, FitResult& result) {
+  auto user = saves.resume(trainer, log);
+  if (!user) {
+    return;
+  }
+  auto& pos = result.position;
+  TORCH_CHECK(user->values.count(kEpoch) && user->values.count(kBatch), "frugal: '",
+              saves.resumed_from(), "' was not saved by fit (no position in it)");
+  pos.epoch = user->values.at(kEpoch);
+  pos.batch = user->values.at(kBatch);
+  TORCH_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch, "frugal: '",
+              saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
+              ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
+  result.resumed_from = saves.resumed_from();
+  if (options.on_resume()) {
+    options.on_resume()(*user);
+  }
+  log(fmt::format("resumed from {} (step {}, epoch {}, batch {} of {})", result.resumed_from,
+                  trainer.steps(), pos.epoch, pos.batch, pos.batches_per_epoch));
+}
+
 }  // namespace
 
 FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& options,
               const Batch& eval) {
   check_options(options, train);
-  const auto log = options.log() ? options.log() : [](const std::string& line) {
+  const FitOptions::LogFn log = options.log() ? options.log() : [](const std::string& line) {
     fmt::print(stderr, "frugal: {}\n", line);
   };
   const std::int64_t n = train.size();
@@ -79,22 +102,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     saves.emplace(options.save_dir(), options.keep());
   }
   if (options.resume()) {
-    if (auto user = saves->resume(trainer, log)) {
-      TORCH_CHECK(user->values.count(kEpoch) && user->values.count(kBatch), "frugal: '",
-                  saves->resumed_from(), "' was not saved by fit (no position in it)");
-      pos.epoch = user->values.at(kEpoch);
-      pos.batch = user->values.at(kBatch);
-      TORCH_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch,
-                  "frugal: '", saves->resumed_from(), "' stopped at epoch ", pos.epoch, " batch ",
-                  pos.batch, ", which this data (", pos.batches_per_epoch,
-                  " batches an epoch) does not have");
-      result.resumed_from = saves->resumed_from();
-      if (options.on_resume()) {
-        options.on_resume()(*user);
-      }
-      log(fmt::format("resumed from {} (step {}, epoch {}, batch {} of {})", result.resumed_from,
-                      trainer.steps(), pos.epoch, pos.batch, pos.batches_per_epoch));
-    }
+    resume(*saves, trainer, options, log, result);
   }
   std::int64_t saved_step = -1;  // the step of the newest save file
   if (!result.resumed_from.empty()) {

@@ -53,7 +53,8 @@ struct FitOptions {
   /// Resume from the newest loadable state in save_dir (a fresh start when there is none).
   TORCH_ARG(bool, resume) = false;
   /// On SIGINT or SIGTERM, finish the step (and the accumulation window), save, and return
-  /// with FitResult::signal set. The previous handlers are back when fit returns.
+  /// with FitResult::signal set. The previous handlers are back when fit returns. One fit
+  /// at a time per process should handle signals (the flag is the process's).
   TORCH_ARG(bool, handle_signals) = true;
 
   /// At the start of each epoch, and of the rest of one a resumed run goes on with.
