@@ -27,6 +27,7 @@
 #include "frugal/policy/step_in_backward.h"
 #include "frugal/report/sink.h"
 #include "frugal/state/archive.h"
+#include "frugal/state/save_dir.h"
 #include "frugal/state/training_state.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"

@@ -5,9 +5,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cinttypes>
-#include <cstdio>
-#include <filesystem>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -406,97 +403,6 @@ UserState load_training_state(Trainer& trainer, const std::string& path) {
   }
 #endif
   return loaded.user;
-}
-
-// ---- SaveDir ---------------------------------------------------------------------------
-
-namespace {
-
-namespace fs = std::filesystem;
-
-// The step of a file named step-<digits>.frugal, or -1.
-std::int64_t step_of(const std::string& name) {
-  const std::string prefix = "step-", suffix = ".frugal";
-  if (name.size() <= prefix.size() + suffix.size() || name.rfind(prefix, 0) != 0 ||
-      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-    return -1;
-  }
-  const auto digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
-  if (digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos) {
-    return -1;
-  }
-  return std::stoll(digits);
-}
-
-}  // namespace
-
-SaveDir::SaveDir(std::string dir, std::int64_t keep) : dir_(std::move(dir)), keep_(keep) {
-  TORCH_CHECK(!dir_.empty(), "frugal: SaveDir needs a folder, got an empty path");
-  TORCH_CHECK(keep_ >= 1, "frugal: SaveDir keep must be >= 1, got ", keep_);
-  std::error_code error;
-  fs::create_directories(dir_, error);
-  TORCH_CHECK(!error && fs::is_directory(dir_), "frugal: cannot create the folder '", dir_,
-              "': ", error ? error.message() : "a file of that name exists");
-}
-
-std::vector<std::string> SaveDir::files() const {
-  std::vector<std::pair<std::int64_t, std::string>> found;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    const auto step = step_of(entry.path().filename().string());
-    if (step >= 0 && entry.is_regular_file()) {
-      found.emplace_back(step, entry.path().string());
-    }
-  }
-  std::sort(found.begin(), found.end(), std::greater<>());
-  std::vector<std::string> out;
-  for (auto& item : found) {
-    out.push_back(std::move(item.second));
-  }
-  return out;
-}
-
-std::string SaveDir::save(Trainer& trainer, const UserState& user) {
-  char name[40];
-  std::snprintf(name, sizeof(name), "step-%012" PRId64 ".frugal", trainer.steps());
-  const auto path = (fs::path(dir_) / name).string();
-  save_training_state(trainer, path, user);
-  const auto saved = files();
-  for (std::size_t i = static_cast<std::size_t>(keep_); i < saved.size(); ++i) {
-    fs::remove(saved[i]);
-  }
-  // Temporary files of saves that a crash interrupted.
-  for (const auto& entry : fs::directory_iterator(dir_)) {
-    const auto file = entry.path().filename().string();
-    if (file.rfind(".step-", 0) == 0 && file.find(".frugal.tmp-") != std::string::npos) {
-      std::error_code ignored;
-      fs::remove(entry.path(), ignored);
-    }
-  }
-  return path;
-}
-
-std::optional<UserState> SaveDir::resume(Trainer& trainer,
-                                         const std::function<void(const std::string&)>& warn) {
-  resumed_from_.clear();
-  const auto saved = files();
-  if (saved.empty()) {
-    return std::nullopt;
-  }
-  std::string failures;
-  for (std::size_t i = 0; i < saved.size(); ++i) {
-    try {
-      auto user = load_training_state(trainer, saved[i]);
-      resumed_from_ = saved[i];
-      return user;
-    } catch (const std::exception& error) {
-      const auto reason = error_message(error);
-      failures += "\n  " + reason;
-      if (warn && i + 1 < saved.size()) {
-        warn(reason + "; resuming from the previous save, " + saved[i + 1]);
-      }
-    }
-  }
-  TORCH_CHECK(false, "frugal: no save file in '", dir_, "' could be loaded:", failures);
 }
 
 }  // namespace frugal

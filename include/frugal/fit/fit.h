@@ -9,7 +9,7 @@
 #include <string>
 
 #include "frugal/fit/data_source.h"
-#include "frugal/state/training_state.h"
+#include "frugal/state/save_dir.h"
 #include "frugal/train/step_report.h"
 
 namespace frugal {

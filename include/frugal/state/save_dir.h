@@ -1,0 +1,47 @@
+// A folder of saved training states: the newest kept, resumed from the newest that loads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "frugal/state/training_state.h"
+
+namespace frugal {
+
+/// A folder of saved states, `step-<optimizer step>.frugal`, of which the newest `keep`
+/// are kept: what a long run saves every N steps and resumes from.
+///
+/// Example:
+///   frugal::SaveDir saves("run", /*keep=*/3);
+///   if (auto resumed = saves.resume(trainer)) { epoch = resumed->values.at("epoch"); }
+///   ...
+///   saves.save(trainer, {{{"epoch", epoch}}, {}});
+class SaveDir {
+ public:
+  /// Creates the folder (and its parents) when missing. keep >= 1.
+  explicit SaveDir(std::string dir, std::int64_t keep = 3);
+
+  /// Saves the trainer's state as the file of its current step, then removes all but the
+  /// newest `keep` files (and temporary files a crash left). Returns the file's path.
+  std::string save(Trainer& trainer, const UserState& user = {});
+  /// The saved files, newest (highest step) first.
+  std::vector<std::string> files() const;
+  /// Loads the newest file that loads. Each newer one that fails is passed to `warn` with
+  /// the reason; when none loads, the trainer is unchanged and the result empty (no files)
+  /// or an error naming every file and why (files, none loadable).
+  std::optional<UserState> resume(Trainer& trainer,
+                                  const std::function<void(const std::string&)>& warn = {});
+  /// The file the last resume() loaded, or empty.
+  const std::string& resumed_from() const { return resumed_from_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::int64_t keep_;
+  std::string resumed_from_;
+};
+
+}  // namespace frugal
