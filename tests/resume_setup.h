@@ -4,7 +4,9 @@
 
 #include <frugal/frugal.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,6 +102,15 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
     trainer.add_policy(std::make_shared<StepInBackward>());
   }
   return out;
+}
+
+/// An empty folder of this process under the system's temporary folder.
+inline std::filesystem::path fresh_temp_dir(const std::string& name) {
+  auto dir =
+      std::filesystem::temp_directory_path() / ("frugal_" + name + "_" + std::to_string(getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
 }
 
 /// Puts a new optimizer under the setup's model, with a new trainer and no policies.

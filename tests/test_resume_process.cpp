@@ -64,13 +64,6 @@ std::vector<torch::Tensor> load_result(const std::string& path) {
   return out;
 }
 
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("frugal_resume_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 void expect_same_run(const std::string& straight, const std::vector<std::string>& parts) {
   const auto a = load_result(straight);
   std::vector<torch::Tensor> losses;
@@ -89,7 +82,7 @@ void expect_same_run(const std::string& straight, const std::vector<std::string>
 }
 
 TEST(Resume, ANewProcessGoesOnBitForBitInEveryConfiguration) {
-  const auto dir = temp_dir("configs");
+  const auto dir = frugal::testing::fresh_temp_dir("resume_configs");
   const auto out = dir.string();
   ASSERT_EQ(run_child("fit-run", {"all", "-", "40", out + "/straight"}), 0);
   ASSERT_EQ(run_child("fit-run", {"all", out, "20", out + "/first"}), 0);
@@ -103,7 +96,7 @@ TEST(Resume, ANewProcessGoesOnBitForBitInEveryConfiguration) {
 }
 
 TEST(Resume, SigintSavesAndTheResumedRunEndsWithTheSameWeights) {
-  const auto dir = temp_dir("sigint");
+  const auto dir = frugal::testing::fresh_temp_dir("resume_sigint");
   const auto out = dir.string();
   ASSERT_EQ(run_child("fit-run", {"checkpoint", "-", "40", out + "/straight"}), 0);
   // Stopped at step 17, between the saves every 7 steps: the signal's save is the newest.
@@ -134,7 +127,7 @@ int save_loop(const std::vector<std::string>& args) {
 const frugal::testing::RegisterChild kSaveLoop("save-loop", save_loop);
 
 TEST(Resume, SigkillDuringSavesAlwaysLeavesTheLastSaveLoadable) {
-  const auto dir = temp_dir("sigkill");
+  const auto dir = frugal::testing::fresh_temp_dir("resume_sigkill");
   std::mt19937 random(2024);
   std::uniform_int_distribution<int> delay_ms(0, 40);
   int torn = 0;  // kills that left a temporary file: they hit a save midway

@@ -16,13 +16,6 @@ using frugal::testing::flat_state;
 using frugal::testing::make_resume_setup;
 using frugal::testing::ResumeSetup;
 
-fs::path temp_dir(const std::string& name) {
-  auto dir = fs::temp_directory_path() / ("frugal_state_" + name + "_" + std::to_string(getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
 void train(ResumeSetup& s, int steps) {
   const auto data = frugal::testing::resume_data();
   for (int i = 0; i < steps; ++i) {
@@ -84,7 +77,7 @@ void write_bytes(const fs::path& path, const std::string& bytes) {
 }
 
 TEST(TrainingState, LoadPutsBackWeightsOptimizerGeneratorCountersAndUserState) {
-  const auto dir = temp_dir("roundtrip");
+  const auto dir = frugal::testing::fresh_temp_dir("state_roundtrip");
   auto a = make_resume_setup("checkpoint");
   train(*a, 4);
   const auto path = (dir / "state.frugal").string();
@@ -110,7 +103,7 @@ TEST(TrainingState, LoadPutsBackWeightsOptimizerGeneratorCountersAndUserState) {
 }
 
 TEST(TrainingState, DamagedFilesAreRefusedAndChangeNothing) {
-  const auto dir = temp_dir("damaged");
+  const auto dir = frugal::testing::fresh_temp_dir("state_damaged");
   auto s = make_resume_setup("adam8bit");
   train(*s, 3);
   const auto good = (dir / "good.frugal").string();
@@ -145,7 +138,7 @@ TEST(TrainingState, DamagedFilesAreRefusedAndChangeNothing) {
 }
 
 TEST(TrainingState, AnotherModelOptimizerOrPolicyListIsRefusedByName) {
-  const auto dir = temp_dir("other");
+  const auto dir = frugal::testing::fresh_temp_dir("state_other");
   const auto path = (dir / "state.frugal").string();
   auto wide = make_resume_setup("bf16", /*hidden=*/48);
   train(*wide, 1);
@@ -171,7 +164,7 @@ TEST(TrainingState, AnotherModelOptimizerOrPolicyListIsRefusedByName) {
 }
 
 TEST(TrainingState, AnotherLrScheduleIsRefused) {
-  const auto dir = temp_dir("schedule");
+  const auto dir = frugal::testing::fresh_temp_dir("state_schedule");
   const auto path = (dir / "state.frugal").string();
   auto saved = make_resume_setup("checkpoint");  // cosine over 100 steps
   train(*saved, 2);
@@ -193,7 +186,7 @@ TEST(TrainingState, AnotherLrScheduleIsRefused) {
 }
 
 TEST(TrainingState, AnOptimizerThatRefusesTheFileIsPutBack) {
-  const auto dir = temp_dir("rollback");
+  const auto dir = frugal::testing::fresh_temp_dir("state_rollback");
   const auto path = (dir / "state.frugal").string();
   auto other = make_resume_setup("adam8bit");
   train(*other, 2);
@@ -214,7 +207,7 @@ TEST(TrainingState, AnOptimizerThatRefusesTheFileIsPutBack) {
 }
 
 TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
-  const auto dir = temp_dir("window");
+  const auto dir = frugal::testing::fresh_temp_dir("state_window");
   auto s = make_resume_setup("micro");  // accumulate(2)
   train(*s, 1);
   ASSERT_TRUE(s->trainer->window_open());
@@ -234,7 +227,7 @@ TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
 
 TEST(CudaTrainingState, ResumesDropoutAndTheGpuGeneratorBitForBit) {
   FRUGAL_SKIP_WITHOUT_CUDA();
-  const auto dir = temp_dir("cuda");
+  const auto dir = frugal::testing::fresh_temp_dir("state_cuda");
   const auto path = (dir / "state.frugal").string();
   auto a = make_resume_setup("checkpoint", 32, torch::kCUDA);
   train(*a, 3);
@@ -259,7 +252,7 @@ struct FailAtSecondGradient : frugal::Policy {
 };
 
 TEST(TrainingState, LoadingASaveLiftsTheHaltOfAPartialUpdate) {
-  const auto dir = temp_dir("halt");
+  const auto dir = frugal::testing::fresh_temp_dir("state_halt");
   const auto path = (dir / "state.frugal").string();
   auto s = make_resume_setup("in-backward");
   auto fail = std::make_shared<FailAtSecondGradient>();
@@ -283,7 +276,7 @@ TEST(TrainingState, LoadingASaveLiftsTheHaltOfAPartialUpdate) {
 }
 
 TEST(SaveDir, KeepsTheNewestAndResumesPastADamagedOne) {
-  const auto dir = temp_dir("savedir");
+  const auto dir = frugal::testing::fresh_temp_dir("state_savedir");
   auto s = make_resume_setup("plain");
   frugal::SaveDir saves(dir.string(), /*keep=*/3);
   for (int i = 0; i < 5; ++i) {

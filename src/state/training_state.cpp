@@ -23,10 +23,10 @@ using torch::serialize::OutputArchive;
 // The archive's keys and their meaning, within the file's format version.
 constexpr std::int64_t kLayout = 1;
 
-std::string join(const std::vector<std::string>& items) {
+std::string join(const std::vector<std::string>& items, const char* separator = "\n") {
   std::string out;
   for (const auto& item : items) {
-    out += (out.empty() ? "" : "\n") + item;
+    out += (out.empty() ? "" : separator) + item;
   }
   return out;
 }
@@ -38,25 +38,6 @@ std::vector<std::string> split_lines(const std::string& text) {
     out.push_back(line);
   }
   return out;
-}
-
-std::string read_string(InputArchive& archive, const std::string& key) {
-  const auto value = state::read_value(archive, key);
-  TORCH_CHECK(value.isString(), "frugal: the saved '", key, "' is a ", value.tagKind(),
-              ", not a string");
-  return value.toStringRef();
-}
-
-torch::Tensor read_tensor(InputArchive& archive, const std::string& key) {
-  torch::Tensor tensor;
-  TORCH_CHECK(archive.try_read(key, tensor), "frugal: the saved state has no tensor '", key, "'");
-  return tensor;
-}
-
-InputArchive read_archive(InputArchive& archive, const std::string& key) {
-  InputArchive nested;
-  TORCH_CHECK(archive.try_read(key, nested), "frugal: the saved state has no '", key, "'");
-  return nested;
 }
 
 // The module's parameters or buffers, by name, in the module's order.
@@ -86,7 +67,7 @@ void write_named(OutputArchive& archive, const std::string& prefix, const Named&
 std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& prefix,
                                       const char* what, const Named& here) {
   const auto count = state::read_int(archive, prefix + "/count");
-  auto names = split_lines(read_string(archive, prefix + "/names"));
+  auto names = split_lines(state::read_string(archive, prefix + "/names"));
   TORCH_CHECK(static_cast<std::int64_t>(names.size()) == count, "frugal: the saved ", what,
               " names (", names.size(), ") do not match their count (", count, ")");
   std::unordered_map<std::string, std::size_t> index;
@@ -102,7 +83,7 @@ std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& 
     const auto& name = here.names[i];
     const auto found = index.find(name);
     TORCH_CHECK(found != index.end(), "this model's ", what, " '", name, "' is not in the file");
-    auto saved = read_tensor(archive, prefix + "/" + std::to_string(found->second));
+    auto saved = state::read_tensor(archive, prefix + "/" + std::to_string(found->second));
     const auto& mine = here.tensors[i];
     TORCH_CHECK(saved.sizes() == mine.sizes(), what, " '", name, "' has shape ", saved.sizes(),
                 " in the file, ", mine.sizes(), " here");
@@ -127,11 +108,7 @@ std::vector<std::string> group_names(torch::optim::Optimizer& optimizer,
       const auto found = name_of.find(p.unsafeGetTensorImpl());
       names.push_back(found == name_of.end() ? "<not in the module>" : found->second);
     }
-    std::string line;
-    for (const auto& name : names) {
-      line += (line.empty() ? "" : " ") + name;
-    }
-    groups.push_back(line);
+    groups.push_back(join(names, " "));
   }
   return groups;
 }
@@ -221,10 +198,10 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
   }
 
   auto& optimizer = trainer.optimizer();
-  const auto type = read_string(archive, "optimizer/type");
+  const auto type = state::read_string(archive, "optimizer/type");
   TORCH_CHECK(type == optimizer_type(optimizer),
               mismatch(path, "the optimizer", type, optimizer_type(optimizer)));
-  const auto groups = split_lines(read_string(archive, "optimizer/groups"));
+  const auto groups = split_lines(state::read_string(archive, "optimizer/groups"));
   const auto my_groups = group_names(optimizer, module);
   TORCH_CHECK(groups.size() == my_groups.size(),
               mismatch(path, "the number of param groups", std::to_string(groups.size()),
@@ -234,9 +211,9 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
                 mismatch(path, "param group " + std::to_string(g), "[" + groups[g] + "]",
                          "[" + my_groups[g] + "]"));
   }
-  out.optimizer = read_archive(archive, "optimizer/state");
+  out.optimizer = state::read_archive(archive, "optimizer/state");
 
-  const auto policies = read_string(archive, "policies/names");
+  const auto policies = state::read_string(archive, "policies/names");
   const auto my_policies = join(policy_names(trainer));
   auto list = [](std::string s) {
     std::replace(s.begin(), s.end(), '\n', ',');
@@ -245,7 +222,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
   TORCH_CHECK(policies == my_policies,
               mismatch(path, "the list of policies", list(policies), list(my_policies)));
   for (std::size_t i = 0; i < trainer.policies().size(); ++i) {
-    out.policies.push_back(read_archive(archive, "policies/" + std::to_string(i)));
+    out.policies.push_back(state::read_archive(archive, "policies/" + std::to_string(i)));
   }
 
   auto& c = out.counters;
@@ -255,7 +232,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
   c.micro_batch = state::read_int(archive, "trainer/micro_batch");
   c.eval_batch = state::read_int(archive, "trainer/eval_batch");
 
-  out.cpu_rng = read_tensor(archive, "rng/cpu");
+  out.cpu_rng = state::read_tensor(archive, "rng/cpu");
   const auto mine = cpu_rng_state();
   TORCH_CHECK(
       out.cpu_rng.scalar_type() == mine.scalar_type() && out.cpu_rng.sizes() == mine.sizes(),
@@ -263,19 +240,19 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
       out.cpu_rng.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
   const auto cuda = std::min(state::read_int(archive, "rng/cuda_devices"), cuda_devices());
   for (std::int64_t d = 0; d < cuda; ++d) {
-    out.cuda_rng.push_back(read_tensor(archive, "rng/cuda/" + std::to_string(d)));
+    out.cuda_rng.push_back(state::read_tensor(archive, "rng/cuda/" + std::to_string(d)));
   }
 
-  const auto keys = split_lines(read_string(archive, "user/keys"));
+  const auto keys = split_lines(state::read_string(archive, "user/keys"));
   for (std::size_t i = 0; i < keys.size(); ++i) {
     out.user.values[keys[i]] = state::read_int(archive, "user/" + std::to_string(i));
   }
-  const auto number_keys = split_lines(read_string(archive, "user/number_keys"));
+  const auto number_keys = split_lines(state::read_string(archive, "user/number_keys"));
   for (std::size_t i = 0; i < number_keys.size(); ++i) {
     out.user.numbers[number_keys[i]] =
         state::read_double(archive, "user/number/" + std::to_string(i));
   }
-  out.user.blob = read_string(archive, "user/blob");
+  out.user.blob = state::read_string(archive, "user/blob");
   return out;
 }
 

@@ -1,8 +1,9 @@
-// Reading and writing numbers in LibTorch archives, with errors that name the key.
+// Reading and writing values in LibTorch archives, with errors that name the key.
 #pragma once
 
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>
@@ -38,6 +39,26 @@ inline double read_double(torch::serialize::InputArchive& archive, const std::st
   TORCH_CHECK(value.isDouble(), "frugal: the saved '", key, "' is a ", value.tagKind(),
               ", not a number");
   return value.toDouble();
+}
+
+inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key) {
+  const auto value = read_value(archive, key);
+  TORCH_CHECK(value.isString(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+              ", not a string");
+  return value.toStringRef();
+}
+
+inline torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
+  torch::Tensor tensor;
+  TORCH_CHECK(archive.try_read(key, tensor), "frugal: the saved state has no tensor '", key, "'");
+  return tensor;
+}
+
+inline torch::serialize::InputArchive read_archive(torch::serialize::InputArchive& archive,
+                                                   const std::string& key) {
+  torch::serialize::InputArchive nested;
+  TORCH_CHECK(archive.try_read(key, nested), "frugal: the saved state has no '", key, "'");
+  return nested;
 }
 
 }  // namespace frugal::state
