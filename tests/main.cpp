@@ -4,6 +4,7 @@
 
 #include "children.h"
 #include "frugal/memory/counting_allocator.h"
+#include "frugal/train/trainer.h"
 
 int main(int argc, char** argv) {
   if (argc >= 3 && std::string(argv[1]) == "--child") {
@@ -17,7 +18,7 @@ int main(int argc, char** argv) {
     try {
       return found->second(std::vector<std::string>(argv + 3, argv + argc));
     } catch (const std::exception& e) {
-      fmt::print(stderr, "child {}: {}\n", argv[2], e.what());
+      fmt::print(stderr, "child {}: {}\n", argv[2], frugal::error_message(e));
       return 3;
     }
   }

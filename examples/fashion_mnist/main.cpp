@@ -44,6 +44,7 @@ struct Args {
   bool resume = false;
   std::string lr_schedule = "constant";
   std::int64_t warmup_steps = 0;
+  bool distributed = false;
 };
 
 // frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
@@ -120,7 +121,16 @@ frugal::LrScheduleOptions lr_schedule(const Args& args, std::int64_t per_epoch,
   return options;
 }
 
-int run(const Args& args) {
+int run(Args args) {
+  // Under torchrun every rank trains its share of each --batch; rank 0 speaks for the run.
+  std::shared_ptr<frugal::dist::Group> group;
+  if (args.distributed) {
+    group = frugal::dist::Group::join(frugal::dist::LaunchEnv::from_environment());
+    if (group->rank() != 0) {
+      args.quiet = true;
+      args.report.clear();
+    }
+  }
   torch::manual_seed(args.seed);
   if (args.threads > 0) {
     torch::set_num_threads(args.threads);
@@ -160,6 +170,9 @@ int run(const Args& args) {
         return torch::nn::functional::cross_entropy(out, y);
       },
       options);
+  if (group) {
+    trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
+  }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
   if (args.checkpoint) {  // every block but the output layer
     trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
@@ -182,12 +195,14 @@ int run(const Args& args) {
   const bool terminal = !args.quiet && isatty(fileno(stderr));
   if (!args.quiet) {
     fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
-             "autocast {}, checkpoint {}, {} {}{}, {} threads, LibTorch {}.{}\n",
+             "autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
              args.model, device.str(), n, test.inputs.size(0), args.batch,
              args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
              args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
              args.optimizer, args.step_in_backward ? " stepped in backward" : "",
-             torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+             torch::get_num_threads(),
+             group ? fmt::format(" x {} ranks", group->size()) : std::string(),
+             TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
   }
 
   const auto start = std::chrono::steady_clock::now();
@@ -201,7 +216,8 @@ int run(const Args& args) {
                          .seed(args.seed)
                          .save_dir(args.save_dir)
                          .save_every(args.save_every)
-                         .resume(args.resume);
+                         .resume(args.resume)
+                         .group(group);
   if (args.lr_schedule != "constant" || args.warmup_steps > 0) {
     const std::int64_t total = args.max_steps > 0 ? args.max_steps : per_epoch * args.epochs;
     trainer.add_policy(std::make_shared<frugal::LrSchedule>(lr_schedule(args, per_epoch, total)));
@@ -231,7 +247,9 @@ int run(const Args& args) {
                                            "(now {})", report.loss, at.step, args.lr));
     }
     peak = std::max(peak, report.peak);
-    loss.add(report.loss, static_cast<double>(report.samples));
+    // The loss is the global batch's (DataParallel), weighted by the global batch's samples.
+    const auto global_samples = std::min(args.batch, n - (at.batch - 1) * args.batch);
+    loss.add(report.loss, static_cast<double>(group ? global_samples : report.samples));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
     progress->update(at.batch, static_cast<double>(at.batch - epoch_begin_batch) / secs,
@@ -371,6 +389,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-steps", args.warmup_steps, "Linear warm-up steps before the schedule")
       ->check(kNonNegative)
       ->capture_default_str();
+  app.add_flag("--distributed", args.distributed,
+               "Data-parallel over the ranks torchrun starts (torchrun --nproc-per-node N "
+               "--no-python fashion_mnist --distributed ...); --batch stays the global batch");
   CLI11_PARSE(app, argc, argv);
   if ((args.resume || args.save_every > 0) && args.save_dir.empty()) {
     fmt::print(stderr, "fashion_mnist: --resume and --save-every need --save-dir\n");

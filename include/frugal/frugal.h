@@ -36,3 +36,6 @@
 #include "frugal/train/step_report.h"
 #include "frugal/train/trainer.h"
 #include "frugal/data/idx.h"
+#include "frugal/dist/data_parallel.h"
+#include "frugal/dist/group.h"
+#include "frugal/dist/shard.h"

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <optional>
 
+#include "frugal/dist/shard.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -108,7 +109,13 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   if (!result.resumed_from.empty()) {
     saved_step = trainer.steps();
   }
+  dist::Group* group = options.group().get();
+  const bool writes = group == nullptr || group->rank() == 0;
   auto save = [&] {
+    if (!writes) {  // the ranks hold the same state: rank 0's file is every rank's
+      saved_step = trainer.steps();
+      return;
+    }
     UserState user;
     if (options.on_save()) {
       options.on_save()(user);
@@ -119,7 +126,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     saved_step = trainer.steps();
   };
   auto evaluate = [&] {
-    result.eval = trainer.evaluate(eval);
+    result.eval = group != nullptr ? dist::evaluate(trainer, *group, eval) : trainer.evaluate(eval);
     if (options.on_eval()) {
       options.on_eval()(result.eval, pos);
     }
@@ -144,7 +151,16 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
         options.shuffle() ? torch::randperm(n, generator) : torch::arange(n, torch::kLong);
     while (pos.batch < pos.batches_per_epoch) {
       const std::int64_t start = pos.batch * bs;
-      const auto report = trainer.step(train.get(order.narrow(0, start, std::min(bs, n - start))));
+      auto indices = order.narrow(0, start, std::min(bs, n - start));
+      if (group != nullptr) {
+        if (indices.size(0) < group->size()) {
+          ++pos.batch;  // too small to give every rank a sample
+          continue;
+        }
+        const auto share = dist::share_of(indices.size(0), group->rank(), group->size());
+        indices = indices.narrow(0, share.start, share.length);
+      }
+      const auto report = trainer.step(train.get(indices));
       ++pos.batch;
       pos.step = trainer.steps();
       if (options.on_step()) {
@@ -157,7 +173,13 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
       if (every_eval && eval.inputs.defined()) {
         evaluate();
       }
-      if (const int caught = signals.caught()) {
+      int caught = signals.caught();
+      if (group != nullptr && options.handle_signals()) {
+        // The ranks stop together: after the step where any of them saw a signal.
+        const double seen = group->sum(caught);
+        caught = seen > 0 ? (caught != 0 ? caught : SIGTERM) : 0;
+      }
+      if (caught != 0) {
         if (saves) {
           save();
           log(fmt::format("stopped by signal {} at step {}; saved {}", caught, pos.step,

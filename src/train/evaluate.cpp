@@ -81,6 +81,7 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
     }
   }
   report.batch_size = size;
+  report.count = total;
   report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
   report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
   report.peak = peak.end();

@@ -17,6 +17,7 @@ using detail::ms_since;
 void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch) {
   const auto t = Clock::now();
   ctx.skip_optimizer_step = false;
+  ctx.window_count = window_count;
   {
     // Until the optimizer step has returned, a failure leaves parameters, optimizer state
     // and counters as they were (the window's gradients, already divided, are dropped),

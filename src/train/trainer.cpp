@@ -128,11 +128,16 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
       for (auto& p : module_->parameters()) {
         p.mutable_grad().reset();
       }
-      // Gradients handed out in backward may have changed parameters: no retry then.
+      // Gradients handed out in backward may have changed parameters, or gone to other
+      // processes: no retry then, and the window (part of it handed out) is dropped.
       if (grad_ready_ && grad_ready_->delivered_count() > 0) {
         grad_ready_->clear();
         give_up();
-        throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
+        if (!ctx.updated_in_backward.empty()) {
+          throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
+        }
+        drop_window();
+        throw;
       }
       // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
@@ -251,6 +256,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
   const double ready_scale =
       windowed && !ctx.trial ? 1.0 / static_cast<double>(window_count_ + total) : 1.0;
   const bool mean = options_.reduction() == LossReduction::Mean;
+  ctx.window_count = ctx.trial ? total : window_count_ + total;
   torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
   double logged = 0;
   for (std::size_t i = 0; i < micros.size(); ++i) {

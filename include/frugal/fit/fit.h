@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "frugal/fit/data_source.h"
@@ -15,6 +16,9 @@
 namespace frugal {
 
 class Trainer;
+namespace dist {
+class Group;
+}
 
 /// Where a fit run stands: epochs count from 1, batches within the epoch from 1.
 struct FitPosition {
@@ -56,6 +60,13 @@ struct FitOptions {
   /// with FitResult::signal set. The previous handlers are back when fit returns. One fit
   /// at a time per process should handle signals (the flag is the process's).
   TORCH_ARG(bool, handle_signals) = true;
+  /// Data-parallel: this process is one rank of `group` (its trainer has a
+  /// dist::DataParallel policy). batch_size stays the global batch: every rank draws the
+  /// same order and takes its share of each batch (dist::share_of); a last batch smaller
+  /// than the group is left out. Evaluation is shared (dist::evaluate). Only rank 0 writes
+  /// saves; every rank resumes from the same file; a signal on any rank stops all of them
+  /// after the same step.
+  TORCH_ARG(std::shared_ptr<dist::Group>, group);
 
   /// At the start of each epoch, and of the rest of one a resumed run goes on with.
   TORCH_ARG(PositionFn, on_epoch_begin);

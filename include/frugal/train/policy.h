@@ -54,6 +54,9 @@ struct StepContext {
   /// Parameters that a policy updated during this step's backward (on_grad_ready). After
   /// the first, a failed attempt cannot be retried: the engine raises PartialStepError.
   std::vector<torch::Tensor> updated_in_backward;
+  /// The count this optimizer step's gradients are divided by (the accumulation window's
+  /// samples or tokens on this process); set from the backward that completes the step.
+  std::int64_t window_count = 0;
 };
 
 /// A policy hooks phases of the step. Override what you need; the engine calls every

@@ -51,6 +51,7 @@ struct EvalReport {
   double loss = 0;            ///< mean loss over the samples
   double accuracy = -1;       ///< share of argmax hits for class targets; -1 when n/a
   std::int64_t samples = 0;
+  std::int64_t count = 0;        ///< what the loss is averaged over (samples, or the count's)
   std::int64_t batch_size = 0;   ///< evaluation batch size at the end
   std::int64_t batches = 0;
   std::int64_t oom_retries = 0;  ///< chunks retried with a smaller batch

@@ -1,0 +1,236 @@
+#include "frugal/dist/data_parallel.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include "frugal/train/trainer.h"
+
+namespace frugal::dist {
+namespace {
+
+// Copies rank 0's tensors to every rank, one flat message per dtype.
+void broadcast_all(Group& group, const std::vector<torch::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  std::vector<bool> done(tensors.size(), false);
+  for (std::size_t first = 0; first < tensors.size(); ++first) {
+    if (done[first]) {
+      continue;
+    }
+    std::vector<torch::Tensor> same;
+    for (std::size_t i = first; i < tensors.size(); ++i) {
+      if (!done[i] && tensors[i].scalar_type() == tensors[first].scalar_type() &&
+          tensors[i].device() == tensors[first].device()) {
+        same.push_back(tensors[i].detach().reshape({-1}));
+        done[i] = true;
+      }
+    }
+    auto flat = torch::cat(same);
+    group.broadcast(flat, 0);
+    std::int64_t offset = 0;
+    for (std::size_t i = first, k = 0; k < same.size(); ++i) {
+      if (tensors[i].scalar_type() != tensors[first].scalar_type() ||
+          tensors[i].device() != tensors[first].device()) {
+        continue;
+      }
+      const auto n = tensors[i].numel();
+      tensors[i].detach().copy_(flat.narrow(0, offset, n).view(tensors[i].sizes()));
+      offset += n;
+      ++k;
+    }
+  }
+}
+
+}  // namespace
+
+DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions options)
+    : group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_ != nullptr, "frugal: DataParallel needs a process group, got a null one");
+  TORCH_CHECK(options_.bucket_bytes() > 0, "frugal: DataParallel's bucket_bytes must be positive, got ",
+              options_.bucket_bytes());
+}
+
+void DataParallel::on_add(Trainer& trainer) {
+  for (const auto& other : trainer.policies()) {
+    TORCH_CHECK(!other->needs_all_gradients() && !other->retries_steps(),
+                "frugal: add DataParallel before '", other->name(), "', which ",
+                other->needs_all_gradients() ? "reads every gradient" : "retries steps",
+                ": it must see the gradients averaged over the ranks");
+  }
+  params_.clear();
+  index_.clear();
+  for (auto& group : trainer.optimizer().param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.requires_grad() && index_.emplace(p.unsafeGetTensorImpl(), params_.size()).second) {
+        params_.push_back(p);
+      }
+    }
+  }
+  // Buckets in reverse order: backward produces the last layers' gradients first.
+  buckets_.clear();
+  bucket_of_.assign(params_.size(), 0);
+  std::int64_t bytes = 0;
+  for (std::size_t k = params_.size(); k-- > 0;) {
+    const auto& p = params_[k];
+    const std::int64_t size = p.numel() * static_cast<std::int64_t>(p.element_size());
+    const bool fits = !buckets_.empty() && bytes + size <= options_.bucket_bytes() &&
+                      params_[buckets_.back().front()].scalar_type() == p.scalar_type() &&
+                      params_[buckets_.back().front()].device() == p.device();
+    if (!fits) {
+      buckets_.emplace_back();
+      bytes = 0;
+    }
+    buckets_.back().push_back(k);
+    bucket_of_[k] = buckets_.size() - 1;
+    bytes += size;
+  }
+  // Every rank starts from rank 0's weights and buffers.
+  std::vector<torch::Tensor> state;
+  for (auto& p : trainer.module().parameters()) {
+    state.push_back(p);
+  }
+  for (auto& b : trainer.module().buffers()) {
+    state.push_back(b);
+  }
+  if (group_->size() > 1 && !state.empty()) {
+    broadcast_all(*group_, state);
+  }
+  reset();
+}
+
+void DataParallel::reset() {
+  missing_.assign(buckets_.size(), 0);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    missing_[b] = buckets_[b].size();
+  }
+  next_ = 0;
+  weight_ = 0;
+  flats_.clear();
+  works_.clear();
+}
+
+void DataParallel::on_step_begin(StepContext& ctx) {
+  if (ctx.trial || group_->size() == 1) {
+    return;
+  }
+  TORCH_CHECK(!in_step_, "frugal: rank ", group_->rank(),
+              "'s last step failed, so the ranks are out of step; restart the run (from a "
+              "saved training state)");
+  in_step_ = true;
+  reset();
+  if (options_.broadcast_buffers()) {
+    const auto buffers = ctx.module.buffers();
+    if (!buffers.empty()) {
+      broadcast_all(*group_, buffers);
+    }
+  }
+}
+
+void DataParallel::on_grad_ready(StepContext& ctx, const torch::Tensor& param) {
+  if (ctx.trial || group_->size() == 1) {
+    return;
+  }
+  const auto it = index_.find(param.unsafeGetTensorImpl());
+  if (it == index_.end()) {
+    return;
+  }
+  auto& missing = missing_[bucket_of_[it->second]];
+  TORCH_INTERNAL_ASSERT(missing > 0, "a gradient delivered twice in one step");
+  --missing;
+  launch_ready(ctx);
+}
+
+void DataParallel::launch_ready(StepContext& ctx) {
+  // Buckets leave in one order on every rank, whatever order their gradients came in.
+  while (next_ < buckets_.size() && missing_[next_] == 0) {
+    launch(next_++, ctx);
+  }
+}
+
+void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
+  if (weight_ == 0) {
+    // The first bucket of the step: the ranks agree on the global count first.
+    global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
+    TORCH_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
+                " ranks is ", global_count_);
+    weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
+  }
+  torch::NoGradGuard no_grad;
+  const auto& members = buckets_[bucket];
+  const auto& first = params_[members.front()];
+  std::int64_t numel = 0;
+  for (const auto k : members) {
+    numel += params_[k].numel();
+  }
+  // The gradients, then one flag a parameter: whether this rank has its gradient.
+  auto flat = torch::empty({numel + static_cast<std::int64_t>(members.size())},
+                           first.options().requires_grad(false));
+  std::int64_t offset = 0;
+  for (std::size_t j = 0; j < members.size(); ++j) {
+    auto& p = params_[members[j]];
+    const auto n = p.numel();
+    auto& grad = p.mutable_grad();
+    const bool has = grad.defined();
+    if (has) {
+      flat.narrow(0, offset, n).copy_(grad.reshape({-1}));
+      grad.reset();  // from now on the bucket holds it
+    } else {
+      flat.narrow(0, offset, n).zero_();
+    }
+    flat[numel + static_cast<std::int64_t>(j)] = has ? 1 : 0;
+    offset += n;
+  }
+  flat.narrow(0, 0, numel).mul_(weight_);
+  works_.push_back(group_->all_reduce(flat));
+  flats_.push_back(std::move(flat));
+}
+
+void DataParallel::before_optimizer_step(StepContext& ctx) {
+  if (ctx.trial || group_->size() == 1) {
+    return;
+  }
+  // Gradients that never came in this backward (earlier micro-batches only, or none on
+  // this rank) leave now, in order.
+  for (auto& missing : missing_) {
+    missing = 0;
+  }
+  launch_ready(ctx);
+  torch::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    works_[b].wait();
+    const auto& members = buckets_[b];
+    auto& flat = flats_[b];
+    std::int64_t numel = 0;
+    for (const auto k : members) {
+      numel += params_[k].numel();
+    }
+    const auto flags = flat.narrow(0, numel, static_cast<std::int64_t>(members.size()))
+                           .to(torch::kCPU, torch::kDouble);
+    const auto* any = flags.data_ptr<double>();
+    std::int64_t offset = 0;
+    for (std::size_t j = 0; j < members.size(); ++j) {
+      auto& p = params_[members[j]];
+      const auto n = p.numel();
+      if (any[j] > 0) {
+        // The averaged gradient, as a view of the bucket (no second copy).
+        p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
+      }
+      offset += n;
+    }
+  }
+  reset();
+}
+
+void DataParallel::on_step_end(StepContext& ctx) {
+  if (ctx.trial || group_->size() == 1) {
+    return;
+  }
+  if (options_.global_loss()) {
+    const double count = static_cast<double>(ctx.report.count);
+    auto sums = torch::tensor({ctx.report.loss * count, count}, torch::kDouble);
+    group_->all_reduce(sums).wait();
+    ctx.report.loss = sums[0].item<double>() / sums[1].item<double>();
+  }
+  in_step_ = false;
+}
+
+}  // namespace frugal::dist

@@ -1,0 +1,197 @@
+// The process group over LibTorch's c10d: the one file that includes Gloo.
+#include "frugal/dist/group.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <limits>
+
+namespace frugal::dist {
+namespace {
+
+const char* variable(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : nullptr;
+}
+
+// The integer in variable `name`, within [low, high]; `fallback` when unset and allowed.
+int integer(const char* name, int low, int high, const int* fallback = nullptr) {
+  const char* text = variable(name);
+  if (text == nullptr) {
+    TORCH_CHECK(fallback != nullptr, "frugal: the environment variable ", name,
+                " is not set; start the program with torchrun (e.g. `torchrun "
+                "--nproc-per-node 2 --no-python PROGRAM ...`) or set RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT");
+    return *fallback;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && value >= low && value <= high,
+              "frugal: the environment variable ", name, "='", text,
+              "' is not an integer in [", low, ", ", high, "]");
+  return static_cast<int>(value);
+}
+
+// Waits for a collective; its failure says which rank saw it and the likely cause.
+template <typename WorkPtr>
+void wait_for(const WorkPtr& work, const char* what, int rank, std::chrono::milliseconds timeout) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
+                "did not come within the group's timeout (", timeout.count(), " ms). Gloo said: ",
+                c10::GetExceptionString(e));
+  }
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+}  // namespace
+
+bool LaunchEnv::launched() {
+  return variable("RANK") != nullptr && variable("WORLD_SIZE") != nullptr;
+}
+
+LaunchEnv LaunchEnv::from_environment() {
+  constexpr int kMax = std::numeric_limits<int>::max();
+  const int zero = 0;
+  LaunchEnv env;
+  env.world_size = integer("WORLD_SIZE", 1, kMax);
+  env.rank = integer("RANK", 0, env.world_size - 1);
+  env.local_rank = integer("LOCAL_RANK", 0, env.world_size - 1, &zero);
+  const char* addr = variable("MASTER_ADDR");
+  TORCH_CHECK(addr != nullptr, "frugal: the environment variable MASTER_ADDR is not set (rank ",
+              env.rank, " of ", env.world_size, "); torchrun sets it, or set it to rank 0's "
+              "host name or address");
+  env.master_addr = addr;
+  env.master_port = integer("MASTER_PORT", 1, 65535);
+  env.restart_count = integer("TORCHELASTIC_RESTART_COUNT", 0, kMax, &zero);
+  const char* agent = variable("TORCHELASTIC_USE_AGENT_STORE");
+  // As torchrun's own workers decide: the agent serves the store only at its own address.
+  env.use_agent_store = agent != nullptr && std::string(agent) == "True";
+  return env;
+}
+
+void Work::wait() {
+  if (wait_) {
+    auto wait = std::move(wait_);
+    wait_ = nullptr;
+    wait();
+  }
+}
+
+struct Group::Impl {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;  // null in a group of one
+  std::chrono::milliseconds timeout{0};
+};
+
+Group::Group(std::unique_ptr<Impl> impl, int rank, int size)
+    : impl_(std::move(impl)), rank_(rank), size_(size) {}
+
+Group::~Group() = default;
+
+std::shared_ptr<Group> Group::single() {
+  return std::shared_ptr<Group>(new Group(std::make_unique<Impl>(), 0, 1));
+}
+
+std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
+  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+              "frugal: rank ", env.rank, " is not in a world of ", env.world_size);
+  if (env.world_size == 1) {
+    return single();
+  }
+  TORCH_CHECK(options.timeout().count() > 0, "frugal: the group's timeout must be positive, got ",
+              options.timeout().count(), " ms");
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(env.master_port);
+  store_options.isServer = !env.use_agent_store && env.rank == 0;
+  store_options.numWorkers = env.world_size;
+  store_options.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "frugal: rank ", env.rank, " could not reach the store at ",
+                env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
+                " ms: ", c10::GetExceptionString(e));
+  }
+  // Keys of an earlier attempt (torchrun restarts) stay apart from this one's.
+  store = c10::make_intrusive<c10d::PrefixStore>(
+      "frugal/attempt_" + std::to_string(env.restart_count), store);
+
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  std::string interface = options.interface();
+  if (interface.empty() && variable("GLOO_SOCKET_IFNAME") != nullptr) {
+    interface = variable("GLOO_SOCKET_IFNAME");
+  }
+  if (!interface.empty()) {
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForInterface(interface));
+  } else if (is_loopback(env.master_addr)) {
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
+  } else {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->timeout = options.timeout();
+  impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
+                                                           gloo_options);
+  return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
+}
+
+Work Group::all_reduce(torch::Tensor& tensor) {
+  if (!impl_->gloo) {
+    return {};
+  }
+  std::vector<torch::Tensor> tensors{tensor};
+  auto work = impl_->gloo->allreduce(tensors);
+  return Work([work, rank = rank_, timeout = impl_->timeout] {
+    wait_for(work, "all-reduce", rank, timeout);
+  });
+}
+
+void Group::broadcast(torch::Tensor& tensor, int root) {
+  TORCH_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
+              size_);
+  if (!impl_->gloo) {
+    return;
+  }
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  wait_for(impl_->gloo->broadcast(tensors, options), "broadcast", rank_, impl_->timeout);
+}
+
+void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
+  TORCH_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
+              " output tensors, got ", out.size());
+  if (!impl_->gloo) {
+    out[0].copy_(in);
+    return;
+  }
+  std::vector<std::vector<torch::Tensor>> outputs{out};
+  std::vector<torch::Tensor> inputs{in};
+  wait_for(impl_->gloo->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout);
+}
+
+void Group::barrier() {
+  if (impl_->gloo) {
+    wait_for(impl_->gloo->barrier(), "barrier", rank_, impl_->timeout);
+  }
+}
+
+double Group::sum(double value) {
+  auto t = torch::tensor({value}, torch::kDouble);
+  all_reduce(t).wait();
+  return t.item<double>();
+}
+
+}  // namespace frugal::dist

@@ -1,0 +1,313 @@
+// Data-parallel training over Gloo on the loopback: ranks are children of this test binary,
+// started with the variables torchrun sets.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "children.h"
+#include "resume_setup.h"
+#include "frugal/dist/data_parallel.h"
+#include "frugal/dist/shard.h"
+#include "frugal/policy/grad_scaler.h"
+#include "frugal/policy/oom_recovery.h"
+#include "frugal/train/trainer.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using frugal::dist::DataParallel;
+using frugal::dist::Group;
+
+constexpr std::int64_t kSteps = 20;
+constexpr std::int64_t kGlobal = 64;
+constexpr std::int64_t kIgnore = -100;
+
+torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+const std::vector<std::string> kModes{"sgd", "adam", "micro", "tokens", "scaler"};
+
+// The global batches of every step: class targets, or per-position targets (tokens) of
+// which a random share is padding, so ranks hold different token counts.
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data make_data(const std::string& mode) {
+  torch::manual_seed(7);
+  Data d;
+  if (mode == "tokens") {
+    d.x = torch::randn({kSteps, kGlobal, 4, 8});
+    d.y = torch::randint(0, 4, {kSteps, kGlobal, 4});
+    d.y.masked_fill_(torch::rand({kSteps, kGlobal, 4}) < 0.4, kIgnore);
+  } else {
+    d.x = torch::randn({kSteps, kGlobal, 8});
+    d.y = torch::randint(0, 4, {kSteps, kGlobal});
+  }
+  if (mode == "scaler") {
+    d.x[5][kGlobal - 1][0] = std::numeric_limits<float>::infinity();  // on the last rank
+  }
+  return d;
+}
+
+// Trains `mode` for kSteps on this rank's share of each global batch (all of it in a group
+// of one); returns the parameters and, last, the skipped steps and the reported losses.
+std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group) {
+  const auto data = make_data(mode);
+  torch::manual_seed(100 + group->rank());  // ranks start apart: DataParallel copies rank 0's
+  torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                              torch::nn::Linear(16, 4));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (mode == "sgd" || mode == "scaler") {
+    optimizer = std::make_unique<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  } else {
+    optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
+                                                     torch::optim::AdamOptions(1e-2));
+  }
+  auto options = frugal::TrainerOptions();
+  if (mode == "micro") {
+    options.micro_batch(5).accumulate(2);
+  }
+  frugal::Trainer::LossFn loss = cross_entropy;
+  if (mode == "tokens") {
+    options.reduction(frugal::LossReduction::Sum).micro_batch(7).count([](const frugal::Batch& b) {
+      return b.targets.ne(kIgnore).sum().item<std::int64_t>();
+    });
+    loss = [](const torch::Tensor& out, const torch::Tensor& y) {
+      namespace F = torch::nn::functional;
+      return F::cross_entropy(out.reshape({-1, 4}), y.reshape({-1}),
+                              F::CrossEntropyFuncOptions().ignore_index(kIgnore).reduction(
+                                  torch::kSum));
+    };
+  }
+  frugal::Trainer trainer(model, *optimizer, loss, options);
+  trainer.add_policy(std::make_shared<DataParallel>(group));
+  if (mode == "scaler") {
+    trainer.add_policy(std::make_shared<frugal::GradScalerPolicy>(
+        std::make_shared<frugal::GradScaler>()));
+  }
+  trainer.add_policy(std::make_shared<frugal::OomRecovery>());
+  const auto share = frugal::dist::share_of(kGlobal, group->rank(), group->size());
+  const std::int64_t start = share.start;
+  const std::int64_t length = share.length;
+  // With accumulation each step() gets half of the rank's share.
+  const std::int64_t parts = options.accumulate();
+  std::vector<double> losses;
+  for (std::int64_t s = 0; s < kSteps; ++s) {
+    for (std::int64_t k = 0; k < parts; ++k) {
+      const auto from = start + k * length / parts;
+      const auto to = start + (k + 1) * length / parts;
+      losses.push_back(trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)}).loss);
+    }
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  out.push_back(torch::tensor({trainer.skipped_steps()}));
+  out.push_back(torch::tensor(losses, torch::kDouble));
+  return out;
+}
+
+// dp-train OUT_PREFIX: joins the group from the environment and trains every mode, writing
+// OUT_PREFIX-<mode>-<rank>.pt.
+int dp_train(const std::vector<std::string>& args) {
+  torch::set_num_threads(1);
+  const auto env = frugal::dist::LaunchEnv::from_environment();
+  auto group = Group::join(env, frugal::dist::GroupOptions().timeout(std::chrono::seconds(60)));
+  for (const auto& mode : kModes) {
+    auto result = train(mode, group);
+    torch::save(result, args.at(0) + "-" + mode + "-" + std::to_string(env.rank) + ".pt");
+  }
+  return 0;
+}
+const frugal::testing::RegisterChild register_train("dp-train", dp_train);
+
+// dp-fail: rank 1 throws at its fourth step; the others go on until the group fails them.
+int dp_fail(const std::vector<std::string>&) {
+  torch::set_num_threads(1);
+  const auto env = frugal::dist::LaunchEnv::from_environment();
+  auto group = Group::join(env, frugal::dist::GroupOptions().timeout(std::chrono::seconds(30)));
+  torch::nn::Linear model(8, 4);
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, cross_entropy);
+  trainer.add_policy(std::make_shared<DataParallel>(group));
+  for (int s = 0; s < 10; ++s) {
+    TORCH_CHECK(!(env.rank == 1 && s == 3), "rank 1 fails on purpose at step ", s);
+    trainer.step({torch::randn({8, 8}), torch::randint(0, 4, {8})});
+  }
+  return 0;
+}
+const frugal::testing::RegisterChild register_fail("dp-fail", dp_fail);
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t size = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Starts `world` ranks of child `name` as torchrun would; their exit statuses by rank.
+std::vector<int> launch(const std::string& name, int world, const std::vector<std::string>& args,
+                        const std::string& stderr_prefix = "") {
+  const auto port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    pids.push_back(frugal::testing::spawn_child(
+        name, args,
+        {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+         "WORLD_SIZE=" + std::to_string(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port},
+        stderr_prefix.empty() ? "" : stderr_prefix + std::to_string(r) + ".txt"));
+  }
+  std::vector<int> status;
+  for (const auto pid : pids) {
+    status.push_back(frugal::testing::wait_child(pid));
+  }
+  return status;
+}
+
+void expect_ranks_match_one_process(int world) {
+  const auto dir = frugal::testing::fresh_temp_dir("frugal-dist");
+  const auto prefix = (dir / "w").string();
+  const auto status = launch("dp-train", world, {prefix});
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(status[r], 0) << "rank " << r;
+  }
+  for (const auto& mode : kModes) {
+    SCOPED_TRACE(mode);
+    const auto one = train(mode, Group::single());
+    for (int r = 0; r < world; ++r) {
+      std::vector<torch::Tensor> ranked;
+      torch::load(ranked, prefix + "-" + mode + "-" + std::to_string(r) + ".pt");
+      ASSERT_EQ(ranked.size(), one.size());
+      const std::size_t params = one.size() - 2;
+      for (std::size_t i = 0; i < params; ++i) {
+        EXPECT_TRUE(torch::allclose(ranked[i], one[i], 1e-5, 1e-5))
+            << "rank " << r << " parameter " << i << " differs by "
+            << (ranked[i] - one[i]).abs().max().item<float>();
+      }
+      EXPECT_EQ(ranked[params].item<std::int64_t>(), one[params].item<std::int64_t>())
+          << "skipped steps, rank " << r;
+      if (mode != "micro") {  // with accumulation the ranks report the global half-batches
+        EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], 1e-6, 1e-6))
+            << "reported losses, rank " << r;
+      }
+    }
+    if (mode == "scaler") {
+      EXPECT_EQ(one[one.size() - 2].item<std::int64_t>(), 1) << "the inf step is skipped";
+    }
+  }
+}
+
+TEST(DataParallel, TwoRanksTrainAsOneProcessOnTheWholeBatch) { expect_ranks_match_one_process(2); }
+
+TEST(DataParallel, ThreeRanksWithUnevenSharesTrainAsOneProcess) {
+  expect_ranks_match_one_process(3);
+}
+
+TEST(DataParallel, OneRankFailingFailsEveryRankWithAMessage) {
+  const auto dir = frugal::testing::fresh_temp_dir("frugal-dist-fail");
+  const auto status = launch("dp-fail", 2, {}, (dir / "stderr-").string());
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(dir / ("stderr-" + std::to_string(r) + ".txt"));
+    std::stringstream text;
+    text << in.rdbuf();
+    EXPECT_NE(status[r], 0) << "rank " << r << " said: " << text.str();
+    EXPECT_NE(text.str().find(r == 1 ? "rank 1 fails on purpose" : "rank 0's all-reduce failed: another rank stopped"),
+              std::string::npos)
+        << text.str();
+  }
+}
+
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(std::vector<std::pair<std::string, const char*>> values) {
+    for (auto& [name, value] : values) {
+      const char* old = std::getenv(name.c_str());
+      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+      value ? setenv(name.c_str(), value, 1) : unsetenv(name.c_str());
+    }
+  }
+  ~ScopedEnv() {
+    for (auto& [name, value] : saved_) {
+      value ? setenv(name.c_str(), value->c_str(), 1) : unsetenv(name.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+std::string launch_error() {
+  try {
+    frugal::dist::LaunchEnv::from_environment();
+  } catch (const std::exception& e) {
+    return frugal::error_message(e);
+  }
+  return "";
+}
+
+TEST(DistLaunchEnv, NamesTheMissingOrWrongVariable) {
+  {
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", nullptr}, {"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", "29500"}});
+    EXPECT_NE(launch_error().find("WORLD_SIZE is not set"), std::string::npos) << launch_error();
+  }
+  {
+    ScopedEnv env({{"RANK", "5"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", "29500"}});
+    EXPECT_NE(launch_error().find("RANK='5' is not an integer in [0, 1]"), std::string::npos)
+        << launch_error();
+  }
+  {
+    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", nullptr},
+                   {"MASTER_PORT", "29500"}});
+    EXPECT_NE(launch_error().find("MASTER_ADDR is not set"), std::string::npos) << launch_error();
+  }
+  {
+    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", "http"}});
+    EXPECT_NE(launch_error().find("MASTER_PORT='http'"), std::string::npos) << launch_error();
+  }
+  {
+    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+                   {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                   {"TORCHELASTIC_RESTART_COUNT", "2"}});
+    const auto env_read = frugal::dist::LaunchEnv::from_environment();
+    EXPECT_EQ(env_read.rank, 1);
+    EXPECT_EQ(env_read.master_port, 29400);
+    EXPECT_TRUE(env_read.use_agent_store);
+    EXPECT_EQ(env_read.restart_count, 2);
+  }
+}
+
+TEST(DataParallel, RefusedAfterAPolicyThatReadsEveryGradient) {
+  torch::nn::Linear model(4, 2);
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, cross_entropy);
+  trainer.add_policy(
+      std::make_shared<frugal::GradScalerPolicy>(std::make_shared<frugal::GradScaler>()));
+  try {
+    trainer.add_policy(std::make_shared<DataParallel>(Group::single()));
+    FAIL() << "accepted after the GradScaler";
+  } catch (const std::exception& e) {
+    EXPECT_NE(frugal::error_message(e).find("add DataParallel before 'grad-scaler'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
