@@ -14,6 +14,8 @@
 #include "resume_setup.h"
 #include "frugal/dist/data_parallel.h"
 #include "frugal/dist/shard.h"
+#include "frugal/dist/zero.h"
+#include "frugal/memory/ledger.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
@@ -31,7 +33,7 @@ constexpr std::int64_t kIgnore = -100;
 torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
-const std::vector<std::string> kModes{"sgd", "adam", "micro", "tokens", "scaler"};
+const std::vector<std::string> kModes{"sgd", "adam", "micro", "tokens", "scaler", "zero1", "zero2"};
 
 // The global batches of every step: class targets, or per-position targets (tokens) of
 // which a random share is padding, so ranks hold different token counts.
@@ -57,7 +59,8 @@ Data make_data(const std::string& mode) {
 }
 
 // Trains `mode` for kSteps on this rank's share of each global batch (all of it in a group
-// of one); returns the parameters and, last, the skipped steps and the reported losses.
+// of one); returns the parameters and, last, the skipped steps, the reported losses and
+// the ledger's gradient bytes just before the optimizer step and optimizer bytes after it.
 std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group) {
   const auto data = make_data(mode);
   torch::manual_seed(100 + group->rank());  // ranks start apart: DataParallel copies rank 0's
@@ -67,6 +70,13 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   if (mode == "sgd" || mode == "scaler") {
     optimizer = std::make_unique<torch::optim::SGD>(
         model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  } else if (mode == "zero1" || mode == "zero2") {
+    optimizer = std::make_unique<frugal::dist::ZeroOptimizer>(
+        model->parameters(), group,
+        [](std::vector<torch::Tensor> shard) {
+          return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
+        },
+        frugal::dist::ZeroOptions().stage(mode == "zero1" ? 1 : 2));
   } else {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-2));
@@ -94,6 +104,11 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
         std::make_shared<frugal::GradScaler>()));
   }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
+  std::int64_t grad_bytes = 0;
+  trainer.add_hook(frugal::Phase::BeforeOptimizerStep, [&](frugal::StepContext& c) {
+    grad_bytes = frugal::measure_ledger(c.probe, c.module, &c.optimizer).gradients;
+  });
+  std::int64_t optimizer_bytes = 0;
   const auto share = frugal::dist::share_of(kGlobal, group->rank(), group->size());
   const std::int64_t start = share.start;
   const std::int64_t length = share.length;
@@ -104,7 +119,9 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     for (std::int64_t k = 0; k < parts; ++k) {
       const auto from = start + k * length / parts;
       const auto to = start + (k + 1) * length / parts;
-      losses.push_back(trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)}).loss);
+      const auto report = trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)});
+      losses.push_back(report.loss);
+      optimizer_bytes = report.ledger.optimizer;
     }
   }
   std::vector<torch::Tensor> out;
@@ -113,6 +130,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   }
   out.push_back(torch::tensor({trainer.skipped_steps()}));
   out.push_back(torch::tensor(losses, torch::kDouble));
+  out.push_back(torch::tensor({grad_bytes, optimizer_bytes}));
   return out;
 }
 
@@ -186,14 +204,16 @@ void expect_ranks_match_one_process(int world) {
   for (int r = 0; r < world; ++r) {
     ASSERT_EQ(status[r], 0) << "rank " << r;
   }
+  std::vector<std::vector<torch::Tensor>> adam(world);  // unsharded, for the ZeRO runs
   for (const auto& mode : kModes) {
     SCOPED_TRACE(mode);
-    const auto one = train(mode, Group::single());
+    const bool zero = mode.rfind("zero", 0) == 0;
+    const auto one = train(zero ? "adam" : mode, Group::single());
     for (int r = 0; r < world; ++r) {
       std::vector<torch::Tensor> ranked;
       torch::load(ranked, prefix + "-" + mode + "-" + std::to_string(r) + ".pt");
       ASSERT_EQ(ranked.size(), one.size());
-      const std::size_t params = one.size() - 2;
+      const std::size_t params = one.size() - 3;
       for (std::size_t i = 0; i < params; ++i) {
         EXPECT_TRUE(torch::allclose(ranked[i], one[i], 1e-5, 1e-5))
             << "rank " << r << " parameter " << i << " differs by "
@@ -205,9 +225,28 @@ void expect_ranks_match_one_process(int world) {
         EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], 1e-6, 1e-6))
             << "reported losses, rank " << r;
       }
+      const auto bytes = ranked[params + 2];
+      if (mode == "adam") {
+        adam[r] = ranked;
+      } else if (zero) {
+        // Each rank holds ceil(P / N) of the P elements' state (and, stage 2, gradients).
+        std::int64_t elements = 0;
+        for (std::size_t i = 0; i < params; ++i) {
+          elements += one[i].numel();
+        }
+        const std::int64_t shard = (elements + world - 1) / world * 4;
+        const auto unsharded = adam[r][params + 2];
+        const std::int64_t grads = bytes[0].item<std::int64_t>();
+        const std::int64_t state = bytes[1].item<std::int64_t>();
+        EXPECT_EQ(unsharded[0].item<std::int64_t>(), elements * 4) << "rank " << r;
+        EXPECT_EQ(state, 2 * shard) << "rank " << r;  // Adam's two moments of the range
+        EXPECT_LE(static_cast<double>(state),
+                  (world == 2 ? 0.55 : 0.4) * unsharded[1].item<double>()) << "rank " << r;
+        EXPECT_EQ(grads, mode == "zero1" ? elements * 4 : shard) << "rank " << r;
+      }
     }
     if (mode == "scaler") {
-      EXPECT_EQ(one[one.size() - 2].item<std::int64_t>(), 1) << "the inf step is skipped";
+      EXPECT_EQ(one[one.size() - 3].item<std::int64_t>(), 1) << "the inf step is skipped";
     }
   }
 }

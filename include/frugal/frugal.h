@@ -39,3 +39,4 @@
 #include "frugal/dist/data_parallel.h"
 #include "frugal/dist/group.h"
 #include "frugal/dist/shard.h"
+#include "frugal/dist/zero.h"

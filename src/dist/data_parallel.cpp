@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal::dist {
@@ -56,6 +57,9 @@ void DataParallel::on_add(Trainer& trainer) {
                 other->needs_all_gradients() ? "reads every gradient" : "retries steps",
                 ": it must see the gradients averaged over the ranks");
   }
+  trainer_ = &trainer;
+  auto* zero = dynamic_cast<ZeroOptimizer*>(&trainer.optimizer());
+  stage2_ = zero != nullptr && zero->stage() == 2 ? zero : nullptr;
   params_.clear();
   index_.clear();
   for (auto& group : trainer.optimizer().param_groups()) {
@@ -83,6 +87,14 @@ void DataParallel::on_add(Trainer& trainer) {
     bucket_of_[k] = buckets_.size() - 1;
     bytes += size;
   }
+  bucket_numel_.clear();
+  for (const auto& members : buckets_) {
+    std::int64_t numel = 0;
+    for (const auto k : members) {
+      numel += params_[k].numel();
+    }
+    bucket_numel_.push_back(numel);
+  }
   // Every rank starts from rank 0's weights and buffers.
   std::vector<torch::Tensor> state;
   for (auto& p : trainer.module().parameters()) {
@@ -103,6 +115,8 @@ void DataParallel::reset() {
     missing_[b] = buckets_[b].size();
   }
   next_ = 0;
+  finished_ = 0;
+  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())}, torch::kFloat);
   weight_ = 0;
   flats_.clear();
   works_.clear();
@@ -115,6 +129,13 @@ void DataParallel::on_step_begin(StepContext& ctx) {
   TORCH_CHECK(!in_step_, "frugal: rank ", group_->rank(),
               "'s last step failed, so the ranks are out of step; restart the run (from a "
               "saved training state)");
+  if (stage2_ != nullptr) {
+    for (const auto& policy : trainer_->policies()) {
+      TORCH_CHECK(!policy->needs_all_gradients() || policy.get() == this, "frugal: policy '",
+                  policy->name(), "' reads every gradient, but under ZeRO stage 2 each rank "
+                  "keeps only its share of them; use stage 1");
+    }
+  }
   in_step_ = true;
   reset();
   if (options_.broadcast_buffers()) {
@@ -157,31 +178,51 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   torch::NoGradGuard no_grad;
   const auto& members = buckets_[bucket];
   const auto& first = params_[members.front()];
-  std::int64_t numel = 0;
-  for (const auto k : members) {
-    numel += params_[k].numel();
-  }
-  // The gradients, then one flag a parameter: whether this rank has its gradient.
-  auto flat = torch::empty({numel + static_cast<std::int64_t>(members.size())},
-                           first.options().requires_grad(false));
+  const auto numel = bucket_numel_[bucket];
+  auto flat = torch::empty({numel}, first.options().requires_grad(false));
+  auto* has = flags_.data_ptr<float>();
   std::int64_t offset = 0;
-  for (std::size_t j = 0; j < members.size(); ++j) {
-    auto& p = params_[members[j]];
+  for (const auto k : members) {
+    auto& p = params_[k];
     const auto n = p.numel();
     auto& grad = p.mutable_grad();
-    const bool has = grad.defined();
-    if (has) {
+    has[k] = grad.defined() ? 1 : 0;
+    if (grad.defined()) {
       flat.narrow(0, offset, n).copy_(grad.reshape({-1}));
       grad.reset();  // from now on the bucket holds it
     } else {
       flat.narrow(0, offset, n).zero_();
     }
-    flat[numel + static_cast<std::int64_t>(j)] = has ? 1 : 0;
     offset += n;
   }
-  flat.narrow(0, 0, numel).mul_(weight_);
+  flat.mul_(weight_);
   works_.push_back(group_->all_reduce(flat));
   flats_.push_back(std::move(flat));
+  // Under stage 2, buckets that have arrived shrink to this rank's part while backward goes on.
+  while (stage2_ != nullptr && finished_ < works_.size() && works_[finished_].done()) {
+    finish(finished_);
+  }
+}
+
+void DataParallel::finish(std::size_t bucket) {
+  works_[bucket].wait();
+  torch::NoGradGuard no_grad;
+  auto& flat = flats_[bucket];
+  const auto* any = flags_.data_ptr<float>();  // summed over the ranks (unless stage 2)
+  std::int64_t offset = 0;
+  for (const auto k : buckets_[bucket]) {
+    auto& p = params_[k];
+    const auto n = p.numel();
+    if (stage2_ != nullptr) {
+      stage2_->keep_owned_gradient(p, flat.narrow(0, offset, n));
+    } else if (any[k] > 0) {
+      // The averaged gradient, as a view of the bucket (no second copy).
+      p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
+    }
+    offset += n;
+  }
+  flat = torch::Tensor();  // stage 2: the parts other ranks own go now
+  ++finished_;
 }
 
 void DataParallel::before_optimizer_step(StepContext& ctx) {
@@ -194,28 +235,13 @@ void DataParallel::before_optimizer_step(StepContext& ctx) {
     missing = 0;
   }
   launch_ready(ctx);
-  torch::NoGradGuard no_grad;
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    works_[b].wait();
-    const auto& members = buckets_[b];
-    auto& flat = flats_[b];
-    std::int64_t numel = 0;
-    for (const auto k : members) {
-      numel += params_[k].numel();
-    }
-    const auto flags = flat.narrow(0, numel, static_cast<std::int64_t>(members.size()))
-                           .to(torch::kCPU, torch::kDouble);
-    const auto* any = flags.data_ptr<double>();
-    std::int64_t offset = 0;
-    for (std::size_t j = 0; j < members.size(); ++j) {
-      auto& p = params_[members[j]];
-      const auto n = p.numel();
-      if (any[j] > 0) {
-        // The averaged gradient, as a view of the bucket (no second copy).
-        p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
-      }
-      offset += n;
-    }
+  if (stage2_ == nullptr) {
+    // Which parameters had a gradient on some rank: those get one (the others stay
+    // without, as in one process); stage 2 steps the whole range anyway.
+    group_->all_reduce(flags_).wait();
+  }
+  while (finished_ < buckets_.size()) {
+    finish(finished_);
   }
   reset();
 }

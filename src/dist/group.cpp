@@ -83,6 +83,7 @@ void Work::wait() {
   if (wait_) {
     auto wait = std::move(wait_);
     wait_ = nullptr;
+    done_ = nullptr;
     wait();
   }
 }
@@ -155,7 +156,7 @@ Work Group::all_reduce(torch::Tensor& tensor) {
   auto work = impl_->gloo->allreduce(tensors);
   return Work([work, rank = rank_, timeout = impl_->timeout] {
     wait_for(work, "all-reduce", rank, timeout);
-  });
+  }, [work] { return work->isCompleted(); });
 }
 
 void Group::broadcast(torch::Tensor& tensor, int root) {

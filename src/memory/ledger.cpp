@@ -87,6 +87,14 @@ Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
         ledger.optimizer += counter.add(t);
       }
     }
+    if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
+      for (const auto& t : parts->ledger_gradients()) {
+        ledger.gradients += counter.add(t);
+      }
+      for (const auto& t : parts->ledger_optimizer_state()) {
+        ledger.optimizer += counter.add(t);
+      }
+    }
   }
   ledger.allocated = probe.snapshot().process_allocated;
   ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;

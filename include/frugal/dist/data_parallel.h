@@ -14,6 +14,8 @@
 
 namespace frugal::dist {
 
+class ZeroOptimizer;
+
 struct DataParallelOptions {
   /// Gradients travel in buckets of about this many bytes, each sent as soon as all its
   /// gradients are ready, while backward goes on (PyTorch DDP's bucket_cap_mb, 25 MiB).
@@ -37,6 +39,10 @@ struct DataParallelOptions {
 /// optimizer step, in the same order on every rank; earlier micro-batches and accumulation
 /// batches communicate nothing. Every rank then holds the same gradients, so a GradScaler's
 /// inf/NaN decision and a clipping norm agree without more communication.
+///
+/// With a ZeroOptimizer of stage 2 as the trainer's optimizer, each averaged bucket leaves
+/// only the part this rank owns (in the optimizer's range) and is freed; the parameters get
+/// no gradient, so policies that read every gradient are refused beside it.
 ///
 /// Add it before policies that read every gradient (GradScalerPolicy, ClipGradPolicy) and
 /// before OomRecovery; refused after them. Retries of a failed forward or backward (OomRecovery)
@@ -72,6 +78,7 @@ class DataParallel : public Policy {
  private:
   void launch_ready(StepContext& ctx);
   void launch(std::size_t bucket, StepContext& ctx);
+  void finish(std::size_t bucket);
   void reset();
 
   std::shared_ptr<Group> group_;
@@ -80,13 +87,18 @@ class DataParallel : public Policy {
   std::unordered_map<const void*, std::size_t> index_;  // TensorImpl -> position in params_
   std::vector<std::size_t> bucket_of_;                  // position -> bucket
   std::vector<std::vector<std::size_t>> buckets_;
+  std::vector<std::int64_t> bucket_numel_;
   // The step in flight.
   std::vector<std::size_t> missing_;  // per bucket: gradients not delivered yet
   std::size_t next_ = 0;              // the next bucket to send
+  std::size_t finished_ = 0;          // buckets back and handed out, in order
   double weight_ = 0;                 // this rank's count / the global count
   std::int64_t global_count_ = 0;
   std::vector<torch::Tensor> flats_;
+  torch::Tensor flags_;  // per parameter: 1 where this rank had a gradient
   std::vector<Work> works_;
+  ZeroOptimizer* stage2_ = nullptr;  // gradients go to its shard, not to the parameters
+  Trainer* trainer_ = nullptr;
   bool in_step_ = false;  // between a step's begin and its end: set when a step failed
 };
 

@@ -41,12 +41,15 @@ struct GroupOptions {
 class Work {
  public:
   Work() = default;
-  explicit Work(std::function<void()> wait) : wait_(std::move(wait)) {}
+  Work(std::function<void()> wait, std::function<bool()> done)
+      : wait_(std::move(wait)), done_(std::move(done)) {}
   void wait();
-  bool pending() const { return static_cast<bool>(wait_); }
+  /// Whether wait() would return at once (without waiting).
+  bool done() const { return !wait_ || !done_ || done_(); }
 
  private:
   std::function<void()> wait_;
+  std::function<bool()> done_;
 };
 
 /// The ranks of one training run, over LibTorch's c10d process group (Gloo, on CPU

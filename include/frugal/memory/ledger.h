@@ -29,8 +29,8 @@ struct Ledger {
 
 /// Measures the ledger of `module` and, if given, `optimizer` on the probe's device.
 /// Optimizer state is read for SGD, Adam, AdamW, Adagrad, RMSprop, LBFGS and states that
-/// are a StateTensorList (frugal's 8-bit optimizers); other optimizers' state lands in
-/// `other`.
+/// are a StateTensorList (frugal's 8-bit optimizers), and what an optimizer that is a
+/// LedgerParts names; other optimizers' state lands in `other`.
 ///
 /// Example:
 ///   auto ledger = frugal::measure_ledger(probe, *model, &optimizer);
@@ -51,6 +51,16 @@ class StateTensorList {
  public:
   virtual ~StateTensorList() = default;
   virtual std::vector<torch::Tensor> state_tensors() const = 0;
+};
+
+/// An optimizer that keeps gradients or state outside its parameters' `grad` and its
+/// `state()` (a sharded one, frugal::dist::ZeroOptimizer) derives from this too, so that the
+/// ledger counts them as gradients and optimizer state.
+class LedgerParts {
+ public:
+  virtual ~LedgerParts() = default;
+  virtual std::vector<torch::Tensor> ledger_gradients() const { return {}; }
+  virtual std::vector<torch::Tensor> ledger_optimizer_state() const { return {}; }
 };
 
 /// The tensors one parameter's optimizer state holds, for the state types of SGD, Adam,

@@ -1,0 +1,96 @@
+// ZeRO stages 1 and 2: each rank keeps the optimizer state (and, stage 2, the gradients)
+// of its 1/N of the parameters only.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "frugal/dist/group.h"
+#include "frugal/memory/ledger.h"
+
+namespace frugal::dist {
+
+struct ZeroOptions {
+  /// 1: the optimizer state is sharded; every rank holds every (averaged) gradient.
+  /// 2: the gradients too: DataParallel keeps each bucket's part this rank owns and frees
+  /// the rest as soon as the bucket has been averaged.
+  TORCH_ARG(int, stage) = 1;
+};
+
+/// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
+/// ZeroRedundancyOptimizer shards whole parameters, this one a flat buffer, so every rank
+/// holds the same share). The parameters, flattened in order and padded to a multiple of N,
+/// are cut in N equal ranges; rank r's range is a flat tensor over which `make` builds the
+/// optimizer that does the work, so its state holds 1/N of the elements. A step updates
+/// that range from the averaged gradients, then the ranks all-gather the ranges into every
+/// rank's parameters.
+///
+/// fp32 Adam holds 16 bytes a parameter (weights 4, gradients 4, state 8); stage 1 keeps
+/// 8 + 8/N of them, stage 2 4 + 12/N. Use it as the trainer's optimizer, with a
+/// DataParallel policy over the same group. The update must be elementwise (SGD, Adam,
+/// AdamW, frugal's in-place and 8-bit ones; the 8-bit states quantize blocks of the flat
+/// range). One parameter group, one dtype; a parameter without a gradient on any rank is
+/// stepped with a zero gradient, as DDP does with unused parameters.
+///
+/// A failure in the shard's update leaves everything as it was (with frugal's optimizers);
+/// one during the all-gather leaves the ranks out of step (DataParallel then refuses further
+/// steps; restart from a saved state). A saved training state holds this rank's shard:
+/// every rank saves its own (fit does, in save_dir/rank-R) and loads only its own.
+///
+/// Example:
+///   auto zero = std::make_shared<frugal::dist::ZeroOptimizer>(
+///       model->parameters(), group,
+///       [](std::vector<torch::Tensor> shard) {
+///         return std::make_unique<frugal::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+///       },
+///       frugal::dist::ZeroOptions().stage(2));
+///   frugal::Trainer trainer(model, *zero, loss_fn);
+///   trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
+class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
+ public:
+  using Factory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> shard)>;
+  ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group, Factory make,
+                ZeroOptions options = {});
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  int stage() const { return options_.stage(); }
+  /// This rank's range of the flat parameters: [begin, end) (the padding included).
+  std::int64_t shard_begin() const { return group_->rank() * shard_size_; }
+  std::int64_t shard_size() const { return shard_size_; }
+  /// The optimizer that updates this rank's range.
+  torch::optim::Optimizer& inner() { return *inner_; }
+  /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
+  /// goes into the range's gradient; DataParallel calls it once per parameter and step.
+  void keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad);
+
+  std::vector<torch::Tensor> ledger_gradients() const override;
+  std::vector<torch::Tensor> ledger_optimizer_state() const override;
+
+ private:
+  struct Layout;
+  struct Parts;
+  static Parts build(std::vector<torch::Tensor> params, const Group& group, const Factory& make);
+  ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptions options);
+  void gather_owned_gradient();
+  // Calls fn(offset in the range, offset in parameter i, length, i) for each piece of a
+  // parameter inside this rank's range.
+  void for_owned(const std::function<void(std::int64_t, std::int64_t, std::int64_t,
+                                          std::size_t)>& fn) const;
+
+  std::shared_ptr<Layout> layout_;
+  std::shared_ptr<Group> group_;
+  ZeroOptions options_;
+  std::int64_t shard_size_ = 0;
+  torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+};
+
+}  // namespace frugal::dist

@@ -1,0 +1,183 @@
+#include "frugal/dist/zero.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <unordered_map>
+
+#include "frugal/state/archive.h"
+
+namespace frugal::dist {
+
+struct ZeroOptimizer::Layout {
+  std::vector<torch::Tensor> params;
+  std::vector<std::int64_t> offsets;  // where each parameter starts in the flat order
+  std::unordered_map<const void*, std::size_t> index;
+  std::int64_t total = 0;
+};
+
+struct ZeroOptimizer::Parts {
+  std::shared_ptr<Layout> layout;
+  std::int64_t shard_size = 0;
+  torch::Tensor shard;
+  std::unique_ptr<torch::optim::Optimizer> inner;
+};
+
+ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, const Group& group,
+                                          const Factory& make) {
+  TORCH_CHECK(!params.empty(), "frugal: ZeroOptimizer got no parameters");
+  TORCH_CHECK(make != nullptr, "frugal: ZeroOptimizer needs a function that makes the optimizer");
+  Parts parts;
+  parts.layout = std::make_shared<Layout>();
+  auto& layout = *parts.layout;
+  const auto& first = params.front();
+  for (auto& p : params) {
+    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+                "frugal: ZeroOptimizer needs one dtype and device for all parameters; got ",
+                p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
+                first.device());
+    TORCH_CHECK(layout.index.emplace(p.unsafeGetTensorImpl(), layout.params.size()).second,
+                "frugal: ZeroOptimizer got a parameter twice");
+    layout.params.push_back(p);
+    layout.offsets.push_back(layout.total);
+    layout.total += p.numel();
+  }
+  const std::int64_t n = group.size();
+  parts.shard_size = (layout.total + n - 1) / n;
+  // This rank's range (padding past the end stays zero); step() fills it.
+  parts.shard = torch::zeros({parts.shard_size}, first.options().requires_grad(true));
+  parts.inner = make({parts.shard});
+  TORCH_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
+                  parts.inner->param_groups()[0].params().size() == 1,
+              "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
+              "it is given");
+  return parts;
+}
+
+ZeroOptimizer::ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group,
+                             Factory make, ZeroOptions options)
+    : ZeroOptimizer(build(std::move(params), *group, make), group, options) {}
+
+ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptions options)
+    : torch::optim::Optimizer(
+          {torch::optim::OptimizerParamGroup(parts.layout->params,
+                                             parts.inner->param_groups()[0].options().clone())},
+          parts.inner->defaults().clone()),
+      layout_(std::move(parts.layout)),
+      group_(std::move(group)),
+      options_(options),
+      shard_size_(parts.shard_size),
+      shard_(std::move(parts.shard)),
+      inner_(std::move(parts.inner)) {
+  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2,
+              "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
+}
+
+void ZeroOptimizer::for_owned(const std::function<void(std::int64_t in_shard, std::int64_t in_param,
+                                                        std::int64_t length, std::size_t i)>& fn) const {
+  const auto begin = shard_begin();
+  for (std::size_t i = 0; i < layout_->params.size(); ++i) {
+    const auto offset = layout_->offsets[i];
+    const auto lo = std::max(offset, begin);
+    const auto hi = std::min(offset + layout_->params[i].numel(), begin + shard_size_);
+    if (lo < hi) {
+      fn(lo - begin, lo - offset, hi - lo, i);
+    }
+  }
+}
+
+void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
+  const auto it = layout_->index.find(param.unsafeGetTensorImpl());
+  TORCH_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
+              "parameter it does not hold");
+  torch::NoGradGuard no_grad;
+  auto& owned = shard_.mutable_grad();
+  if (!owned.defined()) {
+    owned = torch::zeros_like(shard_);
+  }
+  const auto begin = shard_begin();
+  const auto offset = layout_->offsets[it->second];
+  const auto lo = std::max(offset, begin);
+  const auto hi = std::min(offset + param.numel(), begin + shard_size_);
+  if (lo < hi) {
+    owned.narrow(0, lo - begin, hi - lo).copy_(grad.reshape({-1}).narrow(0, lo - offset, hi - lo));
+  }
+}
+
+void ZeroOptimizer::gather_owned_gradient() {
+  for (const auto& p : layout_->params) {
+    if (p.grad().defined()) {
+      keep_owned_gradient(p, p.grad());
+    }
+  }
+}
+
+torch::Tensor ZeroOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(closure == nullptr, "frugal: ZeroOptimizer's step takes no closure");
+  torch::NoGradGuard no_grad;
+  // The range's optimizer follows this one's options (an LR schedule sets them here).
+  inner_->param_groups()[0].set_options(param_groups()[0].options().clone());
+  if (!shard_.grad().defined()) {
+    gather_owned_gradient();  // stage 1: every gradient is here, averaged
+  }
+  if (!shard_.grad().defined()) {
+    return {};  // no gradient on any rank (the ranks hold the same ones)
+  }
+  // The range from the parameters as they are (rank 0's after DataParallel copied them,
+  // or a loaded state's).
+  auto shard = shard_.detach();
+  for_owned([&](std::int64_t in_shard, std::int64_t in_param, std::int64_t length, std::size_t i) {
+    shard.narrow(0, in_shard, length)
+        .copy_(layout_->params[i].detach().reshape({-1}).narrow(0, in_param, length));
+  });
+  inner_->step();
+  shard_.mutable_grad().reset();
+  // Every rank's range into every rank's parameters.
+  const std::int64_t n = group_->size();
+  auto flat = torch::empty({n * shard_size_}, shard_.options().requires_grad(false));
+  std::vector<torch::Tensor> ranges;
+  for (std::int64_t r = 0; r < n; ++r) {
+    ranges.push_back(flat.narrow(0, r * shard_size_, shard_size_));
+  }
+  group_->all_gather(ranges, shard_.detach());
+  for (std::size_t i = 0; i < layout_->params.size(); ++i) {
+    auto& p = layout_->params[i];
+    p.detach().copy_(flat.narrow(0, layout_->offsets[i], p.numel()).view(p.sizes()));
+  }
+  return {};
+}
+
+std::vector<torch::Tensor> ZeroOptimizer::ledger_gradients() const { return {shard_.grad()}; }
+
+std::vector<torch::Tensor> ZeroOptimizer::ledger_optimizer_state() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& entry : inner_->state()) {
+    for (auto& t : optimizer_state_tensors(*entry.second)) {
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  state::write_int(archive, "zero/rank", group_->rank());
+  state::write_int(archive, "zero/ranks", group_->size());
+  state::write_int(archive, "zero/elements", layout_->total);
+  torch::serialize::OutputArchive inner;
+  inner_->save(inner);
+  archive.write("zero/inner", inner);
+}
+
+void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
+  const auto rank = state::read_int(archive, "zero/rank");
+  const auto ranks = state::read_int(archive, "zero/ranks");
+  const auto elements = state::read_int(archive, "zero/elements");
+  TORCH_CHECK(ranks == group_->size() && rank == group_->rank() && elements == layout_->total,
+              "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
+              elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
+              " with ", layout_->total, " elements");
+  auto inner = state::read_archive(archive, "zero/inner");
+  inner_->load(inner);
+}
+
+}  // namespace frugal::dist
