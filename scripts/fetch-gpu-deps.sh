@@ -4,7 +4,7 @@
 #   scripts/fetch-gpu-deps.sh [DIR]   (default: .gpu-deps, ignored by git)
 set -euo pipefail
 dir=${1:-.gpu-deps}
-packages=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev
+packages=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev libgloo-dev
           zlib1g-dev zlib1g)
 mkdir -p "$dir"
 cd "$dir"

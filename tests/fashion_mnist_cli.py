@@ -6,6 +6,8 @@
   frugal's Adam gives LibTorch's losses with a lower peak, and so does the step in backward;
   a run saved and resumed (also after SIGTERM, also past a damaged newest save) continues
   the step numbers with the losses of a run never stopped;
+  two ranks under --distributed (started as torchrun starts them) report the losses of one
+  process on the whole batch, and only rank 0 speaks;
   bad command lines end with a clear message, a non-zero status and no stack trace.
 Usage: fashion_mnist_cli.py PATH/TO/fashion_mnist WORK_DIR
 """
@@ -14,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -138,6 +141,35 @@ if stopped + 2 <= len(full):
 else:
     check(False, f"SIGTERM came late (step {stopped} of at most {len(full) - 2} compared)")
 
+# Data-parallel: 2 ranks with 32 samples each give the losses of 1 process with 64 (the
+# global batch's loss, reported by rank 0), with the variables torchrun sets.
+def distributed(name, *flags):
+    """Runs 2 ranks of the example as torchrun would; their outputs and rank 0's report."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = os.path.join(WORK, name + ".jsonl")
+    ranks = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        ranks.append(subprocess.Popen(
+            [BINARY, "--model", "cnn", "--dropout", "0", "--seed", "3", "--max-steps", "20",
+             "--threads", "1", "--quiet", "--report", report, "--distributed", *flags], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [r.communicate(timeout=300) for r in ranks]
+    check(all(r.returncode == 0 for r in ranks),
+          f"{name}: both ranks finish ({outs[0][1]}{outs[1][1]})")
+    check(outs[0][0].startswith("done: 20 steps") and outs[1][0] == "",
+          f"{name}: rank 0 prints the result, rank 1 nothing")
+    return [r for r in (json.loads(line) for line in open(report)) if "event" not in r]
+
+
+check(same_losses(full, distributed("dist"), 1e-5),
+      "--distributed: 2 ranks x 32 give the losses of 1 process x 64")
+check(same_losses(full, distributed("dist_zero2", "--zero", "2"), 1e-5),
+      "--distributed --zero 2: the same losses with gradients and Adam's state sharded")
+
 # An empty data set is refused when it is loaded, naming the file.
 empty = os.path.join(WORK, "empty_set")
 os.makedirs(empty, exist_ok=True)
@@ -156,6 +188,8 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                      (["--threads", "100000"], "100000"),
                      (["--memory-cap", "2000000", "--max-steps", "1"], "out of memory"),
                      (["--bogus"], "--bogus"),
+                     (["--distributed", "--max-steps", "1"], "WORLD_SIZE is not set"),
+                     (["--zero", "1"], "--zero 1 needs --distributed"),
                      (["--resume"], "--resume and --save-every need --save-dir"),
                      (["--save-dir", saves, "--resume", "--model", "mlp", "--max-steps", "20"],
                       "does not fit this trainer"),

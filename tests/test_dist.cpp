@@ -16,7 +16,10 @@
 #include "frugal/dist/shard.h"
 #include "frugal/dist/zero.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/grad_scaler.h"
+#include "frugal/policy/leak_guard.h"
+#include "frugal/policy/mixed_precision.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
 
@@ -33,7 +36,10 @@ constexpr std::int64_t kIgnore = -100;
 torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
-const std::vector<std::string> kModes{"sgd", "adam", "micro", "tokens", "scaler", "zero1", "zero2"};
+// micro: micro-batches, an accumulation window, checkpointing and the leak guard; bf16:
+// autocast (compared within bf16's rounding).
+const std::vector<std::string> kModes{"sgd",   "adam",  "micro", "tokens",
+                                      "scaler", "bf16", "zero1", "zero2"};
 
 // The global batches of every step: class targets, or per-position targets (tokens) of
 // which a random share is padding, so ranks hold different token counts.
@@ -61,13 +67,17 @@ Data make_data(const std::string& mode) {
 // Trains `mode` for kSteps on this rank's share of each global batch (all of it in a group
 // of one); returns the parameters and, last, the skipped steps, the reported losses and
 // the ledger's gradient bytes just before the optimizer step and optimizer bytes after it.
-std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group) {
-  const auto data = make_data(mode);
+std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group,
+                                 torch::Device device = torch::kCPU) {
+  auto data = make_data(mode);
+  data.x = data.x.to(device);
+  data.y = data.y.to(device);
   torch::manual_seed(100 + group->rank());  // ranks start apart: DataParallel copies rank 0's
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 4));
+  model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (mode == "sgd" || mode == "scaler") {
+  if (mode == "sgd" || mode == "scaler" || mode == "bf16") {
     optimizer = std::make_unique<torch::optim::SGD>(
         model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   } else if (mode == "zero1" || mode == "zero2") {
@@ -81,7 +91,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-2));
   }
-  auto options = frugal::TrainerOptions();
+  auto options = frugal::TrainerOptions().device(device);
   if (mode == "micro") {
     options.micro_batch(5).accumulate(2);
   }
@@ -102,6 +112,14 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   if (mode == "scaler") {
     trainer.add_policy(std::make_shared<frugal::GradScalerPolicy>(
         std::make_shared<frugal::GradScaler>()));
+  }
+  if (mode == "bf16") {
+    frugal::use_mixed_precision(trainer, torch::kBFloat16);
+  }
+  if (mode == "micro") {
+    trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+        frugal::CheckpointSelect().names({"0", "2"})));
+    trainer.add_policy(std::make_shared<frugal::LeakGuard>());
   }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
   std::int64_t grad_bytes = 0;
@@ -126,7 +144,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   }
   std::vector<torch::Tensor> out;
   for (const auto& p : model->parameters()) {
-    out.push_back(p.detach().clone());
+    out.push_back(p.detach().cpu());
   }
   out.push_back(torch::tensor({trainer.skipped_steps()}));
   out.push_back(torch::tensor(losses, torch::kDouble));
@@ -134,14 +152,23 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   return out;
 }
 
-// dp-train OUT_PREFIX: joins the group from the environment and trains every mode, writing
-// OUT_PREFIX-<mode>-<rank>.pt.
+// dp-train OUT_PREFIX [cuda [nccl]]: joins the group from the environment and trains every
+// mode (on the GPU, over Gloo or NCCL), writing OUT_PREFIX-<mode>-<rank>.pt.
 int dp_train(const std::vector<std::string>& args) {
   torch::set_num_threads(1);
   const auto env = frugal::dist::LaunchEnv::from_environment();
-  auto group = Group::join(env, frugal::dist::GroupOptions().timeout(std::chrono::seconds(60)));
+  const bool cuda = args.size() > 1 && args[1] == "cuda";
+  const bool nccl = args.size() > 2 && args[2] == "nccl";
+  auto group = Group::join(env, frugal::dist::GroupOptions()
+                                    .timeout(std::chrono::seconds(60))
+                                    .backend(nccl ? frugal::dist::Backend::Nccl
+                                                  : frugal::dist::Backend::Gloo));
+  const torch::Device device =
+      cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
+                                             env.local_rank % torch::cuda::device_count()))
+           : torch::Device(torch::kCPU);
   for (const auto& mode : kModes) {
-    auto result = train(mode, group);
+    auto result = train(mode, group, device);
     torch::save(result, args.at(0) + "-" + mode + "-" + std::to_string(env.rank) + ".pt");
   }
   return 0;
@@ -197,10 +224,12 @@ std::vector<int> launch(const std::string& name, int world, const std::vector<st
   return status;
 }
 
-void expect_ranks_match_one_process(int world) {
+void expect_ranks_match_one_process(int world, const std::vector<std::string>& device = {}) {
   const auto dir = frugal::testing::fresh_temp_dir("frugal-dist");
   const auto prefix = (dir / "w").string();
-  const auto status = launch("dp-train", world, {prefix});
+  std::vector<std::string> args{prefix};
+  args.insert(args.end(), device.begin(), device.end());
+  const auto status = launch("dp-train", world, args);
   for (int r = 0; r < world; ++r) {
     ASSERT_EQ(status[r], 0) << "rank " << r;
   }
@@ -214,15 +243,16 @@ void expect_ranks_match_one_process(int world) {
       torch::load(ranked, prefix + "-" + mode + "-" + std::to_string(r) + ".pt");
       ASSERT_EQ(ranked.size(), one.size());
       const std::size_t params = one.size() - 3;
+      const double tolerance = mode == "bf16" ? 2e-3 : 1e-5;
       for (std::size_t i = 0; i < params; ++i) {
-        EXPECT_TRUE(torch::allclose(ranked[i], one[i], 1e-5, 1e-5))
+        EXPECT_TRUE(torch::allclose(ranked[i], one[i], tolerance, tolerance))
             << "rank " << r << " parameter " << i << " differs by "
             << (ranked[i] - one[i]).abs().max().item<float>();
       }
       EXPECT_EQ(ranked[params].item<std::int64_t>(), one[params].item<std::int64_t>())
           << "skipped steps, rank " << r;
       if (mode != "micro") {  // with accumulation the ranks report the global half-batches
-        EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], 1e-6, 1e-6))
+        EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], tolerance, tolerance))
             << "reported losses, rank " << r;
       }
       const auto bytes = ranked[params + 2];
@@ -255,6 +285,22 @@ TEST(DataParallel, TwoRanksTrainAsOneProcessOnTheWholeBatch) { expect_ranks_matc
 
 TEST(DataParallel, ThreeRanksWithUnevenSharesTrainAsOneProcess) {
   expect_ranks_match_one_process(3);
+}
+
+// On the GPU runner: CUDA tensors over Gloo (two ranks may share a GPU), and over NCCL
+// where there are two GPUs (NCCL refuses two ranks on one).
+TEST(CudaDataParallel, TwoRanksOnTheGpuTrainAsOneProcessOverGloo) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "CUDA is not available";
+  }
+  expect_ranks_match_one_process(2, {"cuda"});
+}
+
+TEST(CudaDataParallel, TwoRanksTrainAsOneProcessOverNccl) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "NCCL needs a GPU a rank: " << torch::cuda::device_count() << " here";
+  }
+  expect_ranks_match_one_process(2, {"cuda", "nccl"});
 }
 
 TEST(DataParallel, OneRankFailingFailsEveryRankWithAMessage) {

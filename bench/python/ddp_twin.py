@@ -69,7 +69,7 @@ def worker(steps, out):
 
 def torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-port", "0", *args]
+            "--standalone", *args]
 
 
 def frugal_times(binary, steps, ranks):

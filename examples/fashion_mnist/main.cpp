@@ -45,6 +45,7 @@ struct Args {
   std::string lr_schedule = "constant";
   std::int64_t warmup_steps = 0;
   bool distributed = false;
+  int zero = 0;
 };
 
 // frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
@@ -151,7 +152,15 @@ int run(Args args) {
   auto model = args.model == "cnn" ? fashion::make_cnn(args.dropout)
                                    : fashion::make_mlp(args.dropout);
   model->to(device);
-  auto optimizer = make_optimizer(args, model->parameters());
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (args.zero > 0) {  // each rank steps its 1/N of the parameters with the chosen optimizer
+    optimizer = std::make_unique<frugal::dist::ZeroOptimizer>(
+        model->parameters(), group,
+        [&args](std::vector<torch::Tensor> shard) { return make_optimizer(args, std::move(shard)); },
+        frugal::dist::ZeroOptions().stage(args.zero));
+  } else {
+    optimizer = make_optimizer(args, model->parameters());
+  }
 
   auto options = frugal::TrainerOptions()
                      .device(device)
@@ -201,7 +210,9 @@ int run(Args args) {
              args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
              args.optimizer, args.step_in_backward ? " stepped in backward" : "",
              torch::get_num_threads(),
-             group ? fmt::format(" x {} ranks", group->size()) : std::string(),
+             group ? fmt::format(" x {} ranks{}", group->size(),
+                                 args.zero > 0 ? fmt::format(", ZeRO-{}", args.zero) : "")
+                   : std::string(),
              TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
   }
 
@@ -303,12 +314,18 @@ int run(Args args) {
   }
   if (result.signal != 0) {
     end_record(fmt::format("stopped by signal {}", result.signal));
+    if (group && group->rank() != 0) {
+      return 128 + result.signal;
+    }
     fmt::print("stopped by signal {} at step {}{}\n", result.signal, result.steps,
                result.saved.empty() ? std::string(" (no --save-dir: nothing saved)")
                                     : "; saved " + result.saved + ", go on with --resume");
     return 128 + result.signal;
   }
   end_record("ok");
+  if (group && group->rank() != 0) {
+    return 0;  // rank 0 speaks for the run
+  }
   fmt::print("done: {} steps, test accuracy {:.4f}, peak memory {}, {:.1f} s\n", result.steps,
              eval.accuracy, frugal::format_bytes(peak), seconds());
   return 0;
@@ -392,7 +409,16 @@ int main(int argc, char** argv) {
   app.add_flag("--distributed", args.distributed,
                "Data-parallel over the ranks torchrun starts (torchrun --nproc-per-node N "
                "--no-python fashion_mnist --distributed ...); --batch stays the global batch");
+  app.add_option("--zero", args.zero,
+                 "With --distributed: shard the optimizer state (1) and the gradients too (2) "
+                 "over the ranks (0: off)")
+      ->check(CLI::IsMember({0, 1, 2}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (args.zero > 0 && !args.distributed) {
+    fmt::print(stderr, "fashion_mnist: --zero {} needs --distributed\n", args.zero);
+    return 2;
+  }
   if ((args.resume || args.save_every > 0) && args.save_dir.empty()) {
     fmt::print(stderr, "fashion_mnist: --resume and --save-every need --save-dir\n");
     return 2;

@@ -116,7 +116,8 @@ void DataParallel::reset() {
   }
   next_ = 0;
   finished_ = 0;
-  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())}, torch::kFloat);
+  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())},
+                        torch::TensorOptions(torch::kFloat).device(group_->device()));
   weight_ = 0;
   flats_.clear();
   works_.clear();
@@ -180,13 +181,14 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   const auto& first = params_[members.front()];
   const auto numel = bucket_numel_[bucket];
   auto flat = torch::empty({numel}, first.options().requires_grad(false));
-  auto* has = flags_.data_ptr<float>();
   std::int64_t offset = 0;
   for (const auto k : members) {
     auto& p = params_[k];
     const auto n = p.numel();
     auto& grad = p.mutable_grad();
-    has[k] = grad.defined() ? 1 : 0;
+    if (grad.defined()) {
+      flags_[static_cast<std::int64_t>(k)].fill_(1);
+    }
     if (grad.defined()) {
       flat.narrow(0, offset, n).copy_(grad.reshape({-1}));
       grad.reset();  // from now on the bucket holds it
@@ -208,7 +210,7 @@ void DataParallel::finish(std::size_t bucket) {
   works_[bucket].wait();
   torch::NoGradGuard no_grad;
   auto& flat = flats_[bucket];
-  const auto* any = flags_.data_ptr<float>();  // summed over the ranks (unless stage 2)
+  const float* any = stage2_ == nullptr ? flags_cpu_.data_ptr<float>() : nullptr;
   std::int64_t offset = 0;
   for (const auto k : buckets_[bucket]) {
     auto& p = params_[k];
@@ -239,6 +241,7 @@ void DataParallel::before_optimizer_step(StepContext& ctx) {
     // Which parameters had a gradient on some rank: those get one (the others stay
     // without, as in one process); stage 2 steps the whole range anyway.
     group_->all_reduce(flags_).wait();
+    flags_cpu_ = flags_.to(torch::kCPU);
   }
   while (finished_ < buckets_.size()) {
     finish(finished_);
@@ -252,8 +255,9 @@ void DataParallel::on_step_end(StepContext& ctx) {
   }
   if (options_.global_loss()) {
     const double count = static_cast<double>(ctx.report.count);
-    auto sums = torch::tensor({ctx.report.loss * count, count}, torch::kDouble);
+    auto sums = torch::tensor({ctx.report.loss * count, count}, torch::kDouble).to(group_->device());
     group_->all_reduce(sums).wait();
+    sums = sums.cpu();
     ctx.report.loss = sums[0].item<double>() / sums[1].item<double>();
   }
   in_step_ = false;

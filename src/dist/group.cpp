@@ -5,10 +5,14 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/cuda.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
+#include <thread>
+
+#include "backend.h"
 
 namespace frugal::dist {
 namespace {
@@ -37,15 +41,29 @@ int integer(const char* name, int low, int high, const int* fallback = nullptr) 
   return static_cast<int>(value);
 }
 
-// Waits for a collective; its failure says which rank saw it and the likely cause.
-template <typename WorkPtr>
-void wait_for(const WorkPtr& work, const char* what, int rank, std::chrono::milliseconds timeout) {
+// Waits for a collective; its failure says which rank saw it and the likely cause. Then,
+// with `release`, waits (briefly) until the backend's worker thread has dropped the work too:
+// Gloo's keeps it, and so its tensors and scratch, a moment after waking the waiter, and
+// the memory figures must not depend on that race.
+template <typename Ptr>
+void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds timeout,
+              bool release) {
   try {
     work->wait();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
-                "did not come within the group's timeout (", timeout.count(), " ms). Gloo said: ",
-                c10::GetExceptionString(e));
+                "did not come within the group's timeout (", timeout.count(), " ms). The "
+                "backend said: ", c10::GetExceptionString(e));
+  }
+  if (!release) {
+    return;
+  }
+  using Target = typename Ptr::element_type;
+  c10::weak_intrusive_ptr<Target> weak(work);
+  work.reset();
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (!weak.expired() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::yield();
   }
 }
 
@@ -89,12 +107,26 @@ void Work::wait() {
 }
 
 struct Group::Impl {
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;  // null in a group of one
+  c10::intrusive_ptr<detail::BackendBase> pg;  // null in a group of one
   std::chrono::milliseconds timeout{0};
+  torch::Device device = torch::kCPU;
+  bool release = true;  // Gloo: wait for its worker to drop each work (NCCL's watchdog keeps them)
 };
 
 Group::Group(std::unique_ptr<Impl> impl, int rank, int size)
     : impl_(std::move(impl)), rank_(rank), size_(size) {}
+
+torch::Device Group::device() const { return impl_->device; }
+
+#ifndef FRUGAL_WITH_NCCL
+namespace detail {
+c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
+                                          std::chrono::milliseconds) {
+  TORCH_CHECK(false, "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
+              "not found when frugal was built); use the Gloo backend");
+}
+}  // namespace detail
+#endif
 
 Group::~Group() = default;
 
@@ -127,6 +159,17 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   store = c10::make_intrusive<c10d::PrefixStore>(
       "frugal/attempt_" + std::to_string(env.restart_count), store);
 
+  auto impl = std::make_unique<Impl>();
+  impl->timeout = options.timeout();
+  if (options.backend() == Backend::Nccl) {
+    TORCH_CHECK(torch::cuda::is_available(), "frugal: the NCCL backend needs CUDA, which is not "
+                "available here (rank ", env.rank, ")");
+    const int device = env.local_rank % static_cast<int>(torch::cuda::device_count());
+    impl->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
+    impl->pg = detail::make_nccl(store, env.rank, env.world_size, device, options.timeout());
+    impl->release = false;
+    return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
+  }
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
   std::string interface = options.interface();
   if (interface.empty() && variable("GLOO_SOCKET_IFNAME") != nullptr) {
@@ -141,56 +184,63 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   } else {
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  auto impl = std::make_unique<Impl>();
-  impl->timeout = options.timeout();
-  impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
+  impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
                                                            gloo_options);
   return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
 }
 
 Work Group::all_reduce(torch::Tensor& tensor) {
-  if (!impl_->gloo) {
+  if (!impl_->pg) {
     return {};
   }
   std::vector<torch::Tensor> tensors{tensor};
-  auto work = impl_->gloo->allreduce(tensors);
-  return Work([work, rank = rank_, timeout = impl_->timeout] {
-    wait_for(work, "all-reduce", rank, timeout);
-  }, [work] { return work->isCompleted(); });
+  auto work = impl_->pg->allreduce(tensors);
+  using Target = decltype(work)::element_type;
+  c10::weak_intrusive_ptr<Target> weak(work);
+  return Work(
+      [work, rank = rank_, timeout = impl_->timeout, release = impl_->release]() mutable {
+        wait_for(std::move(work), "all-reduce", rank, timeout, release);
+      },
+      [weak] {
+        const auto strong = weak.lock();
+        return !strong || strong->isCompleted();
+      });
 }
 
 void Group::broadcast(torch::Tensor& tensor, int root) {
   TORCH_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
               size_);
-  if (!impl_->gloo) {
+  if (!impl_->pg) {
     return;
   }
   std::vector<torch::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  wait_for(impl_->gloo->broadcast(tensors, options), "broadcast", rank_, impl_->timeout);
+  wait_for(impl_->pg->broadcast(tensors, options), "broadcast", rank_, impl_->timeout,
+           impl_->release);
 }
 
 void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
   TORCH_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
               " output tensors, got ", out.size());
-  if (!impl_->gloo) {
+  if (!impl_->pg) {
     out[0].copy_(in);
     return;
   }
   std::vector<std::vector<torch::Tensor>> outputs{out};
   std::vector<torch::Tensor> inputs{in};
-  wait_for(impl_->gloo->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout);
+  wait_for(impl_->pg->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout,
+           impl_->release);
 }
 
 void Group::barrier() {
-  if (impl_->gloo) {
-    wait_for(impl_->gloo->barrier(), "barrier", rank_, impl_->timeout);
+  if (impl_->pg) {
+    wait_for(impl_->pg->barrier(), "barrier", rank_, impl_->timeout, impl_->release);
   }
 }
 
 double Group::sum(double value) {
-  auto t = torch::tensor({value}, torch::kDouble);
+  auto t = torch::tensor({value}, torch::TensorOptions(torch::kDouble).device(impl_->device));
   all_reduce(t).wait();
   return t.item<double>();
 }

@@ -25,19 +25,22 @@ EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   const auto mine = share_of(data, group);
   TORCH_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
               " gets no sample of an evaluation set of ", data.size());
-  auto report = trainer.evaluate(mine);
+  auto report = trainer.evaluate_unreported(mine);
   const bool classes = report.accuracy >= 0;
   auto sums = torch::tensor({report.loss * static_cast<double>(report.count),
                              static_cast<double>(report.count),
                              classes ? report.accuracy * static_cast<double>(report.samples) : 0.0,
                              static_cast<double>(report.samples)},
-                            torch::kDouble);
+                            torch::kDouble)
+                  .to(group.device());
   group.all_reduce(sums).wait();
+  sums = sums.cpu();
   const auto* s = sums.data_ptr<double>();
   report.loss = s[1] > 0 ? s[0] / s[1] : 0.0;
   report.count = static_cast<std::int64_t>(s[1]);
   report.samples = static_cast<std::int64_t>(s[3]);
   report.accuracy = classes ? s[2] / s[3] : -1;
+  trainer.write_to_sinks(report);
   return report;
 }
 

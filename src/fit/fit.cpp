@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "frugal/dist/shard.h"
+#include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -98,19 +99,30 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   auto& pos = result.position;
   pos.batches_per_epoch = (n - 1) / bs + 1;
 
+  dist::Group* group = options.group().get();
+  // A sharded optimizer's state differs by rank: every rank keeps its own saves then.
+  const bool sharded =
+      group != nullptr && dynamic_cast<const dist::ZeroOptimizer*>(&trainer.optimizer()) != nullptr;
+  const bool writes = group == nullptr || group->rank() == 0 || sharded;
   std::optional<SaveDir> saves;
   if (!options.save_dir().empty()) {
-    saves.emplace(options.save_dir(), options.keep());
+    saves.emplace(sharded ? options.save_dir() + "/rank-" + std::to_string(group->rank())
+                          : options.save_dir(),
+                  options.keep());
   }
   if (options.resume()) {
     resume(*saves, trainer, options, log, result);
+  }
+  if (group != nullptr && options.resume()) {
+    const double steps = static_cast<double>(trainer.steps());
+    TORCH_CHECK(group->sum(steps) == steps * group->size(), "frugal: rank ", group->rank(),
+                " resumed at step ", trainer.steps(), " but not every rank did; the ranks' "
+                "saves differ (remove the newer ones)");
   }
   std::int64_t saved_step = -1;  // the step of the newest save file
   if (!result.resumed_from.empty()) {
     saved_step = trainer.steps();
   }
-  dist::Group* group = options.group().get();
-  const bool writes = group == nullptr || group->rank() == 0;
   auto save = [&] {
     if (!writes) {  // the ranks hold the same state: rank 0's file is every rank's
       saved_step = trainer.steps();

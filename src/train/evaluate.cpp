@@ -15,6 +15,19 @@ void Trainer::set_eval_batch(std::int64_t size) {
 }
 
 EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
+  auto report = evaluate_unreported(data, batch_size);
+  write_to_sinks(report);
+  return report;
+}
+
+void Trainer::write_to_sinks(const EvalReport& report) {
+  for (auto& sink : sinks_) {
+    sink->write(report);
+  }
+}
+
+EvalReport Trainer::evaluate_unreported(const Batch& data,
+                                        c10::optional<std::int64_t> batch_size) {
   const auto start = detail::Clock::now();
   const std::int64_t samples = data.size();
   TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
@@ -90,9 +103,6 @@ EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batc
     report.ledger = measure_ledger(probe_, *module_, &optimizer_);
   }
   report.time_ms = detail::ms_since(start);
-  for (auto& sink : sinks_) {
-    sink->write(report);
-  }
   return report;
 }
 

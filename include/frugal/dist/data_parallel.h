@@ -96,6 +96,7 @@ class DataParallel : public Policy {
   std::int64_t global_count_ = 0;
   std::vector<torch::Tensor> flats_;
   torch::Tensor flags_;  // per parameter: 1 where this rank had a gradient
+  torch::Tensor flags_cpu_;  // the ranks' sum, read once a step
   std::vector<Work> works_;
   ZeroOptimizer* stage2_ = nullptr;  // gradients go to its shard, not to the parameters
   Trainer* trainer_ = nullptr;

@@ -29,7 +29,12 @@ struct LaunchEnv {
   static bool launched();
 };
 
+/// c10d's backend: Gloo (CPU tensors, and CUDA ones through the host) or NCCL (CUDA tensors,
+/// one GPU a rank: LOCAL_RANK's).
+enum class Backend { Gloo, Nccl };
+
 struct GroupOptions {
+  TORCH_ARG(Backend, backend) = Backend::Gloo;
   /// How long a collective (and joining) may wait for the other ranks before it fails.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// The network interface Gloo uses (GLOO_SOCKET_IFNAME when empty, else the host's).
@@ -72,6 +77,8 @@ class Group {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// Where the group's own small tensors live: the CPU for Gloo, this rank's GPU for NCCL.
+  torch::Device device() const;
 
   /// Sums `tensor` over the ranks, in place; asynchronous.
   Work all_reduce(torch::Tensor& tensor);

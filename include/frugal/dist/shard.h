@@ -25,8 +25,8 @@ Share share_of(std::int64_t n, int rank, int size);
 Batch share_of(const Batch& batch, const Group& group);
 
 /// Evaluates this rank's share of `data` and combines the ranks' reports: the loss over the
-/// global count, the accuracy over all samples, the samples summed. Memory figures stay
-/// this rank's. Every rank must call it.
+/// global count, the accuracy over all samples, the samples summed (what the trainer's
+/// sinks receive). Memory figures stay this rank's. Every rank must call it.
 EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data);
 
 }  // namespace frugal::dist

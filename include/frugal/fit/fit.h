@@ -64,8 +64,9 @@ struct FitOptions {
   /// dist::DataParallel policy). batch_size stays the global batch: every rank draws the
   /// same order and takes its share of each batch (dist::share_of); a last batch smaller
   /// than the group is left out. Evaluation is shared (dist::evaluate). Only rank 0 writes
-  /// saves; every rank resumes from the same file; a signal on any rank stops all of them
-  /// after the same step.
+  /// saves and every rank resumes from its files, except with a dist::ZeroOptimizer, whose
+  /// state differs by rank: each rank then saves in and resumes from save_dir/rank-R. A
+  /// signal on any rank stops all of them after the same step.
   TORCH_ARG(std::shared_ptr<dist::Group>, group);
 
   /// At the start of each epoch, and of the rest of one a resumed run goes on with.

@@ -113,6 +113,11 @@ class Trainer {
   /// Loss (and accuracy, for class targets) under no_grad in eval mode, in batches of
   /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
+  /// evaluate() without writing the report to the sinks: for a caller that combines
+  /// reports (dist::evaluate sums the ranks') and writes the result with write_to_sinks.
+  EvalReport evaluate_unreported(const Batch& data,
+                                 c10::optional<std::int64_t> batch_size = c10::nullopt);
+  void write_to_sinks(const EvalReport& report);
 
   /// Adds a policy after the others. Refused (with an error naming both) where it cannot
   /// work with one already added, e.g. a policy that needs all gradients at once beside
