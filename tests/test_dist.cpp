@@ -1,8 +1,6 @@
 // Data-parallel training over Gloo on the loopback: ranks are children of this test binary,
 // started with the variables torchrun sets.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -11,6 +9,7 @@
 #include <sstream>
 
 #include "children.h"
+#include "dist_launch.h"
 #include "resume_setup.h"
 #include "frugal/dist/data_parallel.h"
 #include "frugal/dist/shard.h"
@@ -26,6 +25,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using frugal::testing::launch;
 using frugal::dist::DataParallel;
 using frugal::dist::Group;
 
@@ -86,7 +86,8 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
         [](std::vector<torch::Tensor> shard) {
           return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
         },
-        frugal::dist::ZeroOptions().stage(mode == "zero1" ? 1 : 2));
+        // Stage 2 also gathers in pieces of 64 bytes: many pieces, uneven at the end.
+        frugal::dist::ZeroOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
   } else {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-2));
@@ -191,38 +192,6 @@ int dp_fail(const std::vector<std::string>&) {
   return 0;
 }
 const frugal::testing::RegisterChild register_fail("dp-fail", dp_fail);
-
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t size = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// Starts `world` ranks of child `name` as torchrun would; their exit statuses by rank.
-std::vector<int> launch(const std::string& name, int world, const std::vector<std::string>& args,
-                        const std::string& stderr_prefix = "") {
-  const auto port = std::to_string(free_port());
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    pids.push_back(frugal::testing::spawn_child(
-        name, args,
-        {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
-         "WORLD_SIZE=" + std::to_string(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port},
-        stderr_prefix.empty() ? "" : stderr_prefix + std::to_string(r) + ".txt"));
-  }
-  std::vector<int> status;
-  for (const auto pid : pids) {
-    status.push_back(frugal::testing::wait_child(pid));
-  }
-  return status;
-}
 
 void expect_ranks_match_one_process(int world, const std::vector<std::string>& device = {}) {
   const auto dir = frugal::testing::fresh_temp_dir("frugal-dist");

@@ -14,6 +14,7 @@ struct ZeroOptimizer::Layout {
   std::vector<std::int64_t> offsets;  // where each parameter starts in the flat order
   std::unordered_map<const void*, std::size_t> index;
   std::int64_t total = 0;
+  torch::Tensor flat;  // every parameter's storage: N ranges, padded
 };
 
 struct ZeroOptimizer::Parts {
@@ -44,8 +45,20 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
   }
   const std::int64_t n = group.size();
   parts.shard_size = (layout.total + n - 1) / n;
-  // This rank's range (padding past the end stays zero); step() fills it.
-  parts.shard = torch::zeros({parts.shard_size}, first.options().requires_grad(true));
+  // The parameters move into one flat buffer (same tensors, new storage), so that this
+  // rank's range is a view of it: the range's optimizer updates the parameters in place
+  // and no second copy of the weights exists.
+  torch::NoGradGuard no_grad;
+  layout.flat = torch::zeros({n * parts.shard_size}, first.options().requires_grad(false));
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    auto& p = layout.params[i];
+    auto home = layout.flat.narrow(0, layout.offsets[i], p.numel());
+    home.copy_(p.detach().reshape({-1}));
+    p.set_data(home.view(p.sizes()));
+  }
+  parts.shard = layout.flat.narrow(0, group.rank() * parts.shard_size, parts.shard_size)
+                    .detach()
+                    .requires_grad_(true);
   parts.inner = make({parts.shard});
   TORCH_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
                   parts.inner->param_groups()[0].params().size() == 1,
@@ -71,19 +84,6 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOpti
       inner_(std::move(parts.inner)) {
   TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2,
               "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
-}
-
-void ZeroOptimizer::for_owned(const std::function<void(std::int64_t in_shard, std::int64_t in_param,
-                                                        std::int64_t length, std::size_t i)>& fn) const {
-  const auto begin = shard_begin();
-  for (std::size_t i = 0; i < layout_->params.size(); ++i) {
-    const auto offset = layout_->offsets[i];
-    const auto lo = std::max(offset, begin);
-    const auto hi = std::min(offset + layout_->params[i].numel(), begin + shard_size_);
-    if (lo < hi) {
-      fn(lo - begin, lo - offset, hi - lo, i);
-    }
-  }
 }
 
 void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
@@ -123,26 +123,31 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   if (!shard_.grad().defined()) {
     return {};  // no gradient on any rank (the ranks hold the same ones)
   }
-  // The range from the parameters as they are (rank 0's after DataParallel copied them,
-  // or a loaded state's).
-  auto shard = shard_.detach();
-  for_owned([&](std::int64_t in_shard, std::int64_t in_param, std::int64_t length, std::size_t i) {
-    shard.narrow(0, in_shard, length)
-        .copy_(layout_->params[i].detach().reshape({-1}).narrow(0, in_param, length));
-  });
-  inner_->step();
+  inner_->step();  // this rank's range of the parameters, in place
   shard_.mutable_grad().reset();
-  // Every rank's range into every rank's parameters.
+  // Every rank's range into every rank's parameters, a piece of each range at a time.
   const std::int64_t n = group_->size();
-  auto flat = torch::empty({n * shard_size_}, shard_.options().requires_grad(false));
-  std::vector<torch::Tensor> ranges;
-  for (std::int64_t r = 0; r < n; ++r) {
-    ranges.push_back(flat.narrow(0, r * shard_size_, shard_size_));
+  if (n == 1) {
+    return {};
   }
-  group_->all_gather(ranges, shard_.detach());
-  for (std::size_t i = 0; i < layout_->params.size(); ++i) {
-    auto& p = layout_->params[i];
-    p.detach().copy_(flat.narrow(0, layout_->offsets[i], p.numel()).view(p.sizes()));
+  const std::int64_t piece = std::max<std::int64_t>(
+      1, std::min(shard_size_, options_.gather_bytes() /
+                                   (n * static_cast<std::int64_t>(shard_.element_size()))));
+  const auto mine = shard_.detach();
+  auto& flat = layout_->flat;
+  for (std::int64_t start = 0; start < shard_size_; start += piece) {
+    const auto length = std::min(piece, shard_size_ - start);
+    auto gathered = torch::empty({n * length}, mine.options());
+    std::vector<torch::Tensor> pieces;
+    for (std::int64_t r = 0; r < n; ++r) {
+      pieces.push_back(gathered.narrow(0, r * length, length));
+    }
+    group_->all_gather(pieces, mine.narrow(0, start, length));
+    for (std::int64_t r = 0; r < n; ++r) {
+      if (r != group_->rank()) {
+        flat.narrow(0, r * shard_size_ + start, length).copy_(pieces[r]);
+      }
+    }
   }
   return {};
 }

@@ -19,15 +19,20 @@ struct ZeroOptions {
   /// 2: the gradients too: DataParallel keeps each bucket's part this rank owns and frees
   /// the rest as soon as the bucket has been averaged.
   TORCH_ARG(int, stage) = 1;
+  /// The all-gather after the step moves the ranges in pieces of at most this many bytes
+  /// (all ranks' pieces together), so its buffer stays small.
+  TORCH_ARG(std::int64_t, gather_bytes) = std::int64_t{8} << 20;
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
 /// ZeroRedundancyOptimizer shards whole parameters, this one a flat buffer, so every rank
-/// holds the same share). The parameters, flattened in order and padded to a multiple of N,
-/// are cut in N equal ranges; rank r's range is a flat tensor over which `make` builds the
-/// optimizer that does the work, so its state holds 1/N of the elements. A step updates
-/// that range from the averaged gradients, then the ranks all-gather the ranges into every
-/// rank's parameters.
+/// holds the same share). The parameters move into one flat buffer, in order, padded to a
+/// multiple of N (the same tensors: names, hooks and the model's state dict are unchanged;
+/// do not move the model to another device afterwards), cut in N equal ranges; `make`
+/// builds the optimizer that does the work over rank r's range, a view of that buffer, so
+/// its state holds 1/N of the elements and it updates the parameters in place. After that
+/// step the ranks all-gather the ranges into every rank's parameters, in pieces of
+/// `gather_bytes`.
 ///
 /// fp32 Adam holds 16 bytes a parameter (weights 4, gradients 4, state 8); stage 1 keeps
 /// 8 + 8/N of them, stage 2 4 + 12/N. Use it as the trainer's optimizer, with a
@@ -62,7 +67,8 @@ class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
   void load(torch::serialize::InputArchive& archive) override;
 
   int stage() const { return options_.stage(); }
-  /// This rank's range of the flat parameters: [begin, end) (the padding included).
+  /// This rank's range of the flat parameters starts here and has shard_size() elements
+  /// (the padding included).
   std::int64_t shard_begin() const { return group_->rank() * shard_size_; }
   std::int64_t shard_size() const { return shard_size_; }
   /// The optimizer that updates this rank's range.
@@ -80,10 +86,6 @@ class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
   static Parts build(std::vector<torch::Tensor> params, const Group& group, const Factory& make);
   ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptions options);
   void gather_owned_gradient();
-  // Calls fn(offset in the range, offset in parameter i, length, i) for each piece of a
-  // parameter inside this rank's range.
-  void for_owned(const std::function<void(std::int64_t, std::int64_t, std::int64_t,
-                                          std::size_t)>& fn) const;
 
   std::shared_ptr<Layout> layout_;
   std::shared_ptr<Group> group_;
