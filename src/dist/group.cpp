@@ -147,13 +147,24 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   store_options.isServer = !env.use_agent_store && env.rank == 0;
   store_options.numWorkers = env.world_size;
   store_options.timeout = options.timeout();
+  // LibTorch 1.13's store client does not speak to the agent store of torchrun 2.x: it
+  // waits for an answer that never comes.
+  const char* old_client_hint = "";
+#if !FRUGAL_TORCH_AT_LEAST(2, 0)
+  if (env.use_agent_store) {
+    old_client_hint = " (with torchrun 2.x, LibTorch 1.13 programs need "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment)";
+    TORCH_WARN_ONCE("frugal: joining torchrun's agent store from LibTorch 1.13; if this "
+                    "hangs, the torchrun is 2.x: run it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1");
+  }
+#endif
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "frugal: rank ", env.rank, " could not reach the store at ",
                 env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
-                " ms: ", c10::GetExceptionString(e));
+                " ms", old_client_hint, ": ", c10::GetExceptionString(e));
   }
   // Keys of an earlier attempt (torchrun restarts) stay apart from this one's.
   store = c10::make_intrusive<c10d::PrefixStore>(

@@ -1,0 +1,97 @@
+// The example's settings, as its command line gives them, and what they choose: the
+// optimizer and the LR schedule.
+#pragma once
+
+#include <fmt/format.h>
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fashion {
+
+struct Args {
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string model = "cnn";
+  int epochs = 1;
+  std::int64_t batch = 64;
+  std::int64_t micro_batch = 0;
+  std::int64_t eval_batch = 1000;
+  double lr = 1e-3;
+  double dropout = 0.4;
+  std::string set_to_none = "on";
+  std::string device = "cpu";
+  std::int64_t memory_cap = 0;
+  int threads = 0;
+  std::uint64_t seed = 1;
+  std::int64_t max_steps = 0;
+  std::string report;
+  std::string autocast = "off";
+  bool checkpoint = false;
+  std::string optimizer = "adam";
+  bool torch_optimizer = false;
+  bool step_in_backward = false;
+  bool quiet = false;
+  std::string save_dir;
+  std::int64_t save_every = 0;
+  bool resume = false;
+  std::string lr_schedule = "constant";
+  std::int64_t warmup_steps = 0;
+  bool distributed = false;
+  int zero = 0;
+};
+
+// frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
+inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
+                                                        std::vector<torch::Tensor> params) {
+  namespace to = torch::optim;
+  const bool adamw = args.optimizer == "adamw" || args.optimizer == "adamw8bit";
+  if (args.optimizer == "adam8bit" || args.optimizer == "adamw8bit") {
+    if (args.torch_optimizer) {
+      throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
+    }
+    if (adamw) {
+      return std::make_unique<frugal::optim::AdamW8bit>(std::move(params), to::AdamWOptions(args.lr));
+    }
+    return std::make_unique<frugal::optim::Adam8bit>(std::move(params), to::AdamOptions(args.lr));
+  }
+  if (args.optimizer == "sgd") {
+    const auto options = to::SGDOptions(args.lr).momentum(0.9);
+    if (args.torch_optimizer) {
+      return std::make_unique<to::SGD>(std::move(params), options);
+    }
+    return std::make_unique<frugal::optim::SGD>(std::move(params), options);
+  }
+  if (adamw) {
+    const auto options = to::AdamWOptions(args.lr);
+    if (args.torch_optimizer) {
+      return std::make_unique<to::AdamW>(std::move(params), options);
+    }
+    return std::make_unique<frugal::optim::AdamW>(std::move(params), options);
+  }
+  const auto options = to::AdamOptions(args.lr);
+  if (args.torch_optimizer) {
+    return std::make_unique<to::Adam>(std::move(params), options);
+  }
+  return std::make_unique<frugal::optim::Adam>(std::move(params), options);
+}
+
+// The schedule --lr-schedule names: linear and cosine decay to 0 at the run's last step,
+// step halves the rate every epoch; all after --warmup-steps.
+inline frugal::LrScheduleOptions lr_schedule(const Args& args, std::int64_t per_epoch,
+                                      std::int64_t total) {
+  auto options = frugal::LrScheduleOptions().warmup_steps(args.warmup_steps).total_steps(total);
+  if (args.lr_schedule == "linear") {
+    options.decay(frugal::LrDecay::Linear);
+  } else if (args.lr_schedule == "cosine") {
+    options.decay(frugal::LrDecay::Cosine);
+  } else if (args.lr_schedule == "step") {
+    options.decay(frugal::LrDecay::Step).step_size(per_epoch).gamma(0.5);
+  }
+  return options;
+}
+
+}  // namespace fashion
