@@ -3,40 +3,34 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
+#include <utility>
+
 #include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal::dist {
 namespace {
 
-// Copies rank 0's tensors to every rank, one flat message per dtype.
+// Copies rank 0's tensors to every rank, one flat message per dtype and device.
 void broadcast_all(Group& group, const std::vector<torch::Tensor>& tensors) {
   torch::NoGradGuard no_grad;
-  std::vector<bool> done(tensors.size(), false);
-  for (std::size_t first = 0; first < tensors.size(); ++first) {
-    if (done[first]) {
-      continue;
+  std::map<std::pair<int, std::string>, std::vector<torch::Tensor>> kinds;
+  for (const auto& t : tensors) {
+    kinds[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t.detach());
+  }
+  for (auto& [kind, same] : kinds) {
+    std::vector<torch::Tensor> flat_views;
+    for (const auto& t : same) {
+      flat_views.push_back(t.reshape({-1}));
     }
-    std::vector<torch::Tensor> same;
-    for (std::size_t i = first; i < tensors.size(); ++i) {
-      if (!done[i] && tensors[i].scalar_type() == tensors[first].scalar_type() &&
-          tensors[i].device() == tensors[first].device()) {
-        same.push_back(tensors[i].detach().reshape({-1}));
-        done[i] = true;
-      }
-    }
-    auto flat = torch::cat(same);
+    auto flat = torch::cat(flat_views);
     group.broadcast(flat, 0);
     std::int64_t offset = 0;
-    for (std::size_t i = first, k = 0; k < same.size(); ++i) {
-      if (tensors[i].scalar_type() != tensors[first].scalar_type() ||
-          tensors[i].device() != tensors[first].device()) {
-        continue;
-      }
-      const auto n = tensors[i].numel();
-      tensors[i].detach().copy_(flat.narrow(0, offset, n).view(tensors[i].sizes()));
-      offset += n;
-      ++k;
+    for (auto& t : same) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
     }
   }
 }
@@ -95,6 +89,7 @@ void DataParallel::on_add(Trainer& trainer) {
     }
     bucket_numel_.push_back(numel);
   }
+  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())}, torch::kFloat);
   // Every rank starts from rank 0's weights and buffers.
   std::vector<torch::Tensor> state;
   for (auto& p : trainer.module().parameters()) {
@@ -116,8 +111,7 @@ void DataParallel::reset() {
   }
   next_ = 0;
   finished_ = 0;
-  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())},
-                        torch::TensorOptions(torch::kFloat).device(group_->device()));
+  flags_.zero_();
   weight_ = 0;
   flats_.clear();
   works_.clear();
@@ -187,7 +181,7 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
     const auto n = p.numel();
     auto& grad = p.mutable_grad();
     if (grad.defined()) {
-      flags_[static_cast<std::int64_t>(k)].fill_(1);
+      flags_.data_ptr<float>()[k] = 1;
     }
     if (grad.defined()) {
       flat.narrow(0, offset, n).copy_(grad.reshape({-1}));
@@ -240,8 +234,9 @@ void DataParallel::before_optimizer_step(StepContext& ctx) {
   if (stage2_ == nullptr) {
     // Which parameters had a gradient on some rank: those get one (the others stay
     // without, as in one process); stage 2 steps the whole range anyway.
-    group_->all_reduce(flags_).wait();
-    flags_cpu_ = flags_.to(torch::kCPU);
+    auto summed = flags_.to(group_->device());
+    group_->all_reduce(summed).wait();
+    flags_cpu_ = summed.to(torch::kCPU);
   }
   while (finished_ < buckets_.size()) {
     finish(finished_);
