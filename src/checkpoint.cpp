@@ -10,6 +10,7 @@
 
 #include "frugal/compat.h"
 #include "frugal/policy/autocast.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -105,7 +106,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    TORCH_CHECK(!torch::GradMode::is_enabled(),
+    FRUGAL_CHECK(!torch::GradMode::is_enabled(),
                 "frugal: checkpoint does not support double backward (backward with "
                 "create_graph=true through a checkpointed block)");
     auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
@@ -114,7 +115,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     try {
       saved = ctx->get_saved_variables();
     } catch (const c10::Error&) {
-      TORCH_CHECK(false, "frugal: backward through a checkpointed block a second time: the "
+      FRUGAL_CHECK(false, "frugal: backward through a checkpointed block a second time: the "
                   "first backward freed its saved inputs (pass retain_graph=true to the first "
                   "backward to go through it again)");
     }
@@ -176,7 +177,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     if (targets.empty()) {
       return result;
     }
-    TORCH_CHECK(!roots.empty(), "frugal: none of the checkpointed block's outputs requires "
+    FRUGAL_CHECK(!roots.empty(), "frugal: none of the checkpointed block's outputs requires "
                 "grad in the recompute, though ", targets.size(), " of its inputs and "
                 "parameters do: the block detaches its outputs, or checkpointing it is "
                 "unnecessary");
@@ -193,7 +194,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<torch::Tensor>& inputs,
                                               const CheckpointOptions& options) {
-  TORCH_CHECK(fn != nullptr, "frugal: checkpoint needs a function");
+  FRUGAL_CHECK(fn != nullptr, "frugal: checkpoint needs a function");
   // Undefined inputs cannot be autograd inputs: they are put back in their slots for the
   // block, which sees exactly what it was given.
   std::vector<torch::Tensor> present;
@@ -220,9 +221,9 @@ std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<to
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t segments,
                                     const torch::Tensor& input, CheckpointOptions options) {
   const auto n = static_cast<std::int64_t>(seq->size());
-  TORCH_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ",
+  FRUGAL_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ",
               segments);
-  TORCH_CHECK(n >= 1, "frugal: checkpoint_sequential of an empty Sequential");
+  FRUGAL_CHECK(n >= 1, "frugal: checkpoint_sequential of an empty Sequential");
   auto run_range = [&seq](std::int64_t from, std::int64_t to, torch::Tensor x) {
     for (std::int64_t i = from; i < to; ++i) {
       x = (seq->begin() + i)->forward(x);

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "frugal/compat.h"
+#include "frugal/error.h"
 
 namespace frugal::compat {
 namespace {
@@ -13,7 +14,7 @@ using torch::autograd::Variable;
 using torch::autograd::variable_list;
 
 void check_leaf(const at::Tensor& leaf) {
-  TORCH_CHECK(leaf.defined() && leaf.requires_grad() && leaf.is_leaf(),
+  FRUGAL_CHECK(leaf.defined() && leaf.requires_grad() && leaf.is_leaf(),
               "frugal: a gradient-ready hook needs a leaf tensor that requires grad");
 }
 
@@ -30,7 +31,7 @@ class Installed : public GradAccumulatedHook {
  public:
   Installed(const at::Tensor& leaf, Fn fn) : leaf_(leaf) {
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(leaf);
-    TORCH_CHECK(slot == nullptr, "frugal: the tensor has a post-accumulate-grad hook already "
+    FRUGAL_CHECK(slot == nullptr, "frugal: the tensor has a post-accumulate-grad hook already "
                 "(one per tensor): another Trainer or policy is hooked to it");
     torch::autograd::impl::set_post_acc_grad_hooks(leaf, std::make_unique<PostAccumulate>(std::move(fn)));
   }
@@ -60,7 +61,7 @@ class Installed : public GradAccumulatedHook {
  public:
   Installed(const at::Tensor& leaf, Fn fn)
       : accumulator_(torch::autograd::impl::grad_accumulator(leaf)) {
-    TORCH_CHECK(accumulator_ != nullptr, "frugal: the tensor has no gradient accumulator");
+    FRUGAL_CHECK(accumulator_ != nullptr, "frugal: the tensor has no gradient accumulator");
     key_ = accumulator_->add_post_hook(std::make_unique<AccumulatorPostHook>(leaf, std::move(fn)));
   }
   ~Installed() override { accumulator_->del_post_hook(key_); }
@@ -77,7 +78,7 @@ class Installed : public GradAccumulatedHook {
 std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,
                                                          GradAccumulatedHook::Fn fn) {
   check_leaf(leaf);
-  TORCH_CHECK(fn != nullptr, "frugal: a gradient-ready hook needs a function");
+  FRUGAL_CHECK(fn != nullptr, "frugal: a gradient-ready hook needs a function");
   return std::make_unique<Installed>(leaf, std::move(fn));
 }
 

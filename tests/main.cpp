@@ -14,7 +14,6 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "no child named '{}'\n", argv[2]);
       return 2;
     }
-    frugal::CountingAllocator::install();  // counted from the start, as in the tests
     try {
       return found->second(std::vector<std::string>(argv + 3, argv + argc));
     } catch (const std::exception& e) {

@@ -147,4 +147,12 @@ std::int64_t cuda_total_memory(int device);
 void cuda_empty_cache();
 #endif
 
+/// The "no backtrace" argument of c10::Error's base constructor (a lazy backtrace from 2.2
+/// on, a string before).
+#if FRUGAL_TORCH_AT_LEAST(2, 2)
+inline std::nullptr_t no_backtrace() { return nullptr; }
+#else
+inline std::string no_backtrace() { return {}; }
+#endif
+
 }  // namespace frugal::compat

@@ -9,6 +9,7 @@
 
 #include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal::dist {
 namespace {
@@ -39,14 +40,14 @@ void broadcast_all(Group& group, const std::vector<torch::Tensor>& tensors) {
 
 DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions options)
     : group_(std::move(group)), options_(options) {
-  TORCH_CHECK(group_ != nullptr, "frugal: DataParallel needs a process group, got a null one");
-  TORCH_CHECK(options_.bucket_bytes() > 0, "frugal: DataParallel's bucket_bytes must be positive, got ",
+  FRUGAL_CHECK(group_ != nullptr, "frugal: DataParallel needs a process group, got a null one");
+  FRUGAL_CHECK(options_.bucket_bytes() > 0, "frugal: DataParallel's bucket_bytes must be positive, got ",
               options_.bucket_bytes());
 }
 
 void DataParallel::on_add(Trainer& trainer) {
   for (const auto& other : trainer.policies()) {
-    TORCH_CHECK(!other->needs_all_gradients() && !other->retries_steps(),
+    FRUGAL_CHECK(!other->needs_all_gradients() && !other->retries_steps(),
                 "frugal: add DataParallel before '", other->name(), "', which ",
                 other->needs_all_gradients() ? "reads every gradient" : "retries steps",
                 ": it must see the gradients averaged over the ranks");
@@ -89,7 +90,8 @@ void DataParallel::on_add(Trainer& trainer) {
     }
     bucket_numel_.push_back(numel);
   }
-  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size())}, torch::kFloat);
+  // One flag a parameter, and a last one: this rank's loss was not finite.
+  flags_ = torch::zeros({static_cast<std::int64_t>(params_.size()) + 1}, torch::kFloat);
   // Every rank starts from rank 0's weights and buffers.
   std::vector<torch::Tensor> state;
   for (auto& p : trainer.module().parameters()) {
@@ -121,12 +123,12 @@ void DataParallel::on_step_begin(StepContext& ctx) {
   if (ctx.trial || group_->size() == 1) {
     return;
   }
-  TORCH_CHECK(!in_step_, "frugal: rank ", group_->rank(),
+  FRUGAL_CHECK(!in_step_, "frugal: rank ", group_->rank(),
               "'s last step failed, so the ranks are out of step; restart the run (from a "
               "saved training state)");
   if (stage2_ != nullptr) {
     for (const auto& policy : trainer_->policies()) {
-      TORCH_CHECK(!policy->needs_all_gradients() || policy.get() == this, "frugal: policy '",
+      FRUGAL_CHECK(!policy->needs_all_gradients() || policy.get() == this, "frugal: policy '",
                   policy->name(), "' reads every gradient, but under ZeRO stage 2 each rank "
                   "keeps only its share of them; use stage 1");
     }
@@ -166,7 +168,7 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   if (weight_ == 0) {
     // The first bucket of the step: the ranks agree on the global count first.
     global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
-    TORCH_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
+    FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
                 " ranks is ", global_count_);
     weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
   }
@@ -231,13 +233,14 @@ void DataParallel::before_optimizer_step(StepContext& ctx) {
     missing = 0;
   }
   launch_ready(ctx);
-  if (stage2_ == nullptr) {
-    // Which parameters had a gradient on some rank: those get one (the others stay
-    // without, as in one process); stage 2 steps the whole range anyway.
-    auto summed = flags_.to(group_->device());
-    group_->all_reduce(summed).wait();
-    flags_cpu_ = summed.to(torch::kCPU);
-  }
+  // Which parameters had a gradient on some rank: those get one (the others stay without,
+  // as in one process; stage 2 steps the whole range anyway). And whether some rank's loss
+  // was not finite: then every rank skips the step, as one process would.
+  flags_.data_ptr<float>()[params_.size()] = ctx.non_finite ? 1 : 0;
+  auto summed = flags_.to(group_->device());
+  group_->all_reduce(summed).wait();
+  flags_cpu_ = summed.to(torch::kCPU);
+  ctx.non_finite = flags_cpu_.data_ptr<float>()[params_.size()] > 0;
   while (finished_ < buckets_.size()) {
     finish(finished_);
   }

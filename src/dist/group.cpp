@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backend.h"
+#include "frugal/error.h"
 
 namespace frugal::dist {
 namespace {
@@ -26,7 +27,7 @@ const char* variable(const char* name) {
 int integer(const char* name, int low, int high, const int* fallback = nullptr) {
   const char* text = variable(name);
   if (text == nullptr) {
-    TORCH_CHECK(fallback != nullptr, "frugal: the environment variable ", name,
+    FRUGAL_CHECK(fallback != nullptr, "frugal: the environment variable ", name,
                 " is not set; start the program with torchrun (e.g. `torchrun "
                 "--nproc-per-node 2 --no-python PROGRAM ...`) or set RANK, WORLD_SIZE, "
                 "MASTER_ADDR and MASTER_PORT");
@@ -35,7 +36,7 @@ int integer(const char* name, int low, int high, const int* fallback = nullptr) 
   errno = 0;
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
-  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && value >= low && value <= high,
+  FRUGAL_CHECK(errno == 0 && end != text && *end == '\0' && value >= low && value <= high,
               "frugal: the environment variable ", name, "='", text,
               "' is not an integer in [", low, ", ", high, "]");
   return static_cast<int>(value);
@@ -51,7 +52,7 @@ void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds ti
   try {
     work->wait();
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
+    FRUGAL_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
                 "did not come within the group's timeout (", timeout.count(), " ms). The "
                 "backend said: ", c10::GetExceptionString(e));
   }
@@ -85,7 +86,7 @@ LaunchEnv LaunchEnv::from_environment() {
   env.rank = integer("RANK", 0, env.world_size - 1);
   env.local_rank = integer("LOCAL_RANK", 0, env.world_size - 1, &zero);
   const char* addr = variable("MASTER_ADDR");
-  TORCH_CHECK(addr != nullptr, "frugal: the environment variable MASTER_ADDR is not set (rank ",
+  FRUGAL_CHECK(addr != nullptr, "frugal: the environment variable MASTER_ADDR is not set (rank ",
               env.rank, " of ", env.world_size, "); torchrun sets it, or set it to rank 0's "
               "host name or address");
   env.master_addr = addr;
@@ -122,7 +123,7 @@ torch::Device Group::device() const { return impl_->device; }
 namespace detail {
 c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
                                           std::chrono::milliseconds) {
-  TORCH_CHECK(false, "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
+  FRUGAL_CHECK(false, "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
               "not found when frugal was built); use the Gloo backend");
 }
 }  // namespace detail
@@ -135,12 +136,12 @@ std::shared_ptr<Group> Group::single() {
 }
 
 std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
-  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+  FRUGAL_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
               "frugal: rank ", env.rank, " is not in a world of ", env.world_size);
   if (env.world_size == 1) {
     return single();
   }
-  TORCH_CHECK(options.timeout().count() > 0, "frugal: the group's timeout must be positive, got ",
+  FRUGAL_CHECK(options.timeout().count() > 0, "frugal: the group's timeout must be positive, got ",
               options.timeout().count(), " ms");
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(env.master_port);
@@ -162,7 +163,7 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   try {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "frugal: rank ", env.rank, " could not reach the store at ",
+    FRUGAL_CHECK(false, "frugal: rank ", env.rank, " could not reach the store at ",
                 env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
                 " ms", old_client_hint, ": ", c10::GetExceptionString(e));
   }
@@ -173,7 +174,7 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->timeout = options.timeout();
   if (options.backend() == Backend::Nccl) {
-    TORCH_CHECK(torch::cuda::is_available(), "frugal: the NCCL backend needs CUDA, which is not "
+    FRUGAL_CHECK(torch::cuda::is_available(), "frugal: the NCCL backend needs CUDA, which is not "
                 "available here (rank ", env.rank, ")");
     const int device = env.local_rank % static_cast<int>(torch::cuda::device_count());
     impl->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
@@ -219,7 +220,7 @@ Work Group::all_reduce(torch::Tensor& tensor) {
 }
 
 void Group::broadcast(torch::Tensor& tensor, int root) {
-  TORCH_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
+  FRUGAL_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
               size_);
   if (!impl_->pg) {
     return;
@@ -232,7 +233,7 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
 }
 
 void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
-  TORCH_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
+  FRUGAL_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
               " output tensors, got ", out.size());
   if (!impl_->pg) {
     out[0].copy_(in);

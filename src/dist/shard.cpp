@@ -4,13 +4,14 @@
 #include <torch/torch.h>
 
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal::dist {
 
 Share share_of(std::int64_t n, int rank, int size) {
-  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "frugal: rank ", rank,
+  FRUGAL_CHECK(size >= 1 && rank >= 0 && rank < size, "frugal: rank ", rank,
               " is not in a group of ", size);
-  TORCH_CHECK(n >= 0, "frugal: cannot share ", n, " items");
+  FRUGAL_CHECK(n >= 0, "frugal: cannot share ", n, " items");
   const std::int64_t base = n / size;
   const std::int64_t extra = n % size;
   return {rank * base + std::min<std::int64_t>(rank, extra), base + (rank < extra ? 1 : 0)};
@@ -23,13 +24,14 @@ Batch share_of(const Batch& batch, const Group& group) {
 
 EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   const auto mine = share_of(data, group);
-  TORCH_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
+  FRUGAL_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
               " gets no sample of an evaluation set of ", data.size());
   auto report = trainer.evaluate_unreported(mine);
   const bool classes = report.accuracy >= 0;
   auto sums = torch::tensor({report.loss * static_cast<double>(report.count),
                              static_cast<double>(report.count),
-                             classes ? report.accuracy * static_cast<double>(report.samples) : 0.0,
+                             classes ? report.accuracy * static_cast<double>(report.scored) : 0.0,
+                             static_cast<double>(report.scored),
                              static_cast<double>(report.samples)},
                             torch::kDouble)
                   .to(group.device());
@@ -38,8 +40,9 @@ EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   const auto* s = sums.data_ptr<double>();
   report.loss = s[1] > 0 ? s[0] / s[1] : 0.0;
   report.count = static_cast<std::int64_t>(s[1]);
-  report.samples = static_cast<std::int64_t>(s[3]);
-  report.accuracy = classes ? s[2] / s[3] : -1;
+  report.scored = static_cast<std::int64_t>(s[3]);
+  report.samples = static_cast<std::int64_t>(s[4]);
+  report.accuracy = classes && s[3] > 0 ? s[2] / s[3] : -1;
   trainer.write_to_sinks(report);
   return report;
 }

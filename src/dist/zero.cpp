@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "frugal/state/archive.h"
+#include "frugal/error.h"
 
 namespace frugal::dist {
 
@@ -26,18 +27,18 @@ struct ZeroOptimizer::Parts {
 
 ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, const Group& group,
                                           const Factory& make) {
-  TORCH_CHECK(!params.empty(), "frugal: ZeroOptimizer got no parameters");
-  TORCH_CHECK(make != nullptr, "frugal: ZeroOptimizer needs a function that makes the optimizer");
+  FRUGAL_CHECK(!params.empty(), "frugal: ZeroOptimizer got no parameters");
+  FRUGAL_CHECK(make != nullptr, "frugal: ZeroOptimizer needs a function that makes the optimizer");
   Parts parts;
   parts.layout = std::make_shared<Layout>();
   auto& layout = *parts.layout;
   const auto& first = params.front();
   for (auto& p : params) {
-    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
+    FRUGAL_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                 "frugal: ZeroOptimizer needs one dtype and device for all parameters; got ",
                 p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
                 first.device());
-    TORCH_CHECK(layout.index.emplace(p.unsafeGetTensorImpl(), layout.params.size()).second,
+    FRUGAL_CHECK(layout.index.emplace(p.unsafeGetTensorImpl(), layout.params.size()).second,
                 "frugal: ZeroOptimizer got a parameter twice");
     layout.params.push_back(p);
     layout.offsets.push_back(layout.total);
@@ -60,7 +61,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
                     .detach()
                     .requires_grad_(true);
   parts.inner = make({parts.shard});
-  TORCH_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
+  FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
                   parts.inner->param_groups()[0].params().size() == 1,
               "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
               "it is given");
@@ -82,13 +83,13 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOpti
       shard_size_(parts.shard_size),
       shard_(std::move(parts.shard)),
       inner_(std::move(parts.inner)) {
-  TORCH_CHECK(options_.stage() == 1 || options_.stage() == 2,
+  FRUGAL_CHECK(options_.stage() == 1 || options_.stage() == 2,
               "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
 }
 
 void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
   const auto it = layout_->index.find(param.unsafeGetTensorImpl());
-  TORCH_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
+  FRUGAL_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
               "parameter it does not hold");
   torch::NoGradGuard no_grad;
   auto& owned = shard_.mutable_grad();
@@ -113,7 +114,7 @@ void ZeroOptimizer::gather_owned_gradient() {
 }
 
 torch::Tensor ZeroOptimizer::step(LossClosure closure) {
-  TORCH_CHECK(closure == nullptr, "frugal: ZeroOptimizer's step takes no closure");
+  FRUGAL_CHECK(closure == nullptr, "frugal: ZeroOptimizer's step takes no closure");
   torch::NoGradGuard no_grad;
   // The range's optimizer follows this one's options (an LR schedule sets them here).
   inner_->param_groups()[0].set_options(param_groups()[0].options().clone());
@@ -177,7 +178,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   const auto rank = state::read_int(archive, "zero/rank");
   const auto ranks = state::read_int(archive, "zero/ranks");
   const auto elements = state::read_int(archive, "zero/elements");
-  TORCH_CHECK(ranks == group_->size() && rank == group_->rank() && elements == layout_->total,
+  FRUGAL_CHECK(ranks == group_->size() && rank == group_->rank() && elements == layout_->total,
               "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
               elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
               " with ", layout_->total, " elements");

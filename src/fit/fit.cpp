@@ -10,6 +10,7 @@
 #include "frugal/dist/shard.h"
 #include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -49,14 +50,14 @@ class SignalWatch {
 };
 
 void check_options(const FitOptions& o, const DataSource& train) {
-  TORCH_CHECK(o.epochs() >= 1, "frugal: fit epochs must be >= 1, got ", o.epochs());
-  TORCH_CHECK(o.batch_size() >= 1, "frugal: fit batch_size must be >= 1, got ", o.batch_size());
-  TORCH_CHECK(o.max_steps() >= 0, "frugal: fit max_steps must be >= 0, got ", o.max_steps());
-  TORCH_CHECK(o.eval_every() >= 0, "frugal: fit eval_every must be >= 0, got ", o.eval_every());
-  TORCH_CHECK(o.save_every() >= 0, "frugal: fit save_every must be >= 0, got ", o.save_every());
-  TORCH_CHECK(!o.save_dir().empty() || (!o.resume() && o.save_every() == 0),
+  FRUGAL_CHECK(o.epochs() >= 1, "frugal: fit epochs must be >= 1, got ", o.epochs());
+  FRUGAL_CHECK(o.batch_size() >= 1, "frugal: fit batch_size must be >= 1, got ", o.batch_size());
+  FRUGAL_CHECK(o.max_steps() >= 0, "frugal: fit max_steps must be >= 0, got ", o.max_steps());
+  FRUGAL_CHECK(o.eval_every() >= 0, "frugal: fit eval_every must be >= 0, got ", o.eval_every());
+  FRUGAL_CHECK(o.save_every() >= 0, "frugal: fit save_every must be >= 0, got ", o.save_every());
+  FRUGAL_CHECK(!o.save_dir().empty() || (!o.resume() && o.save_every() == 0),
               "frugal: fit resume and save_every need a save_dir");
-  TORCH_CHECK(train.size() >= 1, "frugal: fit needs training data, got 0 samples");
+  FRUGAL_CHECK(train.size() >= 1, "frugal: fit needs training data, got 0 samples");
 }
 
 constexpr const char* kEpoch = "fit/epoch";
@@ -70,11 +71,11 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
     return;
   }
   auto& pos = result.position;
-  TORCH_CHECK(user->values.count(kEpoch) && user->values.count(kBatch), "frugal: '",
+  FRUGAL_CHECK(user->values.count(kEpoch) && user->values.count(kBatch), "frugal: '",
               saves.resumed_from(), "' was not saved by fit (no position in it)");
   pos.epoch = user->values.at(kEpoch);
   pos.batch = user->values.at(kBatch);
-  TORCH_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch, "frugal: '",
+  FRUGAL_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch, "frugal: '",
               saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
               ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
   result.resumed_from = saves.resumed_from();
@@ -115,7 +116,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   }
   if (group != nullptr && options.resume()) {
     const double steps = static_cast<double>(trainer.steps());
-    TORCH_CHECK(group->sum(steps) == steps * group->size(), "frugal: rank ", group->rank(),
+    FRUGAL_CHECK(group->sum(steps) == steps * group->size(), "frugal: rank ", group->rank(),
                 " resumed at step ", trainer.steps(), " but not every rank did; the ranks' "
                 "saves differ (remove the newer ones)");
   }

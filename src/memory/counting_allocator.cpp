@@ -5,12 +5,15 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <cstdlib>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "frugal/compat.h"
 #include "frugal/memory/format.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -266,7 +269,7 @@ void CountingAllocator::install() {
   if (a.inner == nullptr) {
     a.inner = c10::GetCPUAllocator();
     a.inner_free = a.inner->raw_deleter();
-    TORCH_CHECK(a.inner_free != nullptr,
+    FRUGAL_CHECK(a.inner_free != nullptr,
                 "frugal: the CPU allocator in place has no raw deleter and cannot be wrapped");
   }
   c10::SetCPUAllocator(&a, kPriority);
@@ -319,11 +322,28 @@ void CountingAllocator::reset_thread_peak() {
 void CountingAllocator::empty_cache() { counting().release_cache(); }
 
 void CountingAllocator::set_cap(std::int64_t bytes) {
-  TORCH_CHECK(bytes >= 0, "frugal: the CPU allocation cap must be >= 0 bytes, got ", bytes);
+  FRUGAL_CHECK(bytes >= 0, "frugal: the CPU allocation cap must be >= 0 bytes, got ", bytes);
   counters().cap.store(bytes);
 }
 
 std::int64_t CountingAllocator::cap() { return counters().cap.load(); }
+
+namespace {
+
+// Installed when the program starts (the library's static initialisation, before main), so
+// that every tensor a program makes, its model's weights included, is counted: no probe
+// has to come first. FRUGAL_COUNTING_ALLOCATOR=0 leaves LibTorch's allocator in place
+// until a probe installs it.
+[[maybe_unused]] const bool installed_at_start = [] {
+  const char* env = std::getenv("FRUGAL_COUNTING_ALLOCATOR");
+  if (env != nullptr && std::string(env) == "0") {
+    return false;
+  }
+  CountingAllocator::install();
+  return true;
+}();
+
+}  // namespace
 
 ScopedCpuCap::ScopedCpuCap(std::int64_t bytes) : previous_(CountingAllocator::cap()) {
   CountingAllocator::install();

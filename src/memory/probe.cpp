@@ -12,6 +12,7 @@
 #include "frugal/compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace detail {
@@ -80,17 +81,17 @@ torch::Device resolve(torch::Device device) {
   if (device.is_cpu()) {
     return torch::Device(torch::kCPU);
   }
-  TORCH_CHECK(device.is_cuda(), "frugal: MemoryProbe supports cpu and cuda devices, not ",
+  FRUGAL_CHECK(device.is_cuda(), "frugal: MemoryProbe supports cpu and cuda devices, not ",
               device.str());
 #ifdef FRUGAL_WITH_CUDA
-  TORCH_CHECK(torch::cuda::is_available(),
+  FRUGAL_CHECK(torch::cuda::is_available(),
               "frugal: MemoryProbe(", device.str(), "): CUDA is not available here");
   const int index = device.has_index() ? device.index() : 0;
-  TORCH_CHECK(index < static_cast<int>(torch::cuda::device_count()), "frugal: MemoryProbe(",
+  FRUGAL_CHECK(index < static_cast<int>(torch::cuda::device_count()), "frugal: MemoryProbe(",
               device.str(), "): there are only ", torch::cuda::device_count(), " CUDA devices");
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 #else
-  TORCH_CHECK(false, "frugal: MemoryProbe(", device.str(),
+  FRUGAL_CHECK(false, "frugal: MemoryProbe(", device.str(),
               "): this frugal was built against a LibTorch without CUDA");
 #endif
 }

@@ -2,12 +2,66 @@
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
+#include "frugal/error.h"
+
+#include <mutex>
+#include <unordered_map>
 
 namespace frugal::nn {
+namespace detail {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<const torch::nn::Module*, std::shared_ptr<CallChoice>> chosen;
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // never destroyed: policies may outlive static teardown
+  return *r;
+}
+
+}  // namespace
+
+void add_call_choice(const torch::nn::Module* module, std::shared_ptr<CallChoice> choice) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  FRUGAL_CHECK(r.chosen.emplace(module, std::move(choice)).second, "frugal: module '",
+               module->name(), "' is already chosen by another CheckpointPolicy");
+}
+
+void remove_call_choice(const torch::nn::Module* module) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.chosen.erase(module);
+}
+
+std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module) {
+  auto& r = registry();
+  std::shared_ptr<CallChoice> choice;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.chosen.empty()) {
+      return nullptr;
+    }
+    const auto found = r.chosen.find(&module);
+    if (found == r.chosen.end()) {
+      return nullptr;
+    }
+    choice = found->second;
+  }
+  choice->calls.fetch_add(1);
+  if (!choice->enabled.load()) {
+    return nullptr;
+  }
+  return std::shared_ptr<const CheckpointOptions>(choice, &choice->options);
+}
+
+}  // namespace detail
 
 CheckpointImpl::CheckpointImpl(torch::nn::AnyModule module, CheckpointOptions options)
     : module_(std::move(module)), options_(std::move(options)) {
-  TORCH_CHECK(!module_.is_empty(), "frugal: nn::Checkpoint needs a module");
+  FRUGAL_CHECK(!module_.is_empty(), "frugal: nn::Checkpoint needs a module");
   register_module("module", module_.ptr());
 }
 

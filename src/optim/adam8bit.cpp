@@ -10,6 +10,7 @@
 #include "adam8bit_kernel.h"
 #include "adam_chunk.h"
 #include "frugal/compat.h"
+#include "frugal/error.h"
 
 namespace frugal::optim {
 namespace {
@@ -25,17 +26,17 @@ constexpr std::int64_t kBookBytes = 2 * 511 * 4;  // two CodeBook tables of floa
 
 template <typename Options>
 void check_options(const Options& o, const QuantizedStateOptions& q) {
-  TORCH_CHECK(o.lr() >= 0, "frugal: invalid learning rate: ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "frugal: invalid epsilon: ", o.eps());
+  FRUGAL_CHECK(o.lr() >= 0, "frugal: invalid learning rate: ", o.lr());
+  FRUGAL_CHECK(o.eps() >= 0, "frugal: invalid epsilon: ", o.eps());
   const auto [beta1, beta2] = o.betas();
-  TORCH_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
-  TORCH_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
-  TORCH_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
-  TORCH_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
+  FRUGAL_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
+  FRUGAL_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
+  FRUGAL_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
+  FRUGAL_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
               "(amsgrad must be false)");
-  TORCH_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
+  FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
               q.block());
-  TORCH_CHECK(q.min_elements() >= 0,
+  FRUGAL_CHECK(q.min_elements() >= 0,
               "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
 }
 
@@ -43,14 +44,14 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
 void read_tensor(torch::serialize::InputArchive& archive, const char* key, torch::Tensor& t) {
   c10::IValue value;
   if (archive.try_read(key, value)) {
-    TORCH_CHECK(value.isTensor(), "frugal: 8-bit optimizer state '", key, "' is not a tensor");
+    FRUGAL_CHECK(value.isTensor(), "frugal: 8-bit optimizer state '", key, "' is not a tensor");
     t = value.toTensor();
   }
 }
 
 std::int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
   c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value) && value.isInt(), "frugal: the optimizer state has "
+  FRUGAL_CHECK(archive.try_read(key, value) && value.isInt(), "frugal: the optimizer state has "
               "no '", key, "': it was not saved by frugal's Adam8bit or AdamW8bit");
   return value.toInt();
 }
@@ -107,7 +108,7 @@ Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options d
 
 template <typename Options>
 void Adam8bitBase<Options>::set_quantized(bool on) {
-  TORCH_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
+  FRUGAL_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
               ") after states exist (", state().size(), " parameters): the states' format is "
               "chosen before the first step");
   enabled_ = on;
@@ -317,14 +318,14 @@ void Adam8bitBase<Options>::adopt_loaded() {
         return c10::str("frugal: the loaded state of parameter ", index - 1, " (shape ",
                         p.sizes(), ")");
       };
-      TORCH_CHECK(s.block() >= 0 && s.step() >= 0, name(), " has block ", s.block(),
+      FRUGAL_CHECK(s.block() >= 0 && s.step() >= 0, name(), " has block ", s.block(),
                   " and step ", s.step());
-      TORCH_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
+      FRUGAL_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
                   " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
                   quantized_.block());
       const auto moment_type = s.quantized() ? torch::kUInt8 : torch::kFloat32;
       for (const auto& t : {s.exp_avg(), s.exp_avg_sq()}) {
-        TORCH_CHECK(t.defined() && t.sizes() == p.sizes() && t.scalar_type() == moment_type,
+        FRUGAL_CHECK(t.defined() && t.sizes() == p.sizes() && t.scalar_type() == moment_type,
                     name(), " holds a moment of ",
                     t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "nothing",
                     " where ", p.sizes(), " ", moment_type, " belongs");
@@ -332,7 +333,7 @@ void Adam8bitBase<Options>::adopt_loaded() {
       if (s.quantized()) {
         const auto blocks = blocks_of(p.numel(), s.block());
         for (const auto& t : {s.exp_avg_scales(), s.exp_avg_sq_scales()}) {
-          TORCH_CHECK(t.defined() && t.dim() == 1 && t.numel() == blocks &&
+          FRUGAL_CHECK(t.defined() && t.dim() == 1 && t.numel() == blocks &&
                           t.scalar_type() == torch::kFloat32,
                       name(), " needs ", blocks, " float32 scales, got ",
                       t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "none");

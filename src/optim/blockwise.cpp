@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "frugal/error.h"
 
 namespace frugal::optim {
 namespace {
@@ -30,7 +31,7 @@ torch::Tensor rows(const torch::Tensor& flat, std::int64_t offset, std::int64_t 
 }
 
 void check_block(std::int64_t block) {
-  TORCH_CHECK(block >= 1, "frugal: the quantization block must be >= 1 element, got ", block);
+  FRUGAL_CHECK(block >= 1, "frugal: the quantization block must be >= 1 element, got ", block);
 }
 
 }  // namespace
@@ -56,7 +57,7 @@ torch::Tensor dynamic_map(bool is_signed, bool with_zero) {
   std::sort(values.begin(), values.end());
   TORCH_INTERNAL_ASSERT(values.size() == 256);
   if (!with_zero) {
-    TORCH_CHECK(!is_signed, "frugal: only the unsigned dynamic map can leave out zero");
+    FRUGAL_CHECK(!is_signed, "frugal: only the unsigned dynamic map can leave out zero");
     values[0] = values[1] / 2;
   }
   return torch::tensor(values, torch::kFloat32);
@@ -65,7 +66,7 @@ torch::Tensor dynamic_map(bool is_signed, bool with_zero) {
 BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& map,
                                   std::int64_t block) {
   check_block(block);
-  TORCH_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
+  FRUGAL_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
               "tensor, got ", x.scalar_type());
   const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
   const std::int64_t n = flat.numel();
@@ -81,7 +82,7 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
 torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor& map) {
   check_block(q.block);
   const std::int64_t n = q.codes.numel();
-  TORCH_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
+  FRUGAL_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
               " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
               " scales, got ", q.scales.numel());
   const detail::CodeBook book(map.to(q.codes.device()));
@@ -94,7 +95,7 @@ torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor&
 namespace detail {
 
 CodeBook::CodeBook(const torch::Tensor& map) {
-  TORCH_CHECK(map.dim() == 1 && map.numel() == 256,
+  FRUGAL_CHECK(map.dim() == 1 && map.numel() == 256,
               "frugal: a quantization map has 256 values, got shape ", map.sizes());
   const auto table = torch::empty({511}, map.options().dtype(torch::kFloat32));
   values = table.narrow(0, 0, 256);
@@ -140,7 +141,7 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
 
 NearestCode::NearestCode(const torch::Tensor& map) {
   const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
-  TORCH_CHECK(host.dim() == 1 && host.numel() == 256,
+  FRUGAL_CHECK(host.dim() == 1 && host.numel() == 256,
               "frugal: a quantization map has 256 values, got shape ", map.sizes());
   values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + 256);
   std::vector<float> boundaries;  // as CodeBook computes them, in float32

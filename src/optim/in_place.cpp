@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "frugal/compat.h"
+#include "frugal/error.h"
 
 namespace frugal::optim {
 
@@ -16,7 +17,7 @@ torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
   if (!flat) {
     return t;
   }
-  TORCH_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
+  FRUGAL_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
               "its parameter is; it cannot be updated in place chunk by chunk");
   return t.view(-1).narrow(0, offset, length);
 }
@@ -40,7 +41,7 @@ struct InPlaceOptimizer::Planned {
 };
 
 InPlaceOptimizer::InPlaceOptimizer(InPlaceOptions options) : in_place_(options) {
-  TORCH_CHECK(in_place_.chunk() >= 1, "frugal: InPlaceOptions chunk must be >= 1 element, got ",
+  FRUGAL_CHECK(in_place_.chunk() >= 1, "frugal: InPlaceOptions chunk must be >= 1 element, got ",
               in_place_.chunk());
 }
 
@@ -82,9 +83,9 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   for (auto& w : work) {
     const auto& p = w.param;
     const auto& g = p.grad();
-    TORCH_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
+    FRUGAL_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
                 " does not support sparse gradients");
-    TORCH_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
+    FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
                 "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
                 p.device(), ")");
@@ -143,7 +144,7 @@ torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tenso
     }
     it = group_index_.find(param.unsafeGetTensorImpl());
   }
-  TORCH_CHECK(it != group_index_.end(), "frugal: step_parameter got a tensor of shape ",
+  FRUGAL_CHECK(it != group_index_.end(), "frugal: step_parameter got a tensor of shape ",
               param.sizes(), " that is not a parameter of this optimizer");
   return groups[it->second];
 }

@@ -1,10 +1,13 @@
 #include "frugal/policy/checkpoint_policy.h"
 
-#include <c10/util/Exception.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
+#include <map>
+#include <set>
 
+#include "frugal/error.h"
 #include "frugal/train/trainer.h"
 
 namespace frugal {
@@ -24,14 +27,40 @@ bool type_matches(const std::string& module_name, const std::string& wanted) {
   return false;
 }
 
+bool indexed_container(const torch::nn::Module* m) {
+  return dynamic_cast<const torch::nn::SequentialImpl*>(m) != nullptr ||
+         dynamic_cast<const torch::nn::ModuleListImpl*>(m) != nullptr;
+}
+
+std::string joined(const std::set<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) {
+    out += (out.empty() ? "" : ", ") + item;
+  }
+  return out;
+}
+
 }  // namespace
+
+struct CheckpointPolicy::Chosen {
+  std::string name;
+  std::string type;
+  const torch::nn::Module* module;
+  std::shared_ptr<nn::detail::CallChoice> choice;
+};
 
 CheckpointPolicy::CheckpointPolicy(CheckpointSelect select, CheckpointOptions options)
     : select_(std::move(select)), options_(std::move(options)) {
-  TORCH_CHECK(select_.every() >= 0, "frugal: CheckpointSelect every must be >= 0, got ",
-              select_.every());
-  TORCH_CHECK(!select_.names().empty() || !select_.types().empty() || select_.every() > 0,
-              "frugal: CheckpointPolicy chooses nothing: give names, types or every");
+  FRUGAL_CHECK(select_.every() >= 0, "frugal: CheckpointSelect every must be >= 0, got ",
+               select_.every());
+  FRUGAL_CHECK(!select_.names().empty() || !select_.types().empty() || select_.every() > 0,
+               "frugal: CheckpointPolicy chooses nothing: give names, types or every");
+}
+
+CheckpointPolicy::~CheckpointPolicy() {
+  for (const auto& c : by_call_) {
+    nn::detail::remove_call_choice(c->module);
+  }
 }
 
 void CheckpointPolicy::on_add(Trainer& trainer) { apply(trainer.module()); }
@@ -42,58 +71,112 @@ void CheckpointPolicy::on_step_begin(StepContext& ctx) {
   }
 }
 
-bool CheckpointPolicy::chosen(const std::string& qualified, std::size_t index,
-                              const torch::nn::Module& child) const {
-  if (dynamic_cast<const nn::CheckpointImpl*>(&child) != nullptr) {
-    return false;  // already checkpointed
+void CheckpointPolicy::after_forward(StepContext& ctx) {
+  if (checked_ || !torch::GradMode::is_enabled() || std::uncaught_exceptions() > 0) {
+    return;
   }
-  const auto& names = select_.names();
-  if (std::find(names.begin(), names.end(), qualified) != names.end()) {
-    return true;
+  checked_ = true;
+  for (const auto& c : by_call_) {
+    FRUGAL_CHECK(c->choice->calls.load() > 0, "frugal: CheckpointPolicy chose '", c->name,
+                 "' (", c->type, "), but the forward did not call it through "
+                 "frugal::nn::call: its parent calls its forward directly, which C++ gives no "
+                 "way to intercept. Call it as frugal::nn::call(block, args...) in the "
+                 "parent's forward, or hold the blocks in a torch::nn::Sequential");
   }
-  for (const auto& type : select_.types()) {
-    if (type_matches(child.name(), type)) {
-      return true;
-    }
+  (void)ctx;
+}
+
+void CheckpointPolicy::choose(const std::string& qualified,
+                              const std::shared_ptr<torch::nn::Module>& module,
+                              torch::nn::Module* parent, std::size_t index) {
+  chosen_names_.push_back(qualified);
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(parent)) {
+    // The Sequential calls its children through its slots: the slot goes through a
+    // checkpoint, while the child stays registered under its name (nothing renamed).
+    auto slot = seq->begin() + static_cast<std::ptrdiff_t>(index);
+    nn::Checkpoint wrapper(*slot, options_);
+    *slot = torch::nn::AnyModule(wrapper);
+    wrappers_.push_back(wrapper);
+    return;
   }
-  return select_.every() > 0 && (index + 1) % static_cast<std::size_t>(select_.every()) == 0;
+  auto c = std::make_shared<Chosen>();
+  c->name = qualified;
+  c->type = module->name();
+  c->module = module.get();
+  c->choice = std::make_shared<nn::detail::CallChoice>();
+  c->choice->options = options_;
+  nn::detail::add_call_choice(c->module, c->choice);
+  by_call_.push_back(std::move(c));
 }
 
 const std::vector<std::string>& CheckpointPolicy::apply(torch::nn::Module& root) {
   if (applied_) {
-    return wrapped_names_;
+    return chosen_names_;
   }
   applied_ = true;
-  std::vector<std::pair<std::string, torch::nn::SequentialImpl*>> sequentials;
-  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&root)) {
-    sequentials.emplace_back("", seq);
-  }
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
-    if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(item.value().get())) {
-      sequentials.emplace_back(item.key(), seq);
-    }
-  }
-  for (auto& [prefix, seq] : sequentials) {
-    for (std::size_t i = 0; i < seq->size(); ++i) {
-      const std::string key = std::to_string(i);
-      const std::string qualified = prefix.empty() ? key : prefix + "." + key;
-      auto slot = seq->begin() + static_cast<std::ptrdiff_t>(i);
-      if (!chosen(qualified, i, *slot->ptr())) {
-        continue;
+  // Every module with its parent and its index among the parent's children.
+  struct Node {
+    std::string name;
+    std::shared_ptr<torch::nn::Module> module;
+    torch::nn::Module* parent;
+    std::size_t index;
+  };
+  std::vector<Node> nodes;
+  std::function<void(torch::nn::Module&, const std::string&)> walk =
+      [&](torch::nn::Module& parent, const std::string& prefix) {
+        std::size_t index = 0;
+        for (const auto& item : parent.named_children()) {
+          const auto name = prefix.empty() ? item.key() : prefix + "." + item.key();
+          nodes.push_back({name, item.value(), &parent, index++});
+          walk(*item.value(), name);
+        }
+      };
+  walk(root, "");
+
+  std::set<std::string> names_left(select_.names().begin(), select_.names().end());
+  std::set<std::string> types_left(select_.types().begin(), select_.types().end());
+  bool every_matched = false;
+  std::vector<std::string> inside;  // prefixes of chosen modules: not chosen again
+  for (const auto& node : nodes) {
+    const bool names_hit = names_left.erase(node.name) > 0;
+    bool types_hit = false;
+    for (const auto& type : select_.types()) {
+      if (type_matches(node.module->name(), type)) {
+        types_left.erase(type);
+        types_hit = true;
       }
-      nn::Checkpoint wrapper(*slot, options_);
-      *slot = torch::nn::AnyModule(wrapper);
-      seq->replace_module(key, wrapper.ptr());
-      wrappers_.push_back(wrapper);
-      wrapped_names_.push_back(qualified);
+    }
+    const bool every_hit = select_.every() > 0 && indexed_container(node.parent) &&
+                           (node.index + 1) % static_cast<std::size_t>(select_.every()) == 0;
+    every_matched = every_matched || every_hit;
+    const bool below = std::any_of(inside.begin(), inside.end(), [&](const std::string& p) {
+      return node.name.compare(0, p.size() + 1, p + ".") == 0;
+    });
+    if ((names_hit || types_hit || every_hit) && !below &&
+        dynamic_cast<const nn::CheckpointImpl*>(node.module.get()) == nullptr) {
+      choose(node.name, node.module, node.parent, node.index);
+      inside.push_back(node.name);
     }
   }
-  return wrapped_names_;
+  std::set<std::string> types_present;
+  for (const auto& node : nodes) {
+    types_present.insert(node.module->name());
+  }
+  FRUGAL_CHECK(names_left.empty(), "frugal: CheckpointPolicy: no module is named ",
+               joined(names_left), " (names are as in named_modules(), e.g. 'blocks.0')");
+  FRUGAL_CHECK(types_left.empty(), "frugal: CheckpointPolicy: no module has the type ",
+               joined(types_left), "; the model's types are ", joined(types_present));
+  FRUGAL_CHECK(select_.every() == 0 || every_matched, "frugal: CheckpointPolicy: every(",
+               select_.every(), ") matches no child of a Sequential or ModuleList");
+  return chosen_names_;
 }
 
 void CheckpointPolicy::set_enabled(bool enabled) {
   for (auto& w : wrappers_) {
     w->set_enabled(enabled);
+  }
+  for (auto& c : by_call_) {
+    c->choice->enabled.store(enabled);
   }
 }
 

@@ -2,16 +2,17 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
+#include "frugal/error.h"
 
 namespace frugal {
 
 ClipGradPolicy::ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler)
     : options_(options), scaler_(std::move(scaler)) {
-  TORCH_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
+  FRUGAL_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
               options_.max_norm());
-  TORCH_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
+  FRUGAL_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
               options_.max_value());
-  TORCH_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
+  FRUGAL_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
               "frugal: ClipGradPolicy needs max_norm or max_value > 0");
 }
 

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "frugal/state/archive.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -75,14 +76,14 @@ void update_scale(torch::Tensor& scale, torch::Tensor& tracker, const torch::Ten
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
-  TORCH_CHECK(options_.init_scale() > 0, "frugal: GradScaler init_scale must be > 0, got ",
+  FRUGAL_CHECK(options_.init_scale() > 0, "frugal: GradScaler init_scale must be > 0, got ",
               options_.init_scale());
-  TORCH_CHECK(options_.growth_factor() > 1.0,
+  FRUGAL_CHECK(options_.growth_factor() > 1.0,
               "frugal: GradScaler growth_factor must be > 1, got ", options_.growth_factor());
-  TORCH_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
+  FRUGAL_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
               "frugal: GradScaler backoff_factor must be in (0, 1), got ",
               options_.backoff_factor());
-  TORCH_CHECK(options_.growth_interval() >= 1,
+  FRUGAL_CHECK(options_.growth_interval() >= 1,
               "frugal: GradScaler growth_interval must be >= 1, got ", options_.growth_interval());
 }
 
@@ -108,11 +109,11 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     return;
   }
   auto& state = per_optimizer_[&optimizer];
-  TORCH_CHECK(state.stage != Stage::Unscaled,
+  FRUGAL_CHECK(state.stage != Stage::Unscaled,
               "frugal: unscale_() has already been called on this optimizer since the last "
               "update()");
-  TORCH_CHECK(state.stage != Stage::Stepped, "frugal: unscale_() is being called after step()");
-  TORCH_CHECK(scale_.defined(),
+  FRUGAL_CHECK(state.stage != Stage::Stepped, "frugal: unscale_() is being called after step()");
+  FRUGAL_CHECK(scale_.defined(),
               "frugal: unscale_() before any scale(): scale the loss before backward");
   torch::NoGradGuard no_grad;
   const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
@@ -122,10 +123,10 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     for (auto& p : group.params()) {
       const auto& g = p.grad();
       if (g.defined()) {
-        TORCH_CHECK(g.scalar_type() != torch::kHalf, "frugal: GradScaler cannot unscale FP16 "
+        FRUGAL_CHECK(g.scalar_type() != torch::kHalf, "frugal: GradScaler cannot unscale FP16 "
                     "gradients (parameter ", index, "); keep parameters in float32 and let "
                     "autocast lower the activations");
-        TORCH_CHECK(!g.is_sparse(), "frugal: GradScaler does not support sparse gradients "
+        FRUGAL_CHECK(!g.is_sparse(), "frugal: GradScaler does not support sparse gradients "
                     "(parameter ", index, ")");
         by_device[g.device().str()].push_back(g);
       }
@@ -154,12 +155,12 @@ bool GradScaler::prepare_step(torch::optim::Optimizer& optimizer) {
     return true;
   }
   auto& state = per_optimizer_[&optimizer];
-  TORCH_CHECK(state.stage != Stage::Stepped,
+  FRUGAL_CHECK(state.stage != Stage::Stepped,
               "frugal: step() has already been called since the last update()");
   if (state.stage == Stage::Ready) {
     unscale_(optimizer);
   }
-  TORCH_CHECK(!state.found_inf.empty(),
+  FRUGAL_CHECK(!state.found_inf.empty(),
               "frugal: no inf checks were recorded for this optimizer: no parameter has a "
               "gradient");
   state.stage = Stage::Stepped;
@@ -187,7 +188,7 @@ void GradScaler::update(c10::optional<double> new_scale) {
   if (!options_.enabled()) {
     return;
   }
-  TORCH_CHECK(scale_.defined(), "frugal: update() before any scale(): scale the loss before "
+  FRUGAL_CHECK(scale_.defined(), "frugal: update() before any scale(): scale the loss before "
               "backward in every iteration");
   if (new_scale) {
     scale_.fill_(*new_scale);
@@ -198,7 +199,7 @@ void GradScaler::update(c10::optional<double> new_scale) {
         found.push_back(f.to(scale_.device()));
       }
     }
-    TORCH_CHECK(!found.empty(), "frugal: no inf checks were recorded prior to update()");
+    FRUGAL_CHECK(!found.empty(), "frugal: no inf checks were recorded prior to update()");
     const auto combined = torch::stack(found).sum();
     update_scale(scale_, growth_tracker_, combined, options_);
   }
@@ -234,11 +235,11 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   if (!options_.enabled()) {
     return;
   }
-  TORCH_CHECK(!state.empty(), "frugal: the source state dict is empty, possibly because it "
+  FRUGAL_CHECK(!state.empty(), "frugal: the source state dict is empty, possibly because it "
               "was saved from a disabled GradScaler");
   for (const char* key :
        {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
-    TORCH_CHECK(state.count(key) == 1, "frugal: GradScaler state dict lacks '", key, "'");
+    FRUGAL_CHECK(state.count(key) == 1, "frugal: GradScaler state dict lacks '", key, "'");
   }
   options_.init_scale(state.at("scale"));
   options_.growth_factor(state.at("growth_factor"));
@@ -253,7 +254,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
 
 GradScalerPolicy::GradScalerPolicy(std::shared_ptr<GradScaler> scaler)
     : scaler_(std::move(scaler)) {
-  TORCH_CHECK(scaler_ != nullptr, "frugal: GradScalerPolicy needs a scaler");
+  FRUGAL_CHECK(scaler_ != nullptr, "frugal: GradScalerPolicy needs a scaler");
 }
 
 void GradScalerPolicy::before_backward(StepContext& ctx) { ctx.loss = scaler_->scale(ctx.loss); }
@@ -281,7 +282,7 @@ void GradScalerPolicy::save_state(torch::serialize::OutputArchive& archive) cons
 
 void GradScalerPolicy::load_state(torch::serialize::InputArchive& archive) {
   const bool enabled = state::read_int(archive, "enabled") != 0;
-  TORCH_CHECK(enabled == scaler_->is_enabled(), "frugal: the saved GradScaler was ",
+  FRUGAL_CHECK(enabled == scaler_->is_enabled(), "frugal: the saved GradScaler was ",
               enabled ? "enabled" : "disabled", ", this one is ",
               scaler_->is_enabled() ? "enabled" : "disabled");
   std::map<std::string, double> state;

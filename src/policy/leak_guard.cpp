@@ -4,13 +4,14 @@
 #include <fmt/format.h>
 
 #include "frugal/memory/format.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
 LeakGuard::LeakGuard(LeakGuardOptions options) : options_(options) {
-  TORCH_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
+  FRUGAL_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
               options_.warmup());
-  TORCH_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
+  FRUGAL_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
               options_.tolerance());
 }
 

@@ -7,11 +7,12 @@
 
 #include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
 double lr_factor(const LrScheduleOptions& o, std::int64_t t) {
-  TORCH_CHECK(t >= 0, "frugal: lr_factor needs a step count >= 0, got ", t);
+  FRUGAL_CHECK(t >= 0, "frugal: lr_factor needs a step count >= 0, got ", t);
   if (t < o.warmup_steps()) {
     return static_cast<double>(t + 1) / static_cast<double>(o.warmup_steps());
   }
@@ -33,16 +34,16 @@ double lr_factor(const LrScheduleOptions& o, std::int64_t t) {
 
 LrSchedule::LrSchedule(LrScheduleOptions options) : options_(options) {
   const auto& o = options_;
-  TORCH_CHECK(o.warmup_steps() >= 0, "frugal: LrSchedule warmup_steps must be >= 0, got ",
+  FRUGAL_CHECK(o.warmup_steps() >= 0, "frugal: LrSchedule warmup_steps must be >= 0, got ",
               o.warmup_steps());
   const bool to_total = o.decay() == LrDecay::Linear || o.decay() == LrDecay::Cosine;
-  TORCH_CHECK(!to_total || o.total_steps() > o.warmup_steps(), "frugal: LrSchedule total_steps (",
+  FRUGAL_CHECK(!to_total || o.total_steps() > o.warmup_steps(), "frugal: LrSchedule total_steps (",
               o.total_steps(), ") must be greater than warmup_steps (", o.warmup_steps(), ")");
-  TORCH_CHECK(o.min_factor() >= 0.0 && o.min_factor() <= 1.0,
+  FRUGAL_CHECK(o.min_factor() >= 0.0 && o.min_factor() <= 1.0,
               "frugal: LrSchedule min_factor must be in [0, 1], got ", o.min_factor());
-  TORCH_CHECK(o.decay() != LrDecay::Step || o.step_size() >= 1,
+  FRUGAL_CHECK(o.decay() != LrDecay::Step || o.step_size() >= 1,
               "frugal: LrSchedule step_size must be >= 1, got ", o.step_size());
-  TORCH_CHECK(o.decay() != LrDecay::Step || (o.gamma() > 0.0 && o.gamma() <= 1.0),
+  FRUGAL_CHECK(o.decay() != LrDecay::Step || (o.gamma() > 0.0 && o.gamma() <= 1.0),
               "frugal: LrSchedule gamma must be in (0, 1], got ", o.gamma());
 }
 
@@ -58,7 +59,7 @@ void LrSchedule::on_step_begin(StepContext& ctx) {
   // Every batch of a window sets the rate of the step that ends it.
   const double factor = lr_factor(options_, trainer_->steps());
   auto& groups = ctx.optimizer.param_groups();
-  TORCH_CHECK(groups.size() == base_lrs_.size(), "frugal: LrSchedule knows ", base_lrs_.size(),
+  FRUGAL_CHECK(groups.size() == base_lrs_.size(), "frugal: LrSchedule knows ", base_lrs_.size(),
               " param groups, the optimizer now has ", groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     groups[g].options().set_lr(base_lrs_[g] * factor);
@@ -93,11 +94,11 @@ void LrSchedule::load_state(torch::serialize::InputArchive& archive) {
   // Another schedule is another run: its rates would not continue the saved ones.
   for (const auto& [name, value] : option_values(options_)) {
     const double saved = state::read_double(archive, name);
-    TORCH_CHECK(saved == value, "frugal: the saved LrSchedule has ", name, " ", saved,
+    FRUGAL_CHECK(saved == value, "frugal: the saved LrSchedule has ", name, " ", saved,
                 ", this one ", value);
   }
   const auto groups = state::read_int(archive, "groups");
-  TORCH_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()),
+  FRUGAL_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()),
               "frugal: the saved "
               "LrSchedule has ",
               groups, " param groups, this one ", base_lrs_.size());

@@ -9,6 +9,7 @@
 #include "frugal/optim/in_place.h"
 #include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -30,9 +31,9 @@ std::string memory_figures(const MemoryProbe& probe) {
 }  // namespace
 
 OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
-  TORCH_CHECK(options_.min_micro_batch() >= 1, "frugal: OomRecovery min_micro_batch must be "
+  FRUGAL_CHECK(options_.min_micro_batch() >= 1, "frugal: OomRecovery min_micro_batch must be "
               ">= 1, got ", options_.min_micro_batch());
-  TORCH_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
+  FRUGAL_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
               options_.grow_after());
 }
 
@@ -122,7 +123,7 @@ void OomRecovery::load_state(torch::serialize::InputArchive& archive) {
   const auto largest = state::read_int(archive, "largest");
   const auto clean_steps = state::read_int(archive, "clean_steps");
   const auto recovered = state::read_int(archive, "recovered");
-  TORCH_CHECK(largest >= 0 && clean_steps >= 0 && recovered >= 0,
+  FRUGAL_CHECK(largest >= 0 && clean_steps >= 0 && recovered >= 0,
               "frugal: invalid saved OomRecovery state: largest ", largest, ", clean_steps ",
               clean_steps, ", recovered ", recovered);
   largest_ = largest;

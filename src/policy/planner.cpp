@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "frugal/memory/format.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -106,13 +107,50 @@ std::string MemoryPlan::table() const {
   return out;
 }
 
+namespace detail {
+
+const PlanOption* choose_plan(const std::vector<PlanOption>& options, double time_tolerance) {
+  // The fixed order among plans that are equally fast: the simplest first.
+  auto key = [](const PlanOption& o) {
+    return std::make_tuple(policies_in(o), o.micro_batches, o.checkpoint, o.step_in_backward);
+  };
+  // Numerics kept longest: float32 states, then 8-bit states, then autocast, then both.
+  for (const auto& [autocast, quantized] : {std::pair{false, false}, std::pair{false, true},
+                                            std::pair{true, false}, std::pair{true, true}}) {
+    const auto candidate = [&, a = autocast, q = quantized](const PlanOption& o) {
+      return o.fits && o.autocast == a && o.quantized_states == q;
+    };
+    double fastest = -1;
+    for (const auto& o : options) {
+      if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
+        fastest = o.predicted_ms;
+      }
+    }
+    const PlanOption* best = nullptr;
+    for (const auto& o : options) {
+      if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
+          (best == nullptr || key(o) < key(*best))) {
+        best = &o;
+      }
+    }
+    if (best != nullptr) {
+      return best;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+
 MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
     : trainer_(trainer), options_(std::move(options)) {
-  TORCH_CHECK(options_.margin() >= 0 && options_.margin() < 1,
+  FRUGAL_CHECK(options_.time_tolerance() >= 0, "frugal: the planner's time_tolerance must be "
+               ">= 0, got ", options_.time_tolerance());
+  FRUGAL_CHECK(options_.margin() >= 0 && options_.margin() < 1,
               "frugal: the planner's margin must be in [0, 1), got ", options_.margin());
   if (chooses_something(options_.checkpoint())) {
     checkpoint_ = std::make_shared<CheckpointPolicy>(options_.checkpoint());
-    TORCH_CHECK(!checkpoint_->apply(trainer_.module()).empty(),
+    FRUGAL_CHECK(!checkpoint_->apply(trainer_.module()).empty(),
                 "frugal: the planner's checkpoint rule matches no block of the model");
     checkpoint_->set_enabled(false);
     trainer_.add_policy(checkpoint_);
@@ -131,9 +169,9 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   if (options_.quantized_states()) {
-    TORCH_CHECK(quantized_ != nullptr, "frugal: PlannerOptions::quantized_states needs one of "
+    FRUGAL_CHECK(quantized_ != nullptr, "frugal: PlannerOptions::quantized_states needs one of "
                 "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
-    TORCH_CHECK(trainer_.optimizer().state().empty(), "frugal: PlannerOptions::quantized_states "
+    FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: PlannerOptions::quantized_states "
                 "needs an optimizer without state: the states' format is chosen before the "
                 "first step");
   }
@@ -203,9 +241,9 @@ std::int64_t MemoryPlanner::pending_optimizer_bytes(bool quantized) {
 }
 
 MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
-  TORCH_CHECK(budget > 0, "frugal: the memory budget must be > 0 bytes, got ", budget);
+  FRUGAL_CHECK(budget > 0, "frugal: the memory budget must be > 0 bytes, got ", budget);
   const std::int64_t batch = sample.size();
-  TORCH_CHECK(batch > 0, "frugal: the planner's sample batch is empty");
+  FRUGAL_CHECK(batch > 0, "frugal: the planner's sample batch is empty");
   MemoryPlan plan;
   plan.budget = budget;
   plan.margin = options_.margin();
@@ -291,39 +329,13 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   }
   }
 
-  // The cheapest that fits: least time, the simplest within 5% of it; numerics kept
-  // longest: float32 states, then 8-bit states, then autocast, then both.
-  const PlanOption* best = nullptr;
-  for (const auto& [autocast, quantized] : {std::pair{false, false}, std::pair{false, true},
-                                            std::pair{true, false}, std::pair{true, true}}) {
-    const auto candidate = [&, a = autocast, q = quantized](const PlanOption& o) {
-      return o.fits && o.autocast == a && o.quantized_states == q;
-    };
-    double fastest = -1;
-    for (const auto& o : plan.options) {
-      if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
-        fastest = o.predicted_ms;
-      }
-    }
-    for (const auto& o : plan.options) {
-      if (!candidate(o) || o.predicted_ms > fastest * 1.05) {
-        continue;
-      }
-      if (best == nullptr || policies_in(o) < policies_in(*best) ||
-          (policies_in(o) == policies_in(*best) && o.micro_batches < best->micro_batches)) {
-        best = &o;
-      }
-    }
-    if (best != nullptr) {
-      break;
-    }
-  }
+  const PlanOption* best = detail::choose_plan(plan.options, options_.time_tolerance());
   if (best == nullptr) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
     configure(batch, false, false, false, quantized_at_start_);
-    TORCH_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
+    FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
                 format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
                 "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
                 smallest->describe());

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../report_json.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -21,8 +22,8 @@ std::string line_with(nlohmann::json line, const std::map<std::string, std::stri
 }  // namespace
 
 ConsoleSink::ConsoleSink(std::FILE* out, std::int64_t every) : out_(out), every_(every) {
-  TORCH_CHECK(out_ != nullptr, "frugal: ConsoleSink needs a stream");
-  TORCH_CHECK(every_ >= 1, "frugal: ConsoleSink prints every N steps, N >= 1, got ", every_);
+  FRUGAL_CHECK(out_ != nullptr, "frugal: ConsoleSink needs a stream");
+  FRUGAL_CHECK(every_ >= 1, "frugal: ConsoleSink prints every N steps, N >= 1, got ", every_);
 }
 
 void ConsoleSink::write(const StepReport& report) {
@@ -38,7 +39,7 @@ void ConsoleSink::write(const EvalReport& report) {
 }
 
 JsonLinesSink::JsonLinesSink(const std::string& path) : path_(path), out_(path) {
-  TORCH_CHECK(out_.good(), "frugal: cannot open the report file '", path, "' for writing");
+  FRUGAL_CHECK(out_.good(), "frugal: cannot open the report file '", path, "' for writing");
 }
 
 void JsonLinesSink::set(const std::string& key, double value) {
@@ -68,7 +69,7 @@ void JsonLinesSink::write_event(const std::string& event) {
 void JsonLinesSink::write_line(const std::string& line) {
   out_ << line << '\n';
   out_.flush();
-  TORCH_CHECK(out_.good(), "frugal: writing the report file '", path_, "' failed");
+  FRUGAL_CHECK(out_.good(), "frugal: writing the report file '", path_, "' failed");
 }
 
 }  // namespace frugal

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -31,11 +32,11 @@ std::int64_t step_of(const std::string& name) {
 }  // namespace
 
 SaveDir::SaveDir(std::string dir, std::int64_t keep) : dir_(std::move(dir)), keep_(keep) {
-  TORCH_CHECK(!dir_.empty(), "frugal: SaveDir needs a folder, got an empty path");
-  TORCH_CHECK(keep_ >= 1, "frugal: SaveDir keep must be >= 1, got ", keep_);
+  FRUGAL_CHECK(!dir_.empty(), "frugal: SaveDir needs a folder, got an empty path");
+  FRUGAL_CHECK(keep_ >= 1, "frugal: SaveDir keep must be >= 1, got ", keep_);
   std::error_code error;
   fs::create_directories(dir_, error);
-  TORCH_CHECK(!error && fs::is_directory(dir_), "frugal: cannot create the folder '", dir_,
+  FRUGAL_CHECK(!error && fs::is_directory(dir_), "frugal: cannot create the folder '", dir_,
               "': ", error ? error.message() : "a file of that name exists");
 }
 
@@ -96,7 +97,7 @@ std::optional<UserState> SaveDir::resume(Trainer& trainer,
       }
     }
   }
-  TORCH_CHECK(false, "frugal: no save file in '", dir_, "' could be loaded:", failures);
+  FRUGAL_CHECK(false, "frugal: no save file in '", dir_, "' could be loaded:", failures);
 }
 
 }  // namespace frugal

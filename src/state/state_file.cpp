@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include "frugal/error.h"
 
 namespace frugal::detail {
 namespace {
@@ -60,7 +61,7 @@ class TempFile {
  public:
   explicit TempFile(std::string path) : path_(std::move(path)) {
     fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    TORCH_CHECK(fd_ >= 0, "frugal: cannot create ", system_error("the file", path_));
+    FRUGAL_CHECK(fd_ >= 0, "frugal: cannot create ", system_error("the file", path_));
   }
   ~TempFile() {
     if (fd_ >= 0) {
@@ -80,7 +81,7 @@ class TempFile {
       if (n < 0 && errno == EINTR) {
         continue;
       }
-      TORCH_CHECK(n > 0, "frugal: cannot write ", system_error("the file", path_));
+      FRUGAL_CHECK(n > 0, "frugal: cannot write ", system_error("the file", path_));
       bytes += n;
       size -= static_cast<std::size_t>(n);
       if (at) {
@@ -89,10 +90,10 @@ class TempFile {
     }
   }
   void sync_and_close() {
-    TORCH_CHECK(::fsync(fd_) == 0, "frugal: cannot flush ", system_error("the file", path_));
+    FRUGAL_CHECK(::fsync(fd_) == 0, "frugal: cannot flush ", system_error("the file", path_));
     const int fd = fd_;
     fd_ = -1;
-    TORCH_CHECK(::close(fd) == 0, "frugal: cannot close ", system_error("the file", path_));
+    FRUGAL_CHECK(::close(fd) == 0, "frugal: cannot close ", system_error("the file", path_));
   }
   void release() { released_ = true; }
 
@@ -115,7 +116,7 @@ std::pair<std::string, std::string> split_path(const std::string& path) {
 void write_state_file(const std::string& path,
                       const std::function<void(const ByteWriter&)>& payload) {
   const auto [dir, name] = split_path(path);
-  TORCH_CHECK(!name.empty(), "frugal: '", path, "' names a folder, not a file");
+  FRUGAL_CHECK(!name.empty(), "frugal: '", path, "' names a folder, not a file");
   const std::string tmp_path = dir + "/." + name + ".tmp-" + std::to_string(::getpid());
   TempFile tmp(tmp_path);
   std::array<unsigned char, kHeaderBytes> header{};
@@ -135,20 +136,20 @@ void write_state_file(const std::string& path,
   off_t at = 0;
   tmp.write_all(header.data(), header.size(), &at);
   tmp.sync_and_close();
-  TORCH_CHECK(::rename(tmp_path.c_str(), path.c_str()) == 0, "frugal: cannot rename ",
+  FRUGAL_CHECK(::rename(tmp_path.c_str(), path.c_str()) == 0, "frugal: cannot rename ",
               system_error("the temporary file to", path));
   tmp.release();
   // The rename is durable once the folder's entry is on disk.
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  TORCH_CHECK(dir_fd >= 0, "frugal: cannot open ", system_error("the folder", dir));
+  FRUGAL_CHECK(dir_fd >= 0, "frugal: cannot open ", system_error("the folder", dir));
   const int synced = ::fsync(dir_fd);
   ::close(dir_fd);
-  TORCH_CHECK(synced == 0, "frugal: cannot flush ", system_error("the folder", dir));
+  FRUGAL_CHECK(synced == 0, "frugal: cannot flush ", system_error("the folder", dir));
 }
 
 std::string read_state_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "frugal: cannot open ", system_error("the saved state", path));
+  FRUGAL_CHECK(fd >= 0, "frugal: cannot open ", system_error("the saved state", path));
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
@@ -161,7 +162,7 @@ std::string read_state_file(const std::string& path) {
       if (n < 0 && errno == EINTR) {
         continue;
       }
-      TORCH_CHECK(n >= 0, "frugal: cannot read ", system_error("the saved state", path));
+      FRUGAL_CHECK(n >= 0, "frugal: cannot read ", system_error("the saved state", path));
       if (n == 0) {
         break;
       }
@@ -171,28 +172,28 @@ std::string read_state_file(const std::string& path) {
   };
   std::array<unsigned char, kHeaderBytes> header{};
   const std::size_t got = read_exactly(header.data(), header.size());
-  TORCH_CHECK(got >= sizeof(kMagic) && std::memcmp(header.data(), kMagic, sizeof(kMagic)) == 0,
+  FRUGAL_CHECK(got >= sizeof(kMagic) && std::memcmp(header.data(), kMagic, sizeof(kMagic)) == 0,
               "frugal: '", path, "' is not a frugal training state (no FRUGALTS header)");
-  TORCH_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
+  FRUGAL_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
               " bytes, shorter than its header (", kHeaderBytes, ")");
   const auto version = static_cast<unsigned>(get_le(header.data() + 8, 4));
-  TORCH_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ", version,
+  FRUGAL_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ", version,
               "; this frugal reads version ", kStateFormatVersion);
   const std::uint64_t length = get_le(header.data() + 16, 8);
   const auto expected_crc = static_cast<std::uint32_t>(get_le(header.data() + 24, 4));
   struct stat info {};
-  TORCH_CHECK(::fstat(fd, &info) == 0, "frugal: cannot stat ", system_error("the file", path));
+  FRUGAL_CHECK(::fstat(fd, &info) == 0, "frugal: cannot stat ", system_error("the file", path));
   const auto size = static_cast<std::uint64_t>(info.st_size);
-  TORCH_CHECK(size - kHeaderBytes >= length, "frugal: '", path, "' is truncated: ", size,
+  FRUGAL_CHECK(size - kHeaderBytes >= length, "frugal: '", path, "' is truncated: ", size,
               " bytes of ", kHeaderBytes + length);
-  TORCH_CHECK(size - kHeaderBytes == length, "frugal: '", path, "' has ",
+  FRUGAL_CHECK(size - kHeaderBytes == length, "frugal: '", path, "' has ",
               size - kHeaderBytes - length, " bytes after its end (", kHeaderBytes + length,
               " bytes)");
   std::string payload(length, '\0');
-  TORCH_CHECK(read_exactly(payload.data(), length) == length, "frugal: '", path,
+  FRUGAL_CHECK(read_exactly(payload.data(), length) == length, "frugal: '", path,
               "' is truncated while reading");
   const std::uint32_t crc = crc_update(crc_update(0, nullptr, 0), payload.data(), length);
-  TORCH_CHECK(crc == expected_crc, "frugal: '", path, "' is damaged: its CRC-32 is ", crc,
+  FRUGAL_CHECK(crc == expected_crc, "frugal: '", path, "' is damaged: its CRC-32 is ", crc,
               ", the header says ", expected_crc);
   return payload;
 }

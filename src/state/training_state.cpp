@@ -13,6 +13,7 @@
 #include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
 #include "state_file.h"
+#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -68,26 +69,26 @@ std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& 
                                       const char* what, const Named& here) {
   const auto count = state::read_int(archive, prefix + "/count");
   auto names = split_lines(state::read_string(archive, prefix + "/names"));
-  TORCH_CHECK(static_cast<std::int64_t>(names.size()) == count, "frugal: the saved ", what,
+  FRUGAL_CHECK(static_cast<std::int64_t>(names.size()) == count, "frugal: the saved ", what,
               " names (", names.size(), ") do not match their count (", count, ")");
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < names.size(); ++i) {
     index[names[i]] = i;
   }
   for (const auto& name : names) {
-    TORCH_CHECK(std::find(here.names.begin(), here.names.end(), name) != here.names.end(),
+    FRUGAL_CHECK(std::find(here.names.begin(), here.names.end(), name) != here.names.end(),
                 "the file's model has a ", what, " '", name, "' that this model lacks");
   }
   std::vector<torch::Tensor> out;
   for (std::size_t i = 0; i < here.names.size(); ++i) {
     const auto& name = here.names[i];
     const auto found = index.find(name);
-    TORCH_CHECK(found != index.end(), "this model's ", what, " '", name, "' is not in the file");
+    FRUGAL_CHECK(found != index.end(), "this model's ", what, " '", name, "' is not in the file");
     auto saved = state::read_tensor(archive, prefix + "/" + std::to_string(found->second));
     const auto& mine = here.tensors[i];
-    TORCH_CHECK(saved.sizes() == mine.sizes(), what, " '", name, "' has shape ", saved.sizes(),
+    FRUGAL_CHECK(saved.sizes() == mine.sizes(), what, " '", name, "' has shape ", saved.sizes(),
                 " in the file, ", mine.sizes(), " here");
-    TORCH_CHECK(saved.scalar_type() == mine.scalar_type(), what, " '", name, "' is ",
+    FRUGAL_CHECK(saved.scalar_type() == mine.scalar_type(), what, " '", name, "' is ",
                 saved.scalar_type(), " in the file, ", mine.scalar_type(), " here");
     out.push_back(std::move(saved));
   }
@@ -186,7 +187,7 @@ struct Loaded {
 Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& path) {
   Loaded out;
   const auto layout = state::read_int(archive, "frugal/layout");
-  TORCH_CHECK(layout == kLayout, "frugal: '", path, "' has layout ", layout,
+  FRUGAL_CHECK(layout == kLayout, "frugal: '", path, "' has layout ", layout,
               "; this frugal reads layout ", kLayout);
   auto& module = trainer.module();
   try {
@@ -194,20 +195,20 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
         read_named(archive, "model/parameters", "parameter", named(module.named_parameters()));
     out.buffers = read_named(archive, "model/buffers", "buffer", named(module.named_buffers()));
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "frugal: '", path, "' does not fit this trainer: ", error_message(e));
+    FRUGAL_CHECK(false, "frugal: '", path, "' does not fit this trainer: ", error_message(e));
   }
 
   auto& optimizer = trainer.optimizer();
   const auto type = state::read_string(archive, "optimizer/type");
-  TORCH_CHECK(type == optimizer_type(optimizer),
+  FRUGAL_CHECK(type == optimizer_type(optimizer),
               mismatch(path, "the optimizer", type, optimizer_type(optimizer)));
   const auto groups = split_lines(state::read_string(archive, "optimizer/groups"));
   const auto my_groups = group_names(optimizer, module);
-  TORCH_CHECK(groups.size() == my_groups.size(),
+  FRUGAL_CHECK(groups.size() == my_groups.size(),
               mismatch(path, "the number of param groups", std::to_string(groups.size()),
                        std::to_string(my_groups.size())));
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    TORCH_CHECK(groups[g] == my_groups[g],
+    FRUGAL_CHECK(groups[g] == my_groups[g],
                 mismatch(path, "param group " + std::to_string(g), "[" + groups[g] + "]",
                          "[" + my_groups[g] + "]"));
   }
@@ -219,7 +220,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
     std::replace(s.begin(), s.end(), '\n', ',');
     return "[" + s + "]";
   };
-  TORCH_CHECK(policies == my_policies,
+  FRUGAL_CHECK(policies == my_policies,
               mismatch(path, "the list of policies", list(policies), list(my_policies)));
   for (std::size_t i = 0; i < trainer.policies().size(); ++i) {
     out.policies.push_back(state::read_archive(archive, "policies/" + std::to_string(i)));
@@ -234,7 +235,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
 
   out.cpu_rng = state::read_tensor(archive, "rng/cpu");
   const auto mine = cpu_rng_state();
-  TORCH_CHECK(
+  FRUGAL_CHECK(
       out.cpu_rng.scalar_type() == mine.scalar_type() && out.cpu_rng.sizes() == mine.sizes(),
       "frugal: '", path, "' holds a CPU generator state of ", out.cpu_rng.scalar_type(),
       out.cpu_rng.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
@@ -259,12 +260,12 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
 }  // namespace
 
 void save_training_state(Trainer& trainer, const std::string& path, const UserState& user) {
-  TORCH_CHECK(trainer.halted().empty(), "frugal: not saving a halted trainer: ", trainer.halted());
-  TORCH_CHECK(!trainer.window_open(),
+  FRUGAL_CHECK(trainer.halted().empty(), "frugal: not saving a halted trainer: ", trainer.halted());
+  FRUGAL_CHECK(!trainer.window_open(),
               "frugal: cannot save inside an accumulation window (its "
               "gradients are not saved); save after the step that ends it");
   auto check_key = [](const std::string& key) {
-    TORCH_CHECK(!key.empty() && key.find('\n') == std::string::npos,
+    FRUGAL_CHECK(!key.empty() && key.find('\n') == std::string::npos,
                 "frugal: a user state key must be one non-empty line, got '", key, "'");
   };
   for (const auto& item : user.values) {
@@ -328,7 +329,7 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
 }
 
 UserState load_training_state(Trainer& trainer, const std::string& path) {
-  TORCH_CHECK(!trainer.window_open(),
+  FRUGAL_CHECK(!trainer.window_open(),
               "frugal: cannot load a saved state inside an "
               "accumulation window; load before the window's first batch");
   const auto payload = detail::read_state_file(path);
@@ -356,7 +357,7 @@ UserState load_training_state(Trainer& trainer, const std::string& path) {
       auto policy_old = from_bytes(old_policies[i]);
       trainer.policies()[i]->load_state(policy_old);
     }
-    TORCH_CHECK(false, "frugal: '", path,
+    FRUGAL_CHECK(false, "frugal: '", path,
                 "' does not fit this trainer (nothing was changed): ", error_message(error));
   }
 

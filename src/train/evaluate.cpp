@@ -6,11 +6,41 @@
 #include "frugal/report/sink.h"
 #include "frugal/train/trainer.h"
 #include "internal.h"
+#include "frugal/error.h"
 
 namespace frugal {
+namespace detail {
+
+c10::optional<std::pair<std::int64_t, std::int64_t>> class_hits(const torch::Tensor& output,
+                                                                const torch::Tensor& targets,
+                                                                std::int64_t ignore_index) {
+  if (!targets.defined() || targets.is_floating_point() || output.dim() != targets.dim() + 1) {
+    return c10::nullopt;
+  }
+  // Classes last ([N, T, C] against [N, T]), or in dimension 1 as cross_entropy takes them
+  // ([N, C] against [N], [N, C, T] against [N, T]).
+  auto same_except = [&](std::int64_t dim) {
+    auto sizes = output.sizes().vec();
+    sizes.erase(sizes.begin() + dim);
+    return sizes == targets.sizes().vec();
+  };
+  std::int64_t dim = -1;
+  if (same_except(output.dim() - 1)) {
+    dim = output.dim() - 1;
+  } else if (output.dim() >= 2 && same_except(1)) {
+    dim = 1;
+  } else {
+    return c10::nullopt;
+  }
+  const auto scored = targets.ne(ignore_index);
+  const auto hits = output.argmax(dim).eq(targets).logical_and(scored);
+  return std::make_pair(hits.sum().item<std::int64_t>(), scored.sum().item<std::int64_t>());
+}
+
+}  // namespace detail
 
 void Trainer::set_eval_batch(std::int64_t size) {
-  TORCH_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
+  FRUGAL_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
   eval_batch_ = size;
 }
 
@@ -30,7 +60,7 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
                                         c10::optional<std::int64_t> batch_size) {
   const auto start = detail::Clock::now();
   const std::int64_t samples = data.size();
-  TORCH_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
+  FRUGAL_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
   detail::check_positive(batch_size, "the evaluation batch size");
   std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
   size = size > 0 ? std::min(size, samples) : samples;
@@ -57,6 +87,7 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
   ScopedPeak peak(probe_);
   double loss_sum = 0;
   std::int64_t correct = 0;
+  std::int64_t scored = 0;
   std::int64_t total = 0;
   bool classes = forward_ != nullptr;
   const bool mean = options_.reduction() == LossReduction::Mean;
@@ -67,12 +98,13 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
       const std::int64_t count = count_of(micro);
       torch::Tensor loss;
       if (forward_) {
-        const auto output = forward_(micro.inputs);
-        loss = loss_(output, micro.targets);
-        classes = classes && micro.targets.defined() && output.dim() == 2 &&
-                  micro.targets.dim() == 1 && !micro.targets.is_floating_point();
+        const auto output = forward_(micro);
+        loss = loss_(output, micro);
+        const auto hits = detail::class_hits(output, micro.targets, options_.ignore_index());
+        classes = classes && hits.has_value();
         if (classes) {
-          correct += output.argmax(1).eq(micro.targets).sum().item<std::int64_t>();
+          correct += hits->first;
+          scored += hits->second;
         }
       } else {
         loss = batch_loss_(micro);
@@ -96,7 +128,9 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
   report.batch_size = size;
   report.count = total;
   report.loss = total > 0 ? loss_sum / static_cast<double>(total) : 0.0;
-  report.accuracy = classes ? static_cast<double>(correct) / static_cast<double>(samples) : -1;
+  report.scored = classes ? scored : 0;
+  report.accuracy =
+      classes && scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : -1;
   report.peak = peak.end();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {

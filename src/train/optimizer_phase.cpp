@@ -4,10 +4,13 @@
 #include <c10/util/ScopeExit.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "grad_ready.h"
 #include "internal.h"
 #include "step_guard.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
@@ -27,8 +30,17 @@ void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool 
       if (options_.accumulate() > 1) {
         divide_grads(window_count);
       }
+      // Without a GradScaler, a NaN or infinite loss (or gradient) would poison the
+      // weights: the step is skipped instead, and said so.
+      const bool guard = guards_non_finite();
+      ctx.non_finite = guard && window_non_finite_;
       for (auto& policy : policies_) {
         policy->before_optimizer_step(ctx);
+      }
+      if (guard && !ctx.skip_optimizer_step &&
+          (ctx.non_finite || (options_.check_gradients() && !grads_finite()))) {
+        ctx.skip_optimizer_step = true;
+        ctx.report.non_finite = true;
       }
       if (!ctx.skip_optimizer_step) {
         optimizer_.step();
@@ -68,9 +80,28 @@ void Trainer::divide_grads(std::int64_t window_count) {
   }
 }
 
+bool Trainer::guards_non_finite() const {
+  return options_.skip_non_finite() &&
+         std::none_of(policies_.begin(), policies_.end(),
+                      [](const auto& p) { return p->handles_non_finite(); });
+}
+
+bool Trainer::grads_finite() const {
+  torch::NoGradGuard no_grad;
+  for (const auto& group : optimizer_.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 void Trainer::drop_window() {
   window_batches_ = 0;
   window_count_ = 0;
+  window_non_finite_ = false;
   if (grad_ready_) {
     grad_ready_->clear();
   }
@@ -106,7 +137,7 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
 }
 
 void Trainer::check_not_halted() const {
-  TORCH_CHECK(halted_.empty(), "frugal: the trainer refuses to go on after a partial update (",
+  FRUGAL_CHECK(halted_.empty(), "frugal: the trainer refuses to go on after a partial update (",
               halted_, "); load a saved model and optimizer state, or call "
               "accept_partial_update() to train on from the model as it is");
 }

@@ -8,15 +8,16 @@
 
 #include "grad_ready.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
 Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
-  TORCH_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
+  FRUGAL_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
   for (const auto& other : policies_) {
     for (const auto& [all, early] : {std::pair{policy.get(), other.get()},
                                      std::pair{other.get(), policy.get()}}) {
-      TORCH_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
+      FRUGAL_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
                   "frugal: policy '", all->name(), "' needs every gradient of a step before "
                   "any parameter changes, but '", early->name(), "' updates parameters during "
                   "backward; use one of them");
@@ -72,12 +73,12 @@ PartialStepError Trainer::partial_error(const char* where,
 }
 
 Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {
-  TORCH_CHECK(fn != nullptr, "frugal: add_hook(", phase_name(phase), ") got an empty function");
+  FRUGAL_CHECK(fn != nullptr, "frugal: add_hook(", phase_name(phase), ") got an empty function");
   return add_policy(std::make_shared<HookPolicy>(phase, std::move(fn)));
 }
 
 Trainer& Trainer::add_sink(std::shared_ptr<ReportSink> sink) {
-  TORCH_CHECK(sink != nullptr, "frugal: add_sink got a null sink");
+  FRUGAL_CHECK(sink != nullptr, "frugal: add_sink got a null sink");
   sinks_.push_back(std::move(sink));
   return *this;
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
@@ -13,7 +14,7 @@ std::int64_t Trainer::count_of(const Batch& micro) const {
     return micro.inputs.size(0);
   }
   const std::int64_t n = options_.count()(micro);
-  TORCH_CHECK(n >= 0, "frugal: the count function returned ", n, " for a micro-batch");
+  FRUGAL_CHECK(n >= 0, "frugal: the count function returned ", n, " for a micro-batch");
   return n;
 }
 
@@ -44,7 +45,7 @@ Trainer::Split Trainer::split(const Batch& batch) const {
     out.total += out.counts.back();
     offset += size;
   }
-  TORCH_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
+  FRUGAL_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
               "; it must be positive to normalise the loss");
   return out;
 }

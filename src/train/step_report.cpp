@@ -15,7 +15,7 @@ std::string StepReport::summary() const {
       "allocated {} peak {} | {}{}{}",
       step, loss, micro_batches, micro_batch, time.total_ms, time.forward_ms, time.backward_ms,
       time.optimizer_ms, format_bytes(memory.allocated), format_bytes(peak), ledger.summary(),
-      skipped ? " | skipped" : "",
+      non_finite ? " | skipped (loss or gradients not finite)" : skipped ? " | skipped" : "",
       oom_retries > 0 ? fmt::format(" | {} OOM retries", oom_retries) : std::string());
 }
 
@@ -57,6 +57,7 @@ nlohmann::json to_json_object(const StepReport& r) {
                       {"micro_batches", r.micro_batches},
                       {"oom_retries", r.oom_retries},
                       {"skipped", r.skipped},
+                      {"non_finite", r.non_finite},
                       {"skipped_total", r.skipped_total},
                       {"scale", r.scale},
                       {"lr", r.lr},
@@ -79,6 +80,7 @@ nlohmann::json to_json_object(const EvalReport& r) {
                       {"time_ms", r.time_ms}};
   if (r.accuracy >= 0) {
     j["accuracy"] = r.accuracy;
+    j["scored"] = r.scored;
   }
   j.update(memory_fields(r.memory, r.peak, r.ledger));
   return j;

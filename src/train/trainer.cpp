@@ -4,11 +4,13 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "forward_scope.h"
 #include "grad_ready.h"
 #include "internal.h"
 #include "frugal/report/sink.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
@@ -18,16 +20,27 @@ using detail::ms_since;
 
 Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
                  torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options)
-    : Trainer(std::move(module), std::move(forward), optimizer, std::move(loss), nullptr,
+    : Trainer(std::move(module), optimizer,
+              forward ? BatchForwardFn([forward](const Batch& b) { return forward(b.inputs); })
+                      : nullptr,
+              loss ? OutputLossFn([loss](const torch::Tensor& output, const Batch& b) {
+                return loss(output, b.targets);
+              })
+                   : nullptr,
+              nullptr, std::move(options)) {}
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+                 BatchForwardFn forward, OutputLossFn loss, TrainerOptions options)
+    : Trainer(std::move(module), optimizer, std::move(forward), std::move(loss), nullptr,
               std::move(options)) {}
 
 Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
                  BatchLossFn batch_loss, TrainerOptions options)
-    : Trainer(std::move(module), nullptr, optimizer, nullptr, std::move(batch_loss),
+    : Trainer(std::move(module), optimizer, nullptr, nullptr, std::move(batch_loss),
               std::move(options)) {}
 
-Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
-                 torch::optim::Optimizer& optimizer, LossFn loss, BatchLossFn batch_loss,
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+                 BatchForwardFn forward, OutputLossFn loss, BatchLossFn batch_loss,
                  TrainerOptions options)
     : module_(std::move(module)),
       forward_(std::move(forward)),
@@ -36,16 +49,16 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
       batch_loss_(std::move(batch_loss)),
       options_(std::move(options)),
       probe_(options_.device(), options_.memory_scope()) {
-  TORCH_CHECK(module_ != nullptr, "frugal: Trainer needs a module, got a null pointer");
-  TORCH_CHECK((forward_ && loss_) || batch_loss_,
+  FRUGAL_CHECK(module_ != nullptr, "frugal: Trainer needs a module, got a null pointer");
+  FRUGAL_CHECK((forward_ && loss_) || batch_loss_,
               "frugal: Trainer needs a forward and a loss function, or a batch loss function");
   check_positive(options_.micro_batch(), "micro_batch");
   check_positive(options_.micro_batches(), "micro_batches");
   check_positive(options_.eval_batch(), "eval_batch");
-  TORCH_CHECK(!(options_.micro_batch() && options_.micro_batches()),
+  FRUGAL_CHECK(!(options_.micro_batch() && options_.micro_batches()),
               "frugal: set micro_batch (", *options_.micro_batch(), ") or micro_batches (",
               *options_.micro_batches(), "), not both");
-  TORCH_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
+  FRUGAL_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
               options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
@@ -61,7 +74,7 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
 Trainer::~Trainer() = default;
 
 void Trainer::set_micro_batch(std::int64_t size) {
-  TORCH_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
+  FRUGAL_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
   micro_batch_ = size;
 }
 
@@ -70,9 +83,9 @@ TrainerCounters Trainer::counters() const {
 }
 
 void Trainer::restore_counters(const TrainerCounters& c) {
-  TORCH_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
+  FRUGAL_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
               window_batches_, " of ", options_.accumulate(), " batches run)");
-  TORCH_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
+  FRUGAL_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
                   c.micro_batch >= 0 && c.eval_batch >= 0,
               "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
               ", batches ", c.batches, ", micro_batch ", c.micro_batch, ", eval_batch ",
@@ -86,7 +99,7 @@ void Trainer::restore_counters(const TrainerCounters& c) {
 }
 
 torch::Tensor Trainer::loss_of(const Batch& micro) const {
-  return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro.inputs), micro.targets);
+  return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro), micro);
 }
 
 bool Trainer::retries_steps() const {
@@ -114,7 +127,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
     }
     report.count = parts.total;
     report.micro_batches = static_cast<std::int64_t>(parts.micros.size());
-    report.micro_batch = parts.micros.front().inputs.size(0);
+    report.micro_batch = parts.micros.front().size();
     ctx.micro_count = report.micro_batches;
     report.time.data_ms += ms_since(data_start);
     try {
@@ -165,7 +178,7 @@ StepReport Trainer::step(const Batch& batch) {
   check_not_halted();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
-  TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
+  FRUGAL_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
   auto parts = split(batch);  // a bad count fails here, before anything is computed
 
   StepReport report;
@@ -217,7 +230,7 @@ StepReport Trainer::trial(const Batch& batch) {
   check_not_halted();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
-  TORCH_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
+  FRUGAL_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
   StepReport report;
   report.samples = samples;
   auto aside = take_grads();
@@ -266,36 +279,39 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     report.time.data_ms += ms_since(t);
 
     t = Clock::now();
-    torch::Tensor loss;
     {
       ScopedPeak forward_peak(probe_);
       {
         detail::ForwardScope scope(policies_, ctx);
-        loss = loss_of(ctx.micro);
-      }
+        torch::Tensor loss = loss_of(ctx.micro);
+        FRUGAL_CHECK(loss.defined() && loss.numel() == 1,
+                     "frugal: the loss must be a scalar, got a tensor of shape ",
+                     loss.defined() ? loss.sizes() : torch::IntArrayRef{});
+        FRUGAL_CHECK(loss.requires_grad(),
+                     "frugal: the loss does not require grad (is the module frozen, or was the "
+                     "forward run under no_grad?)");
+        if (loss.dim() != 0) {
+          loss = loss.reshape({});
+        }
+        // The weight makes the sum over micro-batches the gradient of the batch's mean
+        // loss; within an accumulation window, the division by the window's count waits
+        // for its end. A micro-batch that counts nothing (all padding) weighs nothing:
+        // its mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
+        const bool counts_nothing = mean && counts[i] == 0;
+        const double share = mean ? static_cast<double>(counts[i]) : 1.0;
+        const double weight = windowed ? share : share / static_cast<double>(total);
+        if (counts_nothing) {
+          loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
+        } else if (micros.size() == 1) {
+          logged = loss.detach().item<double>() * share;  // one read, as a plain loop does
+        } else {
+          const auto detached = loss.detach().to(torch::kDouble) * share;
+          loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+        }
+        ctx.loss = weight == 1.0 || counts_nothing ? loss : loss * weight;
+      }  // AfterForward hooks see ctx.loss
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
     }
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "frugal: the loss must be a scalar, got a tensor of shape ",
-                loss.defined() ? loss.sizes() : torch::IntArrayRef{});
-    TORCH_CHECK(loss.requires_grad(),
-                "frugal: the loss does not require grad (is the module frozen, or was the "
-                "forward run under no_grad?)");
-    // The weight makes the sum over micro-batches the gradient of the batch's mean loss;
-    // within an accumulation window, the division by the window's count waits for its end.
-    const double share = mean ? static_cast<double>(counts[i]) : 1.0;
-    const double weight = windowed ? share : share / static_cast<double>(total);
-    if (micros.size() == 1) {
-      logged = loss.detach().item<double>() * share;  // one read, as a plain loop does
-    } else {
-      const auto detached = loss.detach().to(torch::kDouble) * share;
-      loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
-    }
-    if (loss.dim() != 0) {
-      loss = loss.reshape({});
-    }
-    ctx.loss = weight == 1.0 ? loss : loss * weight;
-    loss = torch::Tensor();
     report.time.forward_ms += ms_since(t);
 
     t = Clock::now();
@@ -324,6 +340,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     logged = loss_sum.item<double>();
   }
   report.loss = logged / static_cast<double>(total);
+  window_non_finite_ = window_non_finite_ || (!ctx.trial && !std::isfinite(report.loss));
 }
 
 void Trainer::finish_report(StepReport& report) {

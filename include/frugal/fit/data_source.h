@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "frugal/train/batch.h"
+#include "frugal/error.h"
 
 namespace frugal {
 
@@ -52,7 +53,7 @@ class TorchDataset : public DataSource {
  public:
   explicit TorchDataset(Dataset dataset) : dataset_(std::move(dataset)) {
     const auto n = dataset_.size();
-    TORCH_CHECK(n.has_value(), "frugal: TorchDataset needs a dataset of known size");
+    FRUGAL_CHECK(n.has_value(), "frugal: TorchDataset needs a dataset of known size");
     size_ = static_cast<std::int64_t>(*n);
   }
   std::int64_t size() const override { return size_; }

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "frugal/memory/format.h"
+
 namespace frugal {
 
 /// Figures of the counting CPU allocator: `allocated` in requested bytes, exactly.

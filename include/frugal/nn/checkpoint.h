@@ -3,7 +3,12 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/pimpl.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
 
 #include "frugal/checkpoint.h"
 
@@ -38,5 +43,61 @@ class CheckpointImpl : public torch::nn::Module {
 };
 
 TORCH_MODULE(Checkpoint);
+
+namespace detail {
+
+/// A module a CheckpointPolicy chose, reached through frugal::nn::call.
+struct CallChoice {
+  CheckpointOptions options;
+  std::atomic<bool> enabled{true};
+  std::atomic<std::int64_t> calls{0};  // calls while gradients were recorded
+};
+
+/// The registry of chosen modules (thread-safe): a policy adds its choices and removes
+/// them when it goes.
+void add_call_choice(const torch::nn::Module* module, std::shared_ptr<CallChoice> choice);
+void remove_call_choice(const torch::nn::Module* module);
+
+/// How `module` is to be checkpointed (counting the call), or null when no policy chose
+/// it or its checkpointing is off.
+std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module);
+
+template <typename T>
+auto module_ptr(const std::shared_ptr<T>& p) {
+  return p;
+}
+template <typename T>
+auto module_ptr(const torch::nn::ModuleHolder<T>& holder) {
+  return holder.ptr();
+}
+
+}  // namespace detail
+
+/// Calls `block->forward(args...)`, checkpointed when a CheckpointPolicy chose `block` and
+/// gradients are being recorded (Tensor arguments are the checkpoint's inputs, other
+/// arguments pass through; the block's parameters always get gradients). A plain forward
+/// otherwise. `block` is a module holder (Linear, a TORCH_MODULE) or a shared_ptr to a
+/// module, e.g. from ModuleList's `ptr<BlockImpl>(i)`.
+///
+/// Example:
+///   torch::Tensor forward(torch::Tensor x, torch::Tensor mask) {
+///     for (std::size_t i = 0; i < blocks->size(); ++i) {
+///       x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);
+///     }
+///     return head(x);
+///   }
+template <typename Block, typename... Args>
+auto call(const Block& block, const Args&... args) {
+  auto ptr = detail::module_ptr(block);
+  std::shared_ptr<const CheckpointOptions> chosen;
+  if (at::GradMode::is_enabled()) {
+    chosen = detail::checkpoint_choice(*ptr);
+  }
+  if (chosen == nullptr) {
+    return ptr->forward(args...);
+  }
+  return checkpoint([ptr](const auto&... a) { return ptr->forward(a...); },
+                    CheckpointOptions(*chosen).params(ptr->parameters()), args...);
+}
 
 }  // namespace frugal::nn

@@ -97,6 +97,7 @@ class GradScalerPolicy : public Policy {
   std::string name() const override { return "grad-scaler"; }
   /// Acts on every gradient before any parameter changes.
   bool needs_all_gradients() const override { return true; }
+  bool handles_non_finite() const override { return true; }
   void before_backward(StepContext& ctx) override;
   void before_optimizer_step(StepContext& ctx) override;
   void after_optimizer_step(StepContext& ctx) override;

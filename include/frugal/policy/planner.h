@@ -30,6 +30,11 @@ struct PlannerOptions {
   /// (frugal::optim::Adam8bit, AdamW8bit) with no state yet. They change the numerics a
   /// little, so they are chosen only when nothing fits with float32 states.
   TORCH_ARG(bool, quantized_states) = false;
+  /// Plans whose predicted time is within this share of the fastest count as equally fast;
+  /// among them a fixed order decides (fewest policies, then fewest micro-batches, then no
+  /// checkpointing, then no step in backward), so timing noise on a busy machine does not
+  /// change the choice between runs.
+  TORCH_ARG(double, time_tolerance) = 0.25;
 };
 
 /// One configuration the planner considered.
@@ -83,14 +88,16 @@ struct MemoryPlan {
 /// (InPlaceOptimizer::scratch_bytes). Under the step in backward there is no such peak:
 /// the trial measures gradients freed as they are used.
 ///
-/// Pass the largest batch the run will see: the plan holds for the sample it measured.
+/// Plan with the worst-case batch (the longest sequences, the largest images the run will
+/// see): the plan holds for the sample it measured, and a larger real batch may peak above
+/// the budget. Keep OomRecovery as the backstop for what the sample did not foresee.
 ///
 /// With frugal's 8-bit optimizers (Adam8bit, AdamW8bit) the state to come is counted from
 /// their format, and with PlannerOptions::quantized_states each configuration is also
 /// predicted with 8-bit states (the trials do not depend on the states' format).
 ///
-/// Cheapest: the least predicted time; plans within 5% of it count as equal and the one
-/// with the fewest policies wins. 8-bit states and autocast change the numerics, so they
+/// Cheapest: the least predicted time; plans within PlannerOptions::time_tolerance (25%)
+/// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit states and autocast change the numerics, so they
 /// are chosen only when nothing fits without them: float32 states first, then 8-bit
 /// states, then autocast, then both. The chosen plan is applied to the trainer (its micro-batch and
 /// the planner's policies, added to the trainer once) and measured.
@@ -98,8 +105,13 @@ struct MemoryPlan {
 /// Example:
 ///   frugal::MemoryPlanner planner(trainer, frugal::PlannerOptions().checkpoint(
 ///       frugal::CheckpointSelect().types({"ResidualBlock"})));
-///   auto plan = planner.plan(512 << 20, sample_batch);
+///   auto plan = planner.plan(frugal::MiB(512), worst_case_batch);
 ///   fmt::print("{}\n", plan.table());
+namespace detail {
+/// The planner's choice among `options` (see MemoryPlanner), or null when none fits.
+const PlanOption* choose_plan(const std::vector<PlanOption>& options, double time_tolerance);
+}  // namespace detail
+
 class MemoryPlanner {
  public:
   explicit MemoryPlanner(Trainer& trainer, PlannerOptions options = {});

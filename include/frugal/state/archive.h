@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include "frugal/error.h"
 
 namespace frugal::state {
 
@@ -23,41 +24,41 @@ inline void write_double(torch::serialize::OutputArchive& archive, const std::st
 /// The value under `key`; throws naming the key when it is missing or of another kind.
 inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
   c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value), "frugal: the saved state has no '", key, "'");
+  FRUGAL_CHECK(archive.try_read(key, value), "frugal: the saved state has no '", key, "'");
   return value;
 }
 
 inline std::int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
-  TORCH_CHECK(value.isInt(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+  FRUGAL_CHECK(value.isInt(), "frugal: the saved '", key, "' is a ", value.tagKind(),
               ", not an integer");
   return value.toInt();
 }
 
 inline double read_double(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
-  TORCH_CHECK(value.isDouble(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+  FRUGAL_CHECK(value.isDouble(), "frugal: the saved '", key, "' is a ", value.tagKind(),
               ", not a number");
   return value.toDouble();
 }
 
 inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
-  TORCH_CHECK(value.isString(), "frugal: the saved '", key, "' is a ", value.tagKind(),
+  FRUGAL_CHECK(value.isString(), "frugal: the saved '", key, "' is a ", value.tagKind(),
               ", not a string");
   return value.toStringRef();
 }
 
 inline torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
   torch::Tensor tensor;
-  TORCH_CHECK(archive.try_read(key, tensor), "frugal: the saved state has no tensor '", key, "'");
+  FRUGAL_CHECK(archive.try_read(key, tensor), "frugal: the saved state has no tensor '", key, "'");
   return tensor;
 }
 
 inline torch::serialize::InputArchive read_archive(torch::serialize::InputArchive& archive,
                                                    const std::string& key) {
   torch::serialize::InputArchive nested;
-  TORCH_CHECK(archive.try_read(key, nested), "frugal: the saved state has no '", key, "'");
+  FRUGAL_CHECK(archive.try_read(key, nested), "frugal: the saved state has no '", key, "'");
   return nested;
 }
 

@@ -44,6 +44,17 @@ struct TrainerOptions {
   TORCH_ARG(c10::optional<std::int64_t>, eval_batch) = c10::nullopt;
   /// Evaluate under c10::InferenceMode rather than torch::NoGradGuard.
   TORCH_ARG(bool, inference_mode) = false;
+  /// Targets equal to this are left out of EvalReport::accuracy (padding; PyTorch's
+  /// cross_entropy default).
+  TORCH_ARG(std::int64_t, ignore_index) = -100;
+  /// Skip the optimizer step when the step's loss is NaN or infinite (or, with
+  /// check_gradients, any gradient is): the weights are not poisoned; the report says
+  /// `skipped` and `non_finite`, and Trainer::skipped_steps() counts it. Policies that
+  /// handle non-finite values themselves (GradScaler) take over from it.
+  TORCH_ARG(bool, skip_non_finite) = true;
+  /// Also scan every gradient before the step for NaN/inf (one pass over the gradients);
+  /// otherwise only the loss, which costs nothing, is checked.
+  TORCH_ARG(bool, check_gradients) = false;
   /// Measure the ledger (weights, gradients, optimizer state) in every report.
   TORCH_ARG(bool, ledger) = true;
   /// Whose bytes the reports' allocated figure and peaks count on the CPU: the thread that

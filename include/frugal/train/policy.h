@@ -43,8 +43,9 @@ struct StepContext {
   Batch micro;                  ///< the micro-batch in flight (forward/backward phases)
   std::int64_t micro_index = 0;
   std::int64_t micro_count = 0;
-  /// After forward: the micro-batch's loss, already weighted by its share of the global
-  /// count. A policy may replace it before backward (a GradScaler multiplies it).
+  /// From AfterForward on: the micro-batch's loss, already weighted by its share of the
+  /// global count (zero for a micro-batch whose count is zero). A policy may replace it
+  /// before backward (a GradScaler multiplies it).
   torch::Tensor loss;
   /// Set in BeforeOptimizerStep to skip the optimizer step (e.g. inf/NaN gradients).
   bool skip_optimizer_step = false;
@@ -57,6 +58,10 @@ struct StepContext {
   /// The count this optimizer step's gradients are divided by (the accumulation window's
   /// samples or tokens on this process); set from the backward that completes the step.
   std::int64_t window_count = 0;
+  /// Set before BeforeOptimizerStep when the engine's guard (TrainerOptions::
+  /// skip_non_finite) found the step's loss NaN or infinite: the step will be skipped. A
+  /// policy that shares the step among processes makes them agree (DataParallel does).
+  bool non_finite = false;
 };
 
 /// A policy hooks phases of the step. Override what you need; the engine calls every
@@ -117,6 +122,9 @@ class Policy {
   /// True when the policy needs every gradient of a step before any parameter changes
   /// (clipping by the global norm, GradScaler's inf/NaN check).
   virtual bool needs_all_gradients() const { return false; }
+  /// True when the policy deals with non-finite losses and gradients itself (GradScaler):
+  /// the engine's guard (TrainerOptions::skip_non_finite) then stays out of its way.
+  virtual bool handles_non_finite() const { return false; }
   /// True when the policy changes parameters during backward. The engine refuses it
   /// together with a policy that needs all gradients.
   virtual bool updates_in_backward() const { return false; }

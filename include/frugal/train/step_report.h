@@ -32,6 +32,9 @@ struct StepReport {
   double lr = 0;                   ///< learning rate of the first parameter group
   double scale = 1;                ///< loss scale in use (1 without a GradScaler)
   bool skipped = false;            ///< the optimizer step was skipped (inf/NaN gradients)
+  /// The step was skipped because the loss or a gradient was not finite (no GradScaler:
+  /// the engine's own guard, TrainerOptions::skip_non_finite).
+  bool non_finite = false;
   std::int64_t skipped_total = 0;  ///< optimizer steps skipped so far
   std::int64_t oom_retries = 0;    ///< out-of-memory retries within this step
   PhaseTimes time;
@@ -49,7 +52,10 @@ struct StepReport {
 struct EvalReport {
   std::int64_t step = 0;      ///< optimizer steps taken before it
   double loss = 0;            ///< mean loss over the samples
-  double accuracy = -1;       ///< share of argmax hits for class targets; -1 when n/a
+  /// Share of argmax hits among the scored targets (class targets, per sample or per
+  /// position, those equal to TrainerOptions::ignore_index left out); -1 when n/a.
+  double accuracy = -1;
+  std::int64_t scored = 0;    ///< targets the accuracy counts
   std::int64_t samples = 0;
   std::int64_t count = 0;        ///< what the loss is averaged over (samples, or the count's)
   std::int64_t batch_size = 0;   ///< evaluation batch size at the end

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "frugal/error.h"
 #include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"
@@ -24,18 +25,6 @@ class GradReady;
 class OptimizerStepGuard;
 }
 
-/// A step failed after some parameters had been changed: by a policy during backward (the
-/// optimizer step in backward), or by a LibTorch optimizer that failed midway through its
-/// step. Those parameters (values or optimizer state) hold new values, all others the old
-/// ones. The trainer's counters are as before the step and the accumulation window's
-/// gradients are dropped. The trainer then refuses to step until the caller decides: load
-/// a saved state, or call Trainer::accept_partial_update(). `updated` names the parameters.
-class PartialStepError : public std::runtime_error {
- public:
-  PartialStepError(const std::string& what, std::vector<std::string> updated)
-      : std::runtime_error(what), updated(std::move(updated)) {}
-  std::vector<std::string> updated;
-};
 
 /// The trainer's counters and sizes, as a saved training state carries them.
 struct TrainerCounters {
@@ -76,6 +65,10 @@ class Trainer {
   using LossFn = std::function<torch::Tensor(const torch::Tensor& output,
                                              const torch::Tensor& targets)>;
   using BatchLossFn = std::function<torch::Tensor(const Batch& batch)>;
+  /// A forward of a whole (micro-)batch, for models that take several tensors.
+  using BatchForwardFn = std::function<torch::Tensor(const Batch& batch)>;
+  /// A loss of the forward's output and the (micro-)batch it came from.
+  using OutputLossFn = std::function<torch::Tensor(const torch::Tensor& output, const Batch& batch)>;
 
   /// A module holder with a forward(Tensor), its optimizer and a loss of (output, targets).
   template <typename ModuleHolder>
@@ -85,9 +78,32 @@ class Trainer {
                 [model](const torch::Tensor& x) mutable { return model->forward(x); },
                 optimizer, std::move(loss), std::move(options)) {}
 
+  /// A LibTorch loss function whose third parameter is its options with a default, as
+  /// torch::nn::functional::cross_entropy or mse_loss: called with default options.
+  template <typename ModuleHolder, typename LossOptions>
+  Trainer(ModuleHolder model, torch::optim::Optimizer& optimizer,
+          torch::Tensor (*loss)(const torch::Tensor&, const torch::Tensor&, const LossOptions&),
+          TrainerOptions options = {})
+      : Trainer(std::move(model), optimizer,
+                LossFn([loss](const torch::Tensor& output, const torch::Tensor& targets) {
+                  return loss(output, targets, LossOptions{});
+                }),
+                std::move(options)) {}
   Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
           torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options = {});
-
+  /// Several tensors a sample: `forward` receives each micro-batch (inputs, targets and its
+  /// named tensors, Batch::get), `loss` its output and the same micro-batch. evaluate()
+  /// reports loss and accuracy as with a plain forward.
+  ///
+  /// Example:
+  ///   frugal::Trainer trainer(
+  ///       model.ptr(), adam,
+  ///       [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("mask")); },
+  ///       [](const torch::Tensor& logits, const frugal::Batch& b) {
+  ///         return torch::nn::functional::cross_entropy(logits.flatten(0, 1), b.targets.flatten());
+  ///       });
+  Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+          BatchForwardFn forward, OutputLossFn loss, TrainerOptions options = {});
   /// A user callable computes the loss of a (micro-)batch; evaluate() reports its loss only.
   Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
           BatchLossFn batch_loss, TrainerOptions options = {});
@@ -148,8 +164,8 @@ class Trainer {
   void restore_counters(const TrainerCounters& counters);
 
  private:
-  Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
-          torch::optim::Optimizer& optimizer, LossFn loss, BatchLossFn batch_loss,
+  Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+          BatchForwardFn forward, OutputLossFn loss, BatchLossFn batch_loss,
           TrainerOptions options);
 
   struct Split {
@@ -163,6 +179,8 @@ class Trainer {
   void put_back_grads(std::vector<torch::Tensor> aside, bool add);
   bool retries_steps() const;
   torch::Tensor loss_of(const Batch& micro) const;
+  bool guards_non_finite() const;
+  bool grads_finite() const;
   std::int64_t count_of(const Batch& micro) const;
   std::vector<std::int64_t> plan(std::int64_t samples) const;
   void run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
@@ -183,9 +201,9 @@ class Trainer {
   void finish_report(StepReport& report);
 
   std::shared_ptr<torch::nn::Module> module_;
-  ForwardFn forward_;
+  BatchForwardFn forward_;
   torch::optim::Optimizer& optimizer_;
-  LossFn loss_;
+  OutputLossFn loss_;
   BatchLossFn batch_loss_;
   TrainerOptions options_;
   MemoryProbe probe_;
@@ -201,6 +219,7 @@ class Trainer {
   std::int64_t batches_ = 0;
   std::int64_t window_batches_ = 0;
   std::int64_t window_count_ = 0;
+  bool window_non_finite_ = false;  // a loss of the open window was NaN or infinite
   std::string halted_;  // set by a partial update, until accept_partial_update()
 };
 

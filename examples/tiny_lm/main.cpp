@@ -1,0 +1,189 @@
+// A character-level causal Transformer language model on English text (Debian's
+// `fortunes`), trained with frugal: padded variable-length batches whose loss is averaged
+// over non-padding tokens, micro-batches, checkpointed blocks, bf16 autocast, out-of-memory
+// recovery, and the held-out perplexity.
+//
+//   tiny_lm [--batch 32] [--micro-batch 8] [--checkpoint] [--autocast bf16] [--max-steps 600]
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include "corpus.h"
+#include "model.h"
+
+namespace {
+
+struct Args {
+  std::string data_dir = "/usr/share/games/fortunes";
+  std::int64_t batch = 32;
+  std::int64_t micro_batch = 0;
+  double lr = 2e-3;
+  double dropout = 0.1;
+  bool checkpoint = false;
+  std::string autocast = "off";
+  std::uint64_t seed = 1;
+  int threads = 0;
+  std::int64_t max_steps = 600;
+  std::int64_t max_len = 128;
+  std::int64_t dim = 128;
+  std::int64_t heads = 4;
+  std::int64_t layers = 4;
+  std::int64_t eval_every = 200;
+  std::int64_t eval_samples = 1000;
+  std::int64_t memory_cap = 0;
+  std::string report;
+  bool quiet = false;
+};
+
+// Held-out: every 10th sequence, the first `limit` of them, in one padded batch.
+frugal::Batch held_out(const std::vector<std::vector<std::int64_t>>& seqs, std::int64_t limit,
+                       std::vector<std::int64_t>* train) {
+  std::vector<std::int64_t> test;
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(seqs.size()); ++i) {
+    if (i % 10 == 9) {
+      if (static_cast<std::int64_t>(test.size()) < limit) {
+        test.push_back(i);
+      }
+    } else {
+      train->push_back(i);
+    }
+  }
+  return tiny_lm::make_batch(seqs, test);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"tiny_lm: a character-level Transformer language model on Debian's fortunes"};
+  app.add_option("--data-dir", a.data_dir, "Folder of fortune files");
+  app.add_option("--batch", a.batch, "Sequences per optimizer step")->check(CLI::PositiveNumber);
+  app.add_option("--micro-batch", a.micro_batch, "Sequences per micro-batch (0: the whole batch)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--lr", a.lr, "AdamW learning rate");
+  app.add_option("--dropout", a.dropout, "Dropout in the embeddings and blocks")
+      ->check(CLI::Range(0.0, 0.99));
+  app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every Transformer block");
+  app.add_option("--autocast", a.autocast, "off or bf16")->check(CLI::IsMember({"off", "bf16"}));
+  app.add_option("--seed", a.seed, "Seed of the weights, the order and dropout");
+  app.add_option("--threads", a.threads, "LibTorch threads (0: its default)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--max-steps", a.max_steps, "Optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--max-len", a.max_len, "Longest sequence, in characters")
+      ->check(CLI::Range(8, 4096));
+  app.add_option("--dim", a.dim, "Model width")->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads, "Attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--layers", a.layers, "Transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--eval-every", a.eval_every, "Steps between held-out evaluations (0: at the end)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-samples", a.eval_samples, "Held-out sequences evaluated")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--memory-cap", a.memory_cap, "Cap on counted CPU bytes, in MiB (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--report", a.report, "Write a JSON-lines report here");
+  app.add_flag("--quiet", a.quiet, "Print only the result line");
+  CLI11_PARSE(app, argc, argv);
+  if (a.dim % a.heads != 0) {
+    fmt::print(stderr, "tiny_lm: --dim {} is not a multiple of --heads {}\n", a.dim, a.heads);
+    return 2;
+  }
+
+  try {
+    if (a.threads > 0) {
+      torch::set_num_threads(a.threads);
+    }
+    torch::manual_seed(a.seed);
+    const auto seqs = tiny_lm::read_fortunes(a.data_dir, a.max_len);
+    std::vector<std::int64_t> train;
+    const auto test = held_out(seqs, a.eval_samples, &train);
+
+    tiny_lm::TinyLM model(tiny_lm::ModelOptions{tiny_lm::kVocab, a.max_len, a.dim, a.heads,
+                                                a.layers, a.dropout});
+    frugal::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+    auto options = frugal::TrainerOptions().count(tiny_lm::tokens).eval_batch(250);
+    if (a.micro_batch > 0) {
+      options.micro_batch(a.micro_batch);
+    }
+    frugal::Trainer trainer(
+        model.ptr(), adamw,
+        [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("padding")); },
+        [](const torch::Tensor& logits, const frugal::Batch& b) {
+          return torch::nn::functional::cross_entropy(
+              logits.flatten(0, 1).to(torch::kFloat), b.targets.flatten(),
+              torch::nn::functional::CrossEntropyFuncOptions().ignore_index(tiny_lm::kIgnore));
+        },
+        options);
+    if (a.checkpoint) {
+      trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+          frugal::CheckpointSelect().types({"tiny_lm::Block"})));
+    }
+    if (a.autocast == "bf16") {
+      frugal::use_mixed_precision(trainer, torch::kBFloat16);
+    }
+    trainer.add_policy(std::make_shared<frugal::OomRecovery>());
+    trainer.add_policy(std::make_shared<frugal::LrSchedule>(
+        frugal::LrScheduleOptions().decay(frugal::LrDecay::Cosine).warmup_steps(std::min<std::int64_t>(50, a.max_steps / 10))
+            .total_steps(a.max_steps).min_factor(0.1)));
+    if (!a.quiet) {
+      trainer.add_sink(std::make_shared<frugal::ConsoleSink>(stdout, 50));
+    }
+    if (!a.report.empty()) {
+      trainer.add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
+    }
+    std::unique_ptr<frugal::ScopedCpuCap> cap;
+    if (a.memory_cap > 0) {
+      cap = std::make_unique<frugal::ScopedCpuCap>(frugal::MiB(a.memory_cap));
+    }
+    if (!a.quiet) {
+      fmt::print("tiny_lm: {} training and {} held-out sequences of up to {} characters; "
+                 "{} parameters\n", train.size(), test.size(), a.max_len,
+                 [&] { std::int64_t n = 0; for (const auto& p : model->parameters()) n += p.numel(); return n; }());
+    }
+
+    auto generator = torch::make_generator<torch::CPUGeneratorImpl>(a.seed);
+    const auto start = std::chrono::steady_clock::now();
+    frugal::EvalReport eval;
+    double last_loss = 0;
+    std::int64_t epoch = 0;
+    std::int64_t at = static_cast<std::int64_t>(train.size());  // forces a first shuffle
+    torch::Tensor order;
+    while (trainer.steps() < a.max_steps) {
+      if (at + a.batch > static_cast<std::int64_t>(train.size())) {
+        order = torch::randperm(static_cast<std::int64_t>(train.size()), generator);
+        at = 0;
+        ++epoch;
+      }
+      std::vector<std::int64_t> which;
+      const auto* o = order.data_ptr<std::int64_t>();
+      for (std::int64_t i = 0; i < a.batch; ++i) {
+        which.push_back(train[static_cast<std::size_t>(o[at + i])]);
+      }
+      at += a.batch;
+      last_loss = trainer.step(tiny_lm::make_batch(seqs, which)).loss;
+      const bool last = trainer.steps() == a.max_steps;
+      if (last || (a.eval_every > 0 && trainer.steps() % a.eval_every == 0)) {
+        eval = trainer.evaluate(test);
+        if (!a.quiet) {
+          fmt::print("step {}: held-out loss {:.4f} perplexity {:.3f} accuracy {:.4f}\n",
+                     trainer.steps(), eval.loss, std::exp(eval.loss), eval.accuracy);
+        }
+      }
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    fmt::print("tiny_lm: {} steps ({} epochs) in {:.1f} s, train loss {:.4f}, held-out "
+               "perplexity {:.3f}, accuracy {:.4f}, skipped {}\n",
+               trainer.steps(), epoch, seconds, last_loss, std::exp(eval.loss), eval.accuracy,
+               trainer.skipped_steps());
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "tiny_lm: {}\n", frugal::error_message(e));
+    return 1;
+  }
+}

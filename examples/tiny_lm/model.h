@@ -1,0 +1,77 @@
+// A small causal Transformer language model: embeddings, blocks that wrap LibTorch's
+// TransformerEncoderLayer (held in a ModuleList, called through frugal::nn::call so that
+// CheckpointPolicy can checkpoint them), a final norm and the head.
+#pragma once
+
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+
+namespace tiny_lm {
+
+struct ModelOptions {
+  std::int64_t vocab = 0;
+  std::int64_t max_len = 128;
+  std::int64_t dim = 128;
+  std::int64_t heads = 4;
+  std::int64_t layers = 4;
+  double dropout = 0.1;
+};
+
+// One Transformer layer (post-norm, as LibTorch builds it) over [batch, time, dim] with a causal mask and the
+// padding mask of the keys.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(std::int64_t dim, std::int64_t heads, double dropout)
+      : layer(register_module(
+            "layer", torch::nn::TransformerEncoderLayer(
+                         torch::nn::TransformerEncoderLayerOptions(dim, heads)
+                             .dim_feedforward(4 * dim)
+                             .dropout(dropout)
+                             .activation(torch::kGELU)))) {}
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& causal,
+                        const torch::Tensor& padding) {
+    // LibTorch's layer takes [time, batch, dim].
+    return layer->forward(x.transpose(0, 1), causal, padding).transpose(0, 1);
+  }
+
+  torch::nn::TransformerEncoderLayer layer;
+};
+TORCH_MODULE(Block);
+
+struct TinyLMImpl : torch::nn::Module {
+  explicit TinyLMImpl(const ModelOptions& o)
+      : tokens(register_module("tokens", torch::nn::Embedding(o.vocab, o.dim))),
+        positions(register_module("positions", torch::nn::Embedding(o.max_len, o.dim))),
+        drop(register_module("drop", torch::nn::Dropout(o.dropout))),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim})))),
+        head(register_module("head", torch::nn::Linear(o.dim, o.vocab))) {
+    for (std::int64_t i = 0; i < o.layers; ++i) {
+      blocks->push_back(Block(o.dim, o.heads, o.dropout));
+    }
+  }
+
+  // Logits [batch, time, vocab] of the next token at every position.
+  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& padding) {
+    const auto len = input.size(1);
+    const auto where = torch::arange(len, torch::TensorOptions().device(input.device()));
+    auto x = drop(tokens(input) + positions(where));
+    // True above the diagonal: a position sees itself and what came before.
+    const auto causal = torch::ones({len, len}, torch::TensorOptions().dtype(torch::kBool)
+                                                    .device(input.device()))
+                            .triu(1);
+    for (std::size_t i = 0; i < blocks->size(); ++i) {
+      x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, causal, padding);
+    }
+    return head(norm(x));
+  }
+
+  torch::nn::Embedding tokens, positions;
+  torch::nn::Dropout drop;
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(TinyLM);
+
+}  // namespace tiny_lm
