@@ -107,8 +107,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     FRUGAL_CHECK(!torch::GradMode::is_enabled(),
-                "frugal: checkpoint does not support double backward (backward with "
-                "create_graph=true through a checkpointed block)");
+                 "frugal: checkpoint does not support double backward (backward with "
+                 "create_graph=true through a checkpointed block)");
     auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
         ctx->saved_data.at("state").toCapsule());
     variable_list saved;
@@ -116,8 +116,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       saved = ctx->get_saved_variables();
     } catch (const c10::Error&) {
       FRUGAL_CHECK(false, "frugal: backward through a checkpointed block a second time: the "
-                  "first backward freed its saved inputs (pass retain_graph=true to the first "
-                  "backward to go through it again)");
+                   "first backward freed its saved inputs (pass retain_graph=true to the first "
+                   "backward to go through it again)");
     }
     const std::vector<torch::Tensor> params(saved.begin() + state->inputs, saved.end());
     std::vector<torch::Tensor> detached;
@@ -178,9 +178,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       return result;
     }
     FRUGAL_CHECK(!roots.empty(), "frugal: none of the checkpointed block's outputs requires "
-                "grad in the recompute, though ", targets.size(), " of its inputs and "
-                "parameters do: the block detaches its outputs, or checkpointing it is "
-                "unnecessary");
+                 "grad in the recompute, though ", targets.size(), " of its inputs and "
+                 "parameters do: the block detaches its outputs, or checkpointing it is "
+                 "unnecessary");
     const auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
                                              /*create_graph=*/false, /*allow_unused=*/true);
     for (std::size_t k = 0; k < grads.size(); ++k) {
@@ -222,7 +222,7 @@ torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t seg
                                     const torch::Tensor& input, CheckpointOptions options) {
   const auto n = static_cast<std::int64_t>(seq->size());
   FRUGAL_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ",
-              segments);
+               segments);
   FRUGAL_CHECK(n >= 1, "frugal: checkpoint_sequential of an empty Sequential");
   auto run_range = [&seq](std::int64_t from, std::int64_t to, torch::Tensor x) {
     for (std::int64_t i = from; i < to; ++i) {

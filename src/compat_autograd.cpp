@@ -32,7 +32,7 @@ class Installed : public GradAccumulatedHook {
   Installed(const at::Tensor& leaf, Fn fn) : leaf_(leaf) {
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(leaf);
     FRUGAL_CHECK(slot == nullptr, "frugal: the tensor has a post-accumulate-grad hook already "
-                "(one per tensor): another Trainer or policy is hooked to it");
+                 "(one per tensor): another Trainer or policy is hooked to it");
     torch::autograd::impl::set_post_acc_grad_hooks(leaf, std::make_unique<PostAccumulate>(std::move(fn)));
   }
   ~Installed() override { torch::autograd::impl::set_post_acc_grad_hooks(leaf_, nullptr); }

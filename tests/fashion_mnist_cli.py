@@ -19,17 +19,12 @@ import signal
 import socket
 import subprocess
 import sys
+
+from cli_check import check, finish
 import time
 
 BINARY, WORK = sys.argv[1], sys.argv[2]
 os.makedirs(WORK, exist_ok=True)
-failures = []
-
-
-def check(condition, what):
-    print(("ok   " if condition else "FAIL ") + what)
-    if not condition:
-        failures.append(what)
 
 
 def train(name, *flags, steps=20):
@@ -213,5 +208,4 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
           and "Exception raised from" not in text,
           f"{' '.join(args)}: non-zero exit and a clear message ({text.strip().splitlines()[0] if text.strip() else ''})")
 
-print(f"{len(failures)} failed")
-sys.exit(1 if failures else 0)
+finish()

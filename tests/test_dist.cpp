@@ -37,9 +37,10 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
 // micro: micro-batches, an accumulation window, checkpointing and the leak guard; bf16:
-// autocast (compared within bf16's rounding).
-const std::vector<std::string> kModes{"sgd",   "adam",  "micro", "tokens",
-                                      "scaler", "bf16", "zero1", "zero2"};
+// autocast (compared within bf16's rounding); nan: a NaN in the last rank's share, which
+// every rank must skip (the engine's guard, no GradScaler) as one process does.
+const std::vector<std::string> kModes{"sgd",  "adam",  "micro", "tokens", "scaler",
+                                      "bf16", "zero1", "zero2", "nan"};
 
 // The global batches of every step: class targets, or per-position targets (tokens) of
 // which a random share is padding, so ranks hold different token counts.
@@ -61,6 +62,9 @@ Data make_data(const std::string& mode) {
   if (mode == "scaler") {
     d.x[5][kGlobal - 1][0] = std::numeric_limits<float>::infinity();  // on the last rank
   }
+  if (mode == "nan") {
+    d.x[5][kGlobal - 1][0] = std::numeric_limits<float>::quiet_NaN();  // on the last rank
+  }
   return d;
 }
 
@@ -77,7 +81,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
                               torch::nn::Linear(16, 4));
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (mode == "sgd" || mode == "scaler" || mode == "bf16") {
+  if (mode == "sgd" || mode == "scaler" || mode == "bf16" || mode == "nan") {
     optimizer = std::make_unique<torch::optim::SGD>(
         model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   } else if (mode == "zero1" || mode == "zero2") {
@@ -221,7 +225,8 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
       EXPECT_EQ(ranked[params].item<std::int64_t>(), one[params].item<std::int64_t>())
           << "skipped steps, rank " << r;
       if (mode != "micro") {  // with accumulation the ranks report the global half-batches
-        EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], tolerance, tolerance))
+        EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], tolerance, tolerance,
+                                    /*equal_nan=*/true))
             << "reported losses, rank " << r;
       }
       const auto bytes = ranked[params + 2];
@@ -244,8 +249,8 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
         EXPECT_EQ(grads, mode == "zero1" ? elements * 4 : shard) << "rank " << r;
       }
     }
-    if (mode == "scaler") {
-      EXPECT_EQ(one[one.size() - 3].item<std::int64_t>(), 1) << "the inf step is skipped";
+    if (mode == "scaler" || mode == "nan") {
+      EXPECT_EQ(one[one.size() - 3].item<std::int64_t>(), 1) << "the inf/NaN step is skipped";
     }
   }
 }

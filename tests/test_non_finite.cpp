@@ -112,3 +112,26 @@ TEST(NonFinite, AfterForwardHooksSeeTheWeightedLoss) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(NonFinite, TheStepInBackwardDoesNotWriteANanUpdate) {
+  torch::manual_seed(0);
+  auto model = make_mlp(4, 8, 2);
+  frugal::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  frugal::Trainer trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(2));
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  trainer.step({torch::randn({4, 4}), torch::randn({4, 2})});
+  const auto before = clone_all(model->parameters());
+  auto y = torch::randn({4, 2});
+  y[0][0] = std::numeric_limits<float>::quiet_NaN();  // in the first micro-batch
+  const auto r = trainer.step({torch::randn({4, 4}), y});
+  EXPECT_TRUE(r.non_finite);
+  const auto after = model->parameters();
+  for (std::size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(torch::equal(before[i], after[i])) << "parameter " << i;
+  }
+  EXPECT_FALSE(trainer.step({torch::randn({4, 4}), torch::randn({4, 2})}).skipped);
+}
+
+}  // namespace

@@ -190,3 +190,38 @@ TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {
 }
 
 }  // namespace
+
+namespace {
+
+// Three plans that all fit and take about the same time; measured times jitter by up to
+// 8% either way, as on a loaded machine. The choice must not follow the jitter.
+TEST(PlannerChoice, EquallyFastPlansAreChosenByAFixedOrderWhateverTheNoise) {
+  auto option = [](std::int64_t micro_batches, bool checkpoint, double ms) {
+    frugal::PlanOption o;
+    o.micro_batches = micro_batches;
+    o.micro_batch = 64 / micro_batches;
+    o.checkpoint = checkpoint;
+    o.predicted_ms = ms;
+    o.fits = true;
+    return o;
+  };
+  const std::vector<frugal::PlanOption> truth = {option(2, true, 95), option(1, false, 100),
+                                                 option(4, false, 97)};
+  torch::manual_seed(0);
+  for (int trial = 0; trial < 200; ++trial) {
+    auto noisy = truth;
+    for (auto& o : noisy) {
+      o.predicted_ms *= 1 + 0.08 * (2 * torch::rand({1}).item<double>() - 1);
+    }
+    const auto* chosen = frugal::detail::choose_plan(noisy, frugal::PlannerOptions().time_tolerance());
+    ASSERT_NE(chosen, nullptr);
+    EXPECT_EQ(chosen->micro_batches, 1) << "trial " << trial;  // the simplest
+    EXPECT_FALSE(chosen->checkpoint);
+  }
+  // A plan clearly faster than the tolerance still wins.
+  auto faster = truth;
+  faster[0].predicted_ms = 50;
+  EXPECT_TRUE(frugal::detail::choose_plan(faster, 0.25)->checkpoint);
+}
+
+}  // namespace

@@ -6,6 +6,8 @@
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <limits>
+
 namespace tiny_lm {
 
 struct ModelOptions {
@@ -17,8 +19,8 @@ struct ModelOptions {
   double dropout = 0.1;
 };
 
-// One Transformer layer (post-norm, as LibTorch builds it) over [batch, time, dim] with a causal mask and the
-// padding mask of the keys.
+// One Transformer layer (post-norm, as LibTorch builds it) over [batch, time, dim], with an
+// additive attention mask of [time, time].
 struct BlockImpl : torch::nn::Module {
   BlockImpl(std::int64_t dim, std::int64_t heads, double dropout)
       : layer(register_module(
@@ -28,10 +30,9 @@ struct BlockImpl : torch::nn::Module {
                              .dropout(dropout)
                              .activation(torch::kGELU)))) {}
 
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& causal,
-                        const torch::Tensor& padding) {
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask) {
     // LibTorch's layer takes [time, batch, dim].
-    return layer->forward(x.transpose(0, 1), causal, padding).transpose(0, 1);
+    return layer->forward(x.transpose(0, 1), mask).transpose(0, 1);
   }
 
   torch::nn::TransformerEncoderLayer layer;
@@ -55,13 +56,17 @@ struct TinyLMImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& padding) {
     const auto len = input.size(1);
     const auto where = torch::arange(len, torch::TensorOptions().device(input.device()));
-    auto x = drop(tokens(input) + positions(where));
-    // True above the diagonal: a position sees itself and what came before.
-    const auto causal = torch::ones({len, len}, torch::TensorOptions().dtype(torch::kBool)
-                                                    .device(input.device()))
-                            .triu(1);
+    // Padded positions start from zeros. Sequences are padded on the right and attention
+    // is causal, so a real position never sees a padded one: no key padding mask is needed
+    // (LibTorch C++'s would not run under bf16 autocast either).
+    auto x = drop((tokens(input) + positions(where)).masked_fill(padding.unsqueeze(-1), 0.0));
+    // -inf above the diagonal: a position sees itself and what came before. Added to the
+    // attention scores, so that it works under bf16 autocast too.
+    const auto mask = torch::full({len, len}, -std::numeric_limits<float>::infinity(),
+                                  torch::TensorOptions().device(input.device()))
+                          .triu(1);
     for (std::size_t i = 0; i < blocks->size(); ++i) {
-      x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, causal, padding);
+      x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);
     }
     return head(norm(x));
   }

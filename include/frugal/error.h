@@ -21,6 +21,8 @@ namespace frugal {
 class Error : public c10::Error {
  public:
   explicit Error(std::string message);
+  /// The message as frugal wrote it (LibTorch 1.13 would add a newline).
+  const char* what() const noexcept override { return msg().c_str(); }
 };
 
 /// A step failed after some parameters had been changed: by a policy during backward (the

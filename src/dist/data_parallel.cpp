@@ -42,15 +42,15 @@ DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions opt
     : group_(std::move(group)), options_(options) {
   FRUGAL_CHECK(group_ != nullptr, "frugal: DataParallel needs a process group, got a null one");
   FRUGAL_CHECK(options_.bucket_bytes() > 0, "frugal: DataParallel's bucket_bytes must be positive, got ",
-              options_.bucket_bytes());
+               options_.bucket_bytes());
 }
 
 void DataParallel::on_add(Trainer& trainer) {
   for (const auto& other : trainer.policies()) {
     FRUGAL_CHECK(!other->needs_all_gradients() && !other->retries_steps(),
-                "frugal: add DataParallel before '", other->name(), "', which ",
-                other->needs_all_gradients() ? "reads every gradient" : "retries steps",
-                ": it must see the gradients averaged over the ranks");
+                 "frugal: add DataParallel before '", other->name(), "', which ",
+                 other->needs_all_gradients() ? "reads every gradient" : "retries steps",
+                 ": it must see the gradients averaged over the ranks");
   }
   trainer_ = &trainer;
   auto* zero = dynamic_cast<ZeroOptimizer*>(&trainer.optimizer());
@@ -124,13 +124,13 @@ void DataParallel::on_step_begin(StepContext& ctx) {
     return;
   }
   FRUGAL_CHECK(!in_step_, "frugal: rank ", group_->rank(),
-              "'s last step failed, so the ranks are out of step; restart the run (from a "
-              "saved training state)");
+               "'s last step failed, so the ranks are out of step; restart the run (from a "
+               "saved training state)");
   if (stage2_ != nullptr) {
     for (const auto& policy : trainer_->policies()) {
       FRUGAL_CHECK(!policy->needs_all_gradients() || policy.get() == this, "frugal: policy '",
-                  policy->name(), "' reads every gradient, but under ZeRO stage 2 each rank "
-                  "keeps only its share of them; use stage 1");
+                   policy->name(), "' reads every gradient, but under ZeRO stage 2 each rank "
+                   "keeps only its share of them; use stage 1");
     }
   }
   in_step_ = true;
@@ -169,7 +169,7 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
     // The first bucket of the step: the ranks agree on the global count first.
     global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
     FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
-                " ranks is ", global_count_);
+                 " ranks is ", global_count_);
     weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
   }
   torch::NoGradGuard no_grad;

@@ -28,17 +28,17 @@ int integer(const char* name, int low, int high, const int* fallback = nullptr) 
   const char* text = variable(name);
   if (text == nullptr) {
     FRUGAL_CHECK(fallback != nullptr, "frugal: the environment variable ", name,
-                " is not set; start the program with torchrun (e.g. `torchrun "
-                "--nproc-per-node 2 --no-python PROGRAM ...`) or set RANK, WORLD_SIZE, "
-                "MASTER_ADDR and MASTER_PORT");
+                 " is not set; start the program with torchrun (e.g. `torchrun "
+                 "--nproc-per-node 2 --no-python PROGRAM ...`) or set RANK, WORLD_SIZE, "
+                 "MASTER_ADDR and MASTER_PORT");
     return *fallback;
   }
   errno = 0;
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
   FRUGAL_CHECK(errno == 0 && end != text && *end == '\0' && value >= low && value <= high,
-              "frugal: the environment variable ", name, "='", text,
-              "' is not an integer in [", low, ", ", high, "]");
+               "frugal: the environment variable ", name, "='", text,
+               "' is not an integer in [", low, ", ", high, "]");
   return static_cast<int>(value);
 }
 
@@ -53,8 +53,8 @@ void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds ti
     work->wait();
   } catch (const std::exception& e) {
     FRUGAL_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
-                "did not come within the group's timeout (", timeout.count(), " ms). The "
-                "backend said: ", c10::GetExceptionString(e));
+                 "did not come within the group's timeout (", timeout.count(), " ms). The "
+                 "backend said: ", c10::GetExceptionString(e));
   }
   if (!release) {
     return;
@@ -87,8 +87,8 @@ LaunchEnv LaunchEnv::from_environment() {
   env.local_rank = integer("LOCAL_RANK", 0, env.world_size - 1, &zero);
   const char* addr = variable("MASTER_ADDR");
   FRUGAL_CHECK(addr != nullptr, "frugal: the environment variable MASTER_ADDR is not set (rank ",
-              env.rank, " of ", env.world_size, "); torchrun sets it, or set it to rank 0's "
-              "host name or address");
+               env.rank, " of ", env.world_size, "); torchrun sets it, or set it to rank 0's "
+               "host name or address");
   env.master_addr = addr;
   env.master_port = integer("MASTER_PORT", 1, 65535);
   env.restart_count = integer("TORCHELASTIC_RESTART_COUNT", 0, kMax, &zero);
@@ -124,7 +124,7 @@ namespace detail {
 c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
                                           std::chrono::milliseconds) {
   FRUGAL_CHECK(false, "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
-              "not found when frugal was built); use the Gloo backend");
+               "not found when frugal was built); use the Gloo backend");
 }
 }  // namespace detail
 #endif
@@ -137,12 +137,12 @@ std::shared_ptr<Group> Group::single() {
 
 std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   FRUGAL_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
-              "frugal: rank ", env.rank, " is not in a world of ", env.world_size);
+               "frugal: rank ", env.rank, " is not in a world of ", env.world_size);
   if (env.world_size == 1) {
     return single();
   }
   FRUGAL_CHECK(options.timeout().count() > 0, "frugal: the group's timeout must be positive, got ",
-              options.timeout().count(), " ms");
+               options.timeout().count(), " ms");
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(env.master_port);
   store_options.isServer = !env.use_agent_store && env.rank == 0;
@@ -164,8 +164,8 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
   } catch (const std::exception& e) {
     FRUGAL_CHECK(false, "frugal: rank ", env.rank, " could not reach the store at ",
-                env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
-                " ms", old_client_hint, ": ", c10::GetExceptionString(e));
+                 env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
+                 " ms", old_client_hint, ": ", c10::GetExceptionString(e));
   }
   // Keys of an earlier attempt (torchrun restarts) stay apart from this one's.
   store = c10::make_intrusive<c10d::PrefixStore>(
@@ -175,7 +175,7 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   impl->timeout = options.timeout();
   if (options.backend() == Backend::Nccl) {
     FRUGAL_CHECK(torch::cuda::is_available(), "frugal: the NCCL backend needs CUDA, which is not "
-                "available here (rank ", env.rank, ")");
+                 "available here (rank ", env.rank, ")");
     const int device = env.local_rank % static_cast<int>(torch::cuda::device_count());
     impl->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
     impl->pg = detail::make_nccl(store, env.rank, env.world_size, device, options.timeout());
@@ -221,7 +221,7 @@ Work Group::all_reduce(torch::Tensor& tensor) {
 
 void Group::broadcast(torch::Tensor& tensor, int root) {
   FRUGAL_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
-              size_);
+               size_);
   if (!impl_->pg) {
     return;
   }
@@ -234,7 +234,7 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
 
 void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
   FRUGAL_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
-              " output tensors, got ", out.size());
+               " output tensors, got ", out.size());
   if (!impl_->pg) {
     out[0].copy_(in);
     return;

@@ -10,7 +10,7 @@ namespace frugal::dist {
 
 Share share_of(std::int64_t n, int rank, int size) {
   FRUGAL_CHECK(size >= 1 && rank >= 0 && rank < size, "frugal: rank ", rank,
-              " is not in a group of ", size);
+               " is not in a group of ", size);
   FRUGAL_CHECK(n >= 0, "frugal: cannot share ", n, " items");
   const std::int64_t base = n / size;
   const std::int64_t extra = n % size;
@@ -25,7 +25,7 @@ Batch share_of(const Batch& batch, const Group& group) {
 EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   const auto mine = share_of(data, group);
   FRUGAL_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
-              " gets no sample of an evaluation set of ", data.size());
+               " gets no sample of an evaluation set of ", data.size());
   auto report = trainer.evaluate_unreported(mine);
   const bool classes = report.accuracy >= 0;
   auto sums = torch::tensor({report.loss * static_cast<double>(report.count),

@@ -35,11 +35,11 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
   const auto& first = params.front();
   for (auto& p : params) {
     FRUGAL_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
-                "frugal: ZeroOptimizer needs one dtype and device for all parameters; got ",
-                p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
-                first.device());
+                 "frugal: ZeroOptimizer needs one dtype and device for all parameters; got ",
+                 p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
+                 first.device());
     FRUGAL_CHECK(layout.index.emplace(p.unsafeGetTensorImpl(), layout.params.size()).second,
-                "frugal: ZeroOptimizer got a parameter twice");
+                 "frugal: ZeroOptimizer got a parameter twice");
     layout.params.push_back(p);
     layout.offsets.push_back(layout.total);
     layout.total += p.numel();
@@ -63,8 +63,8 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
   parts.inner = make({parts.shard});
   FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
                   parts.inner->param_groups()[0].params().size() == 1,
-              "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
-              "it is given");
+               "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
+               "it is given");
   return parts;
 }
 
@@ -84,13 +84,13 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOpti
       shard_(std::move(parts.shard)),
       inner_(std::move(parts.inner)) {
   FRUGAL_CHECK(options_.stage() == 1 || options_.stage() == 2,
-              "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
+               "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
 }
 
 void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
   const auto it = layout_->index.find(param.unsafeGetTensorImpl());
   FRUGAL_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
-              "parameter it does not hold");
+               "parameter it does not hold");
   torch::NoGradGuard no_grad;
   auto& owned = shard_.mutable_grad();
   if (!owned.defined()) {
@@ -179,9 +179,9 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   const auto ranks = state::read_int(archive, "zero/ranks");
   const auto elements = state::read_int(archive, "zero/elements");
   FRUGAL_CHECK(ranks == group_->size() && rank == group_->rank() && elements == layout_->total,
-              "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
-              elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
-              " with ", layout_->total, " elements");
+               "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
+               elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
+               " with ", layout_->total, " elements");
   auto inner = state::read_archive(archive, "zero/inner");
   inner_->load(inner);
 }

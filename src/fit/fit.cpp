@@ -56,7 +56,7 @@ void check_options(const FitOptions& o, const DataSource& train) {
   FRUGAL_CHECK(o.eval_every() >= 0, "frugal: fit eval_every must be >= 0, got ", o.eval_every());
   FRUGAL_CHECK(o.save_every() >= 0, "frugal: fit save_every must be >= 0, got ", o.save_every());
   FRUGAL_CHECK(!o.save_dir().empty() || (!o.resume() && o.save_every() == 0),
-              "frugal: fit resume and save_every need a save_dir");
+               "frugal: fit resume and save_every need a save_dir");
   FRUGAL_CHECK(train.size() >= 1, "frugal: fit needs training data, got 0 samples");
 }
 
@@ -72,12 +72,12 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
   }
   auto& pos = result.position;
   FRUGAL_CHECK(user->values.count(kEpoch) && user->values.count(kBatch), "frugal: '",
-              saves.resumed_from(), "' was not saved by fit (no position in it)");
+               saves.resumed_from(), "' was not saved by fit (no position in it)");
   pos.epoch = user->values.at(kEpoch);
   pos.batch = user->values.at(kBatch);
   FRUGAL_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch, "frugal: '",
-              saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
-              ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
+               saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
+               ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
   result.resumed_from = saves.resumed_from();
   if (options.on_resume()) {
     options.on_resume()(*user);
@@ -117,8 +117,8 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   if (group != nullptr && options.resume()) {
     const double steps = static_cast<double>(trainer.steps());
     FRUGAL_CHECK(group->sum(steps) == steps * group->size(), "frugal: rank ", group->rank(),
-                " resumed at step ", trainer.steps(), " but not every rank did; the ranks' "
-                "saves differ (remove the newer ones)");
+                 " resumed at step ", trainer.steps(), " but not every rank did; the ranks' "
+                 "saves differ (remove the newer ones)");
   }
   std::int64_t saved_step = -1;  // the step of the newest save file
   if (!result.resumed_from.empty()) {

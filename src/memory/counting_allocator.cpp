@@ -270,7 +270,7 @@ void CountingAllocator::install() {
     a.inner = c10::GetCPUAllocator();
     a.inner_free = a.inner->raw_deleter();
     FRUGAL_CHECK(a.inner_free != nullptr,
-                "frugal: the CPU allocator in place has no raw deleter and cannot be wrapped");
+                 "frugal: the CPU allocator in place has no raw deleter and cannot be wrapped");
   }
   c10::SetCPUAllocator(&a, kPriority);
 }

@@ -82,17 +82,17 @@ torch::Device resolve(torch::Device device) {
     return torch::Device(torch::kCPU);
   }
   FRUGAL_CHECK(device.is_cuda(), "frugal: MemoryProbe supports cpu and cuda devices, not ",
-              device.str());
+               device.str());
 #ifdef FRUGAL_WITH_CUDA
   FRUGAL_CHECK(torch::cuda::is_available(),
-              "frugal: MemoryProbe(", device.str(), "): CUDA is not available here");
+               "frugal: MemoryProbe(", device.str(), "): CUDA is not available here");
   const int index = device.has_index() ? device.index() : 0;
   FRUGAL_CHECK(index < static_cast<int>(torch::cuda::device_count()), "frugal: MemoryProbe(",
-              device.str(), "): there are only ", torch::cuda::device_count(), " CUDA devices");
+               device.str(), "): there are only ", torch::cuda::device_count(), " CUDA devices");
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 #else
   FRUGAL_CHECK(false, "frugal: MemoryProbe(", device.str(),
-              "): this frugal was built against a LibTorch without CUDA");
+               "): this frugal was built against a LibTorch without CUDA");
 #endif
 }
 

@@ -33,11 +33,11 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
   FRUGAL_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
   FRUGAL_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
   FRUGAL_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
-              "(amsgrad must be false)");
+               "(amsgrad must be false)");
   FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
-              q.block());
+               q.block());
   FRUGAL_CHECK(q.min_elements() >= 0,
-              "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
+               "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
 }
 
 // Reads what `tensors` may hold: a missing key leaves the tensor undefined.
@@ -52,7 +52,7 @@ void read_tensor(torch::serialize::InputArchive& archive, const char* key, torch
 std::int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
   c10::IValue value;
   FRUGAL_CHECK(archive.try_read(key, value) && value.isInt(), "frugal: the optimizer state has "
-              "no '", key, "': it was not saved by frugal's Adam8bit or AdamW8bit");
+               "no '", key, "': it was not saved by frugal's Adam8bit or AdamW8bit");
   return value.toInt();
 }
 
@@ -109,8 +109,8 @@ Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options d
 template <typename Options>
 void Adam8bitBase<Options>::set_quantized(bool on) {
   FRUGAL_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
-              ") after states exist (", state().size(), " parameters): the states' format is "
-              "chosen before the first step");
+               ") after states exist (", state().size(), " parameters): the states' format is "
+               "chosen before the first step");
   enabled_ = on;
 }
 
@@ -319,10 +319,10 @@ void Adam8bitBase<Options>::adopt_loaded() {
                         p.sizes(), ")");
       };
       FRUGAL_CHECK(s.block() >= 0 && s.step() >= 0, name(), " has block ", s.block(),
-                  " and step ", s.step());
+                   " and step ", s.step());
       FRUGAL_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
-                  " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
-                  quantized_.block());
+                   " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
+                   quantized_.block());
       const auto moment_type = s.quantized() ? torch::kUInt8 : torch::kFloat32;
       for (const auto& t : {s.exp_avg(), s.exp_avg_sq()}) {
         FRUGAL_CHECK(t.defined() && t.sizes() == p.sizes() && t.scalar_type() == moment_type,

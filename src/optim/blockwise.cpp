@@ -67,7 +67,7 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
                                   std::int64_t block) {
   check_block(block);
   FRUGAL_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
-              "tensor, got ", x.scalar_type());
+               "tensor, got ", x.scalar_type());
   const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
   const std::int64_t n = flat.numel();
   const auto options = flat.options();
@@ -83,8 +83,8 @@ torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor&
   check_block(q.block);
   const std::int64_t n = q.codes.numel();
   FRUGAL_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
-              " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
-              " scales, got ", q.scales.numel());
+               " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
+               " scales, got ", q.scales.numel());
   const detail::CodeBook book(map.to(q.codes.device()));
   auto out = torch::empty(q.codes.sizes(), q.scales.options());
   detail::dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
@@ -96,7 +96,7 @@ namespace detail {
 
 CodeBook::CodeBook(const torch::Tensor& map) {
   FRUGAL_CHECK(map.dim() == 1 && map.numel() == 256,
-              "frugal: a quantization map has 256 values, got shape ", map.sizes());
+               "frugal: a quantization map has 256 values, got shape ", map.sizes());
   const auto table = torch::empty({511}, map.options().dtype(torch::kFloat32));
   values = table.narrow(0, 0, 256);
   values.copy_(map);
@@ -142,7 +142,7 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
 NearestCode::NearestCode(const torch::Tensor& map) {
   const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
   FRUGAL_CHECK(host.dim() == 1 && host.numel() == 256,
-              "frugal: a quantization map has 256 values, got shape ", map.sizes());
+               "frugal: a quantization map has 256 values, got shape ", map.sizes());
   values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + 256);
   std::vector<float> boundaries;  // as CodeBook computes them, in float32
   for (std::size_t i = 0; i + 1 < values_.size(); ++i) {

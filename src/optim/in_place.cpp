@@ -18,7 +18,7 @@ torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
     return t;
   }
   FRUGAL_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
-              "its parameter is; it cannot be updated in place chunk by chunk");
+               "its parameter is; it cannot be updated in place chunk by chunk");
   return t.view(-1).narrow(0, offset, length);
 }
 
@@ -42,7 +42,7 @@ struct InPlaceOptimizer::Planned {
 
 InPlaceOptimizer::InPlaceOptimizer(InPlaceOptions options) : in_place_(options) {
   FRUGAL_CHECK(in_place_.chunk() >= 1, "frugal: InPlaceOptions chunk must be >= 1 element, got ",
-              in_place_.chunk());
+               in_place_.chunk());
 }
 
 torch::Tensor InPlaceOptimizer::run_step(const torch::optim::Optimizer::LossClosure& closure) {
@@ -84,11 +84,11 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     const auto& p = w.param;
     const auto& g = p.grad();
     FRUGAL_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
-                " does not support sparse gradients");
+                 " does not support sparse gradients");
     FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
-                "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
-                " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
-                p.device(), ")");
+                 "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
+                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
+                 p.device(), ")");
     w.has_state = state.count(w.key) != 0;
     if (!w.has_state) {
       w.new_state = make_state(p, w.group->options());
@@ -145,7 +145,7 @@ torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tenso
     it = group_index_.find(param.unsafeGetTensorImpl());
   }
   FRUGAL_CHECK(it != group_index_.end(), "frugal: step_parameter got a tensor of shape ",
-              param.sizes(), " that is not a parameter of this optimizer");
+               param.sizes(), " that is not a parameter of this optimizer");
   return groups[it->second];
 }
 

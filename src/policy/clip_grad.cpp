@@ -9,11 +9,11 @@ namespace frugal {
 ClipGradPolicy::ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler)
     : options_(options), scaler_(std::move(scaler)) {
   FRUGAL_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
-              options_.max_norm());
+               options_.max_norm());
   FRUGAL_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
-              options_.max_value());
+               options_.max_value());
   FRUGAL_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
-              "frugal: ClipGradPolicy needs max_norm or max_value > 0");
+               "frugal: ClipGradPolicy needs max_norm or max_value > 0");
 }
 
 void ClipGradPolicy::before_optimizer_step(StepContext& ctx) {

@@ -77,14 +77,14 @@ void update_scale(torch::Tensor& scale, torch::Tensor& tracker, const torch::Ten
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   FRUGAL_CHECK(options_.init_scale() > 0, "frugal: GradScaler init_scale must be > 0, got ",
-              options_.init_scale());
+               options_.init_scale());
   FRUGAL_CHECK(options_.growth_factor() > 1.0,
-              "frugal: GradScaler growth_factor must be > 1, got ", options_.growth_factor());
+               "frugal: GradScaler growth_factor must be > 1, got ", options_.growth_factor());
   FRUGAL_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
-              "frugal: GradScaler backoff_factor must be in (0, 1), got ",
-              options_.backoff_factor());
+               "frugal: GradScaler backoff_factor must be in (0, 1), got ",
+               options_.backoff_factor());
   FRUGAL_CHECK(options_.growth_interval() >= 1,
-              "frugal: GradScaler growth_interval must be >= 1, got ", options_.growth_interval());
+               "frugal: GradScaler growth_interval must be >= 1, got ", options_.growth_interval());
 }
 
 void GradScaler::lazy_init(torch::Device device) {
@@ -110,8 +110,8 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   }
   auto& state = per_optimizer_[&optimizer];
   FRUGAL_CHECK(state.stage != Stage::Unscaled,
-              "frugal: unscale_() has already been called on this optimizer since the last "
-              "update()");
+               "frugal: unscale_() has already been called on this optimizer since the last "
+               "update()");
   FRUGAL_CHECK(state.stage != Stage::Stepped, "frugal: unscale_() is being called after step()");
   FRUGAL_CHECK(scale_.defined(),
               "frugal: unscale_() before any scale(): scale the loss before backward");
@@ -124,10 +124,10 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       const auto& g = p.grad();
       if (g.defined()) {
         FRUGAL_CHECK(g.scalar_type() != torch::kHalf, "frugal: GradScaler cannot unscale FP16 "
-                    "gradients (parameter ", index, "); keep parameters in float32 and let "
-                    "autocast lower the activations");
+                     "gradients (parameter ", index, "); keep parameters in float32 and let "
+                     "autocast lower the activations");
         FRUGAL_CHECK(!g.is_sparse(), "frugal: GradScaler does not support sparse gradients "
-                    "(parameter ", index, ")");
+                     "(parameter ", index, ")");
         by_device[g.device().str()].push_back(g);
       }
       ++index;
@@ -156,13 +156,13 @@ bool GradScaler::prepare_step(torch::optim::Optimizer& optimizer) {
   }
   auto& state = per_optimizer_[&optimizer];
   FRUGAL_CHECK(state.stage != Stage::Stepped,
-              "frugal: step() has already been called since the last update()");
+               "frugal: step() has already been called since the last update()");
   if (state.stage == Stage::Ready) {
     unscale_(optimizer);
   }
   FRUGAL_CHECK(!state.found_inf.empty(),
-              "frugal: no inf checks were recorded for this optimizer: no parameter has a "
-              "gradient");
+               "frugal: no inf checks were recorded for this optimizer: no parameter has a "
+               "gradient");
   state.stage = Stage::Stepped;
   return !found_inf(state);
 }
@@ -236,7 +236,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
     return;
   }
   FRUGAL_CHECK(!state.empty(), "frugal: the source state dict is empty, possibly because it "
-              "was saved from a disabled GradScaler");
+               "was saved from a disabled GradScaler");
   for (const char* key :
        {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
     FRUGAL_CHECK(state.count(key) == 1, "frugal: GradScaler state dict lacks '", key, "'");
@@ -283,8 +283,8 @@ void GradScalerPolicy::save_state(torch::serialize::OutputArchive& archive) cons
 void GradScalerPolicy::load_state(torch::serialize::InputArchive& archive) {
   const bool enabled = state::read_int(archive, "enabled") != 0;
   FRUGAL_CHECK(enabled == scaler_->is_enabled(), "frugal: the saved GradScaler was ",
-              enabled ? "enabled" : "disabled", ", this one is ",
-              scaler_->is_enabled() ? "enabled" : "disabled");
+               enabled ? "enabled" : "disabled", ", this one is ",
+               scaler_->is_enabled() ? "enabled" : "disabled");
   std::map<std::string, double> state;
   for (const auto& [key, value] : scaler_->state_dict()) {
     state[key] = state::read_double(archive, key);

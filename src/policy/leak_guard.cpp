@@ -10,9 +10,9 @@ namespace frugal {
 
 LeakGuard::LeakGuard(LeakGuardOptions options) : options_(options) {
   FRUGAL_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
-              options_.warmup());
+               options_.warmup());
   FRUGAL_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
-              options_.tolerance());
+               options_.tolerance());
 }
 
 void LeakGuard::on_step_end(StepContext& ctx) {

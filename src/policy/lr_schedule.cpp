@@ -35,16 +35,16 @@ double lr_factor(const LrScheduleOptions& o, std::int64_t t) {
 LrSchedule::LrSchedule(LrScheduleOptions options) : options_(options) {
   const auto& o = options_;
   FRUGAL_CHECK(o.warmup_steps() >= 0, "frugal: LrSchedule warmup_steps must be >= 0, got ",
-              o.warmup_steps());
+               o.warmup_steps());
   const bool to_total = o.decay() == LrDecay::Linear || o.decay() == LrDecay::Cosine;
   FRUGAL_CHECK(!to_total || o.total_steps() > o.warmup_steps(), "frugal: LrSchedule total_steps (",
-              o.total_steps(), ") must be greater than warmup_steps (", o.warmup_steps(), ")");
+               o.total_steps(), ") must be greater than warmup_steps (", o.warmup_steps(), ")");
   FRUGAL_CHECK(o.min_factor() >= 0.0 && o.min_factor() <= 1.0,
-              "frugal: LrSchedule min_factor must be in [0, 1], got ", o.min_factor());
+               "frugal: LrSchedule min_factor must be in [0, 1], got ", o.min_factor());
   FRUGAL_CHECK(o.decay() != LrDecay::Step || o.step_size() >= 1,
-              "frugal: LrSchedule step_size must be >= 1, got ", o.step_size());
+               "frugal: LrSchedule step_size must be >= 1, got ", o.step_size());
   FRUGAL_CHECK(o.decay() != LrDecay::Step || (o.gamma() > 0.0 && o.gamma() <= 1.0),
-              "frugal: LrSchedule gamma must be in (0, 1], got ", o.gamma());
+               "frugal: LrSchedule gamma must be in (0, 1], got ", o.gamma());
 }
 
 void LrSchedule::on_add(Trainer& trainer) {
@@ -60,7 +60,7 @@ void LrSchedule::on_step_begin(StepContext& ctx) {
   const double factor = lr_factor(options_, trainer_->steps());
   auto& groups = ctx.optimizer.param_groups();
   FRUGAL_CHECK(groups.size() == base_lrs_.size(), "frugal: LrSchedule knows ", base_lrs_.size(),
-              " param groups, the optimizer now has ", groups.size());
+               " param groups, the optimizer now has ", groups.size());
   for (std::size_t g = 0; g < groups.size(); ++g) {
     groups[g].options().set_lr(base_lrs_[g] * factor);
   }
@@ -99,9 +99,9 @@ void LrSchedule::load_state(torch::serialize::InputArchive& archive) {
   }
   const auto groups = state::read_int(archive, "groups");
   FRUGAL_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()),
-              "frugal: the saved "
-              "LrSchedule has ",
-              groups, " param groups, this one ", base_lrs_.size());
+               "frugal: the saved "
+               "LrSchedule has ",
+               groups, " param groups, this one ", base_lrs_.size());
   std::vector<double> lrs;
   for (std::int64_t g = 0; g < groups; ++g) {
     lrs.push_back(state::read_double(archive, "base_lr/" + std::to_string(g)));

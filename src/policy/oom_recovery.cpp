@@ -32,9 +32,9 @@ std::string memory_figures(const MemoryProbe& probe) {
 
 OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
   FRUGAL_CHECK(options_.min_micro_batch() >= 1, "frugal: OomRecovery min_micro_batch must be "
-              ">= 1, got ", options_.min_micro_batch());
+               ">= 1, got ", options_.min_micro_batch());
   FRUGAL_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
-              options_.grow_after());
+               options_.grow_after());
 }
 
 bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) {
@@ -124,8 +124,8 @@ void OomRecovery::load_state(torch::serialize::InputArchive& archive) {
   const auto clean_steps = state::read_int(archive, "clean_steps");
   const auto recovered = state::read_int(archive, "recovered");
   FRUGAL_CHECK(largest >= 0 && clean_steps >= 0 && recovered >= 0,
-              "frugal: invalid saved OomRecovery state: largest ", largest, ", clean_steps ",
-              clean_steps, ", recovered ", recovered);
+               "frugal: invalid saved OomRecovery state: largest ", largest, ", clean_steps ",
+               clean_steps, ", recovered ", recovered);
   largest_ = largest;
   clean_steps_ = clean_steps;
   recovered_ = recovered;

@@ -147,11 +147,11 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
   FRUGAL_CHECK(options_.time_tolerance() >= 0, "frugal: the planner's time_tolerance must be "
                ">= 0, got ", options_.time_tolerance());
   FRUGAL_CHECK(options_.margin() >= 0 && options_.margin() < 1,
-              "frugal: the planner's margin must be in [0, 1), got ", options_.margin());
+               "frugal: the planner's margin must be in [0, 1), got ", options_.margin());
   if (chooses_something(options_.checkpoint())) {
     checkpoint_ = std::make_shared<CheckpointPolicy>(options_.checkpoint());
     FRUGAL_CHECK(!checkpoint_->apply(trainer_.module()).empty(),
-                "frugal: the planner's checkpoint rule matches no block of the model");
+                 "frugal: the planner's checkpoint rule matches no block of the model");
     checkpoint_->set_enabled(false);
     trainer_.add_policy(checkpoint_);
   }
@@ -170,10 +170,10 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   if (options_.quantized_states()) {
     FRUGAL_CHECK(quantized_ != nullptr, "frugal: PlannerOptions::quantized_states needs one of "
-                "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
+                 "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
     FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: PlannerOptions::quantized_states "
-                "needs an optimizer without state: the states' format is chosen before the "
-                "first step");
+                 "needs an optimizer without state: the states' format is chosen before the "
+                 "first step");
   }
 }
 
@@ -336,9 +336,9 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
     configure(batch, false, false, false, quantized_at_start_);
     FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
-                format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
-                "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
-                smallest->describe());
+                 format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
+                 "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
+                 smallest->describe());
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,

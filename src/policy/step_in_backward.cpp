@@ -14,8 +14,8 @@ void StepInBackward::on_add(Trainer& trainer) {
   FRUGAL_CHECK(optimizer_ == nullptr, "frugal: a StepInBackward policy belongs to one trainer");
   auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&trainer.optimizer());
   FRUGAL_CHECK(in_place != nullptr, "frugal: StepInBackward updates one parameter at a time "
-              "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
-              "trainer's optimizer is ", c10::demangle(typeid(trainer.optimizer()).name()));
+               "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
+               "trainer's optimizer is ", c10::demangle(typeid(trainer.optimizer()).name()));
   optimizer_ = in_place;
 }
 

@@ -37,7 +37,7 @@ SaveDir::SaveDir(std::string dir, std::int64_t keep) : dir_(std::move(dir)), kee
   std::error_code error;
   fs::create_directories(dir_, error);
   FRUGAL_CHECK(!error && fs::is_directory(dir_), "frugal: cannot create the folder '", dir_,
-              "': ", error ? error.message() : "a file of that name exists");
+               "': ", error ? error.message() : "a file of that name exists");
 }
 
 std::vector<std::string> SaveDir::files() const {

@@ -137,7 +137,7 @@ void write_state_file(const std::string& path,
   tmp.write_all(header.data(), header.size(), &at);
   tmp.sync_and_close();
   FRUGAL_CHECK(::rename(tmp_path.c_str(), path.c_str()) == 0, "frugal: cannot rename ",
-              system_error("the temporary file to", path));
+               system_error("the temporary file to", path));
   tmp.release();
   // The rename is durable once the folder's entry is on disk.
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -173,28 +173,28 @@ std::string read_state_file(const std::string& path) {
   std::array<unsigned char, kHeaderBytes> header{};
   const std::size_t got = read_exactly(header.data(), header.size());
   FRUGAL_CHECK(got >= sizeof(kMagic) && std::memcmp(header.data(), kMagic, sizeof(kMagic)) == 0,
-              "frugal: '", path, "' is not a frugal training state (no FRUGALTS header)");
+               "frugal: '", path, "' is not a frugal training state (no FRUGALTS header)");
   FRUGAL_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
-              " bytes, shorter than its header (", kHeaderBytes, ")");
+               " bytes, shorter than its header (", kHeaderBytes, ")");
   const auto version = static_cast<unsigned>(get_le(header.data() + 8, 4));
   FRUGAL_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ", version,
-              "; this frugal reads version ", kStateFormatVersion);
+               "; this frugal reads version ", kStateFormatVersion);
   const std::uint64_t length = get_le(header.data() + 16, 8);
   const auto expected_crc = static_cast<std::uint32_t>(get_le(header.data() + 24, 4));
   struct stat info {};
   FRUGAL_CHECK(::fstat(fd, &info) == 0, "frugal: cannot stat ", system_error("the file", path));
   const auto size = static_cast<std::uint64_t>(info.st_size);
   FRUGAL_CHECK(size - kHeaderBytes >= length, "frugal: '", path, "' is truncated: ", size,
-              " bytes of ", kHeaderBytes + length);
+               " bytes of ", kHeaderBytes + length);
   FRUGAL_CHECK(size - kHeaderBytes == length, "frugal: '", path, "' has ",
-              size - kHeaderBytes - length, " bytes after its end (", kHeaderBytes + length,
-              " bytes)");
+               size - kHeaderBytes - length, " bytes after its end (", kHeaderBytes + length,
+               " bytes)");
   std::string payload(length, '\0');
   FRUGAL_CHECK(read_exactly(payload.data(), length) == length, "frugal: '", path,
-              "' is truncated while reading");
+               "' is truncated while reading");
   const std::uint32_t crc = crc_update(crc_update(0, nullptr, 0), payload.data(), length);
   FRUGAL_CHECK(crc == expected_crc, "frugal: '", path, "' is damaged: its CRC-32 is ", crc,
-              ", the header says ", expected_crc);
+               ", the header says ", expected_crc);
   return payload;
 }
 

@@ -70,14 +70,14 @@ std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& 
   const auto count = state::read_int(archive, prefix + "/count");
   auto names = split_lines(state::read_string(archive, prefix + "/names"));
   FRUGAL_CHECK(static_cast<std::int64_t>(names.size()) == count, "frugal: the saved ", what,
-              " names (", names.size(), ") do not match their count (", count, ")");
+               " names (", names.size(), ") do not match their count (", count, ")");
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < names.size(); ++i) {
     index[names[i]] = i;
   }
   for (const auto& name : names) {
     FRUGAL_CHECK(std::find(here.names.begin(), here.names.end(), name) != here.names.end(),
-                "the file's model has a ", what, " '", name, "' that this model lacks");
+                 "the file's model has a ", what, " '", name, "' that this model lacks");
   }
   std::vector<torch::Tensor> out;
   for (std::size_t i = 0; i < here.names.size(); ++i) {
@@ -87,9 +87,9 @@ std::vector<torch::Tensor> read_named(InputArchive& archive, const std::string& 
     auto saved = state::read_tensor(archive, prefix + "/" + std::to_string(found->second));
     const auto& mine = here.tensors[i];
     FRUGAL_CHECK(saved.sizes() == mine.sizes(), what, " '", name, "' has shape ", saved.sizes(),
-                " in the file, ", mine.sizes(), " here");
+                 " in the file, ", mine.sizes(), " here");
     FRUGAL_CHECK(saved.scalar_type() == mine.scalar_type(), what, " '", name, "' is ",
-                saved.scalar_type(), " in the file, ", mine.scalar_type(), " here");
+                 saved.scalar_type(), " in the file, ", mine.scalar_type(), " here");
     out.push_back(std::move(saved));
   }
   return out;
@@ -188,7 +188,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
   Loaded out;
   const auto layout = state::read_int(archive, "frugal/layout");
   FRUGAL_CHECK(layout == kLayout, "frugal: '", path, "' has layout ", layout,
-              "; this frugal reads layout ", kLayout);
+               "; this frugal reads layout ", kLayout);
   auto& module = trainer.module();
   try {
     out.parameters =
@@ -201,15 +201,15 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
   auto& optimizer = trainer.optimizer();
   const auto type = state::read_string(archive, "optimizer/type");
   FRUGAL_CHECK(type == optimizer_type(optimizer),
-              mismatch(path, "the optimizer", type, optimizer_type(optimizer)));
+               mismatch(path, "the optimizer", type, optimizer_type(optimizer)));
   const auto groups = split_lines(state::read_string(archive, "optimizer/groups"));
   const auto my_groups = group_names(optimizer, module);
   FRUGAL_CHECK(groups.size() == my_groups.size(),
-              mismatch(path, "the number of param groups", std::to_string(groups.size()),
+               mismatch(path, "the number of param groups", std::to_string(groups.size()),
                        std::to_string(my_groups.size())));
   for (std::size_t g = 0; g < groups.size(); ++g) {
     FRUGAL_CHECK(groups[g] == my_groups[g],
-                mismatch(path, "param group " + std::to_string(g), "[" + groups[g] + "]",
+                 mismatch(path, "param group " + std::to_string(g), "[" + groups[g] + "]",
                          "[" + my_groups[g] + "]"));
   }
   out.optimizer = state::read_archive(archive, "optimizer/state");
@@ -221,7 +221,7 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
     return "[" + s + "]";
   };
   FRUGAL_CHECK(policies == my_policies,
-              mismatch(path, "the list of policies", list(policies), list(my_policies)));
+               mismatch(path, "the list of policies", list(policies), list(my_policies)));
   for (std::size_t i = 0; i < trainer.policies().size(); ++i) {
     out.policies.push_back(state::read_archive(archive, "policies/" + std::to_string(i)));
   }
@@ -262,11 +262,11 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
 void save_training_state(Trainer& trainer, const std::string& path, const UserState& user) {
   FRUGAL_CHECK(trainer.halted().empty(), "frugal: not saving a halted trainer: ", trainer.halted());
   FRUGAL_CHECK(!trainer.window_open(),
-              "frugal: cannot save inside an accumulation window (its "
-              "gradients are not saved); save after the step that ends it");
+               "frugal: cannot save inside an accumulation window (its "
+               "gradients are not saved); save after the step that ends it");
   auto check_key = [](const std::string& key) {
     FRUGAL_CHECK(!key.empty() && key.find('\n') == std::string::npos,
-                "frugal: a user state key must be one non-empty line, got '", key, "'");
+                 "frugal: a user state key must be one non-empty line, got '", key, "'");
   };
   for (const auto& item : user.values) {
     check_key(item.first);
@@ -330,8 +330,8 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
 
 UserState load_training_state(Trainer& trainer, const std::string& path) {
   FRUGAL_CHECK(!trainer.window_open(),
-              "frugal: cannot load a saved state inside an "
-              "accumulation window; load before the window's first batch");
+               "frugal: cannot load a saved state inside an "
+               "accumulation window; load before the window's first batch");
   const auto payload = detail::read_state_file(path);
   InputArchive archive;
   archive.load_from(payload.data(), payload.size());
@@ -358,7 +358,7 @@ UserState load_training_state(Trainer& trainer, const std::string& path) {
       trainer.policies()[i]->load_state(policy_old);
     }
     FRUGAL_CHECK(false, "frugal: '", path,
-                "' does not fit this trainer (nothing was changed): ", error_message(error));
+                 "' does not fit this trainer (nothing was changed): ", error_message(error));
   }
 
   {

@@ -22,7 +22,7 @@ inline double ms_since(Clock::time_point start) {
 
 inline void check_positive(const c10::optional<std::int64_t>& value, const char* name) {
   FRUGAL_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ",
-              *value);
+               *value);
 }
 
 /// Argmax hits and scored targets of class outputs (classes in dimension 1 or last; targets

@@ -138,8 +138,8 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
 
 void Trainer::check_not_halted() const {
   FRUGAL_CHECK(halted_.empty(), "frugal: the trainer refuses to go on after a partial update (",
-              halted_, "); load a saved model and optimizer state, or call "
-              "accept_partial_update() to train on from the model as it is");
+               halted_, "); load a saved model and optimizer state, or call "
+               "accept_partial_update() to train on from the model as it is");
 }
 
 void Trainer::accept_partial_update() { halted_.clear(); }

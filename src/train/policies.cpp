@@ -18,9 +18,9 @@ Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
     for (const auto& [all, early] : {std::pair{policy.get(), other.get()},
                                      std::pair{other.get(), policy.get()}}) {
       FRUGAL_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
-                  "frugal: policy '", all->name(), "' needs every gradient of a step before "
-                  "any parameter changes, but '", early->name(), "' updates parameters during "
-                  "backward; use one of them");
+                   "frugal: policy '", all->name(), "' needs every gradient of a step before "
+                   "any parameter changes, but '", early->name(), "' updates parameters during "
+                   "backward; use one of them");
     }
   }
   policy->on_add(*this);

@@ -46,7 +46,7 @@ Trainer::Split Trainer::split(const Batch& batch) const {
     offset += size;
   }
   FRUGAL_CHECK(out.total > 0, "frugal: the batch's global count is ", out.total,
-              "; it must be positive to normalise the loss");
+               "; it must be positive to normalise the loss");
   return out;
 }
 

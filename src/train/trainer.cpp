@@ -51,15 +51,15 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
       probe_(options_.device(), options_.memory_scope()) {
   FRUGAL_CHECK(module_ != nullptr, "frugal: Trainer needs a module, got a null pointer");
   FRUGAL_CHECK((forward_ && loss_) || batch_loss_,
-              "frugal: Trainer needs a forward and a loss function, or a batch loss function");
+               "frugal: Trainer needs a forward and a loss function, or a batch loss function");
   check_positive(options_.micro_batch(), "micro_batch");
   check_positive(options_.micro_batches(), "micro_batches");
   check_positive(options_.eval_batch(), "eval_batch");
   FRUGAL_CHECK(!(options_.micro_batch() && options_.micro_batches()),
-              "frugal: set micro_batch (", *options_.micro_batch(), ") or micro_batches (",
-              *options_.micro_batches(), "), not both");
+               "frugal: set micro_batch (", *options_.micro_batch(), ") or micro_batches (",
+               *options_.micro_batches(), "), not both");
   FRUGAL_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
-              options_.accumulate());
+               options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
   const auto ledger = measure_ledger(probe_, *module_);
@@ -84,12 +84,12 @@ TrainerCounters Trainer::counters() const {
 
 void Trainer::restore_counters(const TrainerCounters& c) {
   FRUGAL_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
-              window_batches_, " of ", options_.accumulate(), " batches run)");
+               window_batches_, " of ", options_.accumulate(), " batches run)");
   FRUGAL_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
                   c.micro_batch >= 0 && c.eval_batch >= 0,
-              "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
-              ", batches ", c.batches, ", micro_batch ", c.micro_batch, ", eval_batch ",
-              c.eval_batch);
+               "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
+               ", batches ", c.batches, ", micro_batch ", c.micro_batch, ", eval_batch ",
+               c.eval_batch);
   steps_ = c.steps;
   skipped_ = c.skipped;
   batches_ = c.batches;
@@ -270,6 +270,10 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
       windowed && !ctx.trial ? 1.0 / static_cast<double>(window_count_ + total) : 1.0;
   const bool mean = options_.reduction() == LossReduction::Mean;
   ctx.window_count = ctx.trial ? total : window_count_ + total;
+  const bool in_backward_guard =
+      guards_non_finite() && std::any_of(policies_.begin(), policies_.end(), [](const auto& p) {
+        return p->updates_in_backward();
+      });
   torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
   double logged = 0;
   for (std::size_t i = 0; i < micros.size(); ++i) {
@@ -315,6 +319,19 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
     report.time.forward_ms += ms_since(t);
 
     t = Clock::now();
+    if (completes_step && !ctx.trial && i + 1 == micros.size() && in_backward_guard) {
+      // A policy updates parameters during this backward, where no later check can stop a
+      // NaN or inf from reaching them: a non-finite window skips its last backward, and
+      // the optimizer phase skips the step.
+      const double seen = loss_sum.defined() ? loss_sum.item<double>() : logged;
+      if (window_non_finite_ || !std::isfinite(seen)) {
+        window_non_finite_ = true;
+        ctx.loss = torch::Tensor();
+        ctx.micro = Batch();
+        report.time.backward_ms += ms_since(t);
+        break;
+      }
+    }
     for (auto& policy : policies_) {
       policy->before_backward(ctx);
     }

@@ -31,21 +31,21 @@ inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std
 inline std::int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
   FRUGAL_CHECK(value.isInt(), "frugal: the saved '", key, "' is a ", value.tagKind(),
-              ", not an integer");
+               ", not an integer");
   return value.toInt();
 }
 
 inline double read_double(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
   FRUGAL_CHECK(value.isDouble(), "frugal: the saved '", key, "' is a ", value.tagKind(),
-              ", not a number");
+               ", not a number");
   return value.toDouble();
 }
 
 inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key) {
   const auto value = read_value(archive, key);
   FRUGAL_CHECK(value.isString(), "frugal: the saved '", key, "' is a ", value.tagKind(),
-              ", not a string");
+               ", not a string");
   return value.toStringRef();
 }
 
