@@ -94,6 +94,15 @@ TEST(NonFinite, AMicroBatchWithNoTokensWeighsNothing) {
   EXPECT_FALSE(micro.first.skipped);
   EXPECT_NEAR(micro.first.loss, whole.first.loss, 1e-6);
   EXPECT_TRUE(torch::allclose(micro.second, whole.second, 1e-5, 1e-7));
+  // Evaluation in chunks of 3 too: the last chunk counts nothing.
+  torch::manual_seed(4);
+  auto model = torch::nn::Linear(4, 3);
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, loss, frugal::TrainerOptions().count(tokens));
+  const auto whole_eval = trainer.evaluate({x, y}, 8);
+  const auto chunked = trainer.evaluate({x, y}, 3);
+  EXPECT_TRUE(std::isfinite(chunked.loss));
+  EXPECT_NEAR(chunked.loss, whole_eval.loss, 1e-6);
 }
 
 TEST(NonFinite, AfterForwardHooksSeeTheWeightedLoss) {

@@ -109,7 +109,9 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
       } else {
         loss = batch_loss_(micro);
       }
-      loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+      if (!mean || count > 0) {  // a chunk that counts nothing (all padding) weighs nothing
+        loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+      }
       total += count;
       ++report.batches;
       offset += n;
