@@ -71,7 +71,7 @@ void CheckpointPolicy::on_step_begin(StepContext& ctx) {
   }
 }
 
-void CheckpointPolicy::after_forward(StepContext& ctx) {
+void CheckpointPolicy::after_forward(StepContext&) {
   if (checked_ || !torch::GradMode::is_enabled() || std::uncaught_exceptions() > 0) {
     return;
   }
@@ -83,7 +83,6 @@ void CheckpointPolicy::after_forward(StepContext& ctx) {
                  "way to intercept. Call it as frugal::nn::call(block, args...) in the "
                  "parent's forward, or hold the blocks in a torch::nn::Sequential");
   }
-  (void)ctx;
 }
 
 void CheckpointPolicy::choose(const std::string& qualified,

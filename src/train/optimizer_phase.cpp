@@ -87,15 +87,18 @@ bool Trainer::guards_non_finite() const {
 }
 
 bool Trainer::grads_finite() const {
+  // One flag on the device for all gradients, read once (one sync on CUDA, not one each).
   torch::NoGradGuard no_grad;
+  torch::Tensor all_finite;
   for (const auto& group : optimizer_.param_groups()) {
     for (const auto& p : group.params()) {
-      if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) {
-        return false;
+      if (p.grad().defined()) {
+        const auto finite = torch::isfinite(p.grad()).all();
+        all_finite = all_finite.defined() ? all_finite.logical_and(finite) : finite;
       }
     }
   }
-  return true;
+  return !all_finite.defined() || all_finite.item<bool>();
 }
 
 void Trainer::drop_window() {
