@@ -31,12 +31,17 @@ inline double ms_per_call(const std::function<void()>& fn, int calls) {
 }
 
 /// Runs each variant once per round, in turn, for `rounds` rounds; returns each variant's
-/// per-round times. Interleaving spreads the machine's noise over all variants alike.
+/// per-round times. Interleaving spreads the machine's noise over all variants alike;
+/// `rotate` starts each round one variant later, so that no variant always runs first
+/// (on caches the one before it left) or right after the same neighbour.
 inline std::map<std::string, std::vector<double>> interleave(
-    const std::vector<std::pair<std::string, std::function<double()>>>& variants, int rounds) {
+    const std::vector<std::pair<std::string, std::function<double()>>>& variants, int rounds,
+    bool rotate = false) {
   std::map<std::string, std::vector<double>> times;
+  const auto n = variants.size();
   for (int r = 0; r < rounds; ++r) {
-    for (const auto& [name, run] : variants) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& [name, run] = variants[rotate ? (i + static_cast<std::size_t>(r)) % n : i];
       times[name].push_back(run());
     }
   }

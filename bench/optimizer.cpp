@@ -7,6 +7,8 @@
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include "bench_util.h"
 #include "models.h"
 
@@ -97,5 +99,12 @@ int main(int argc, char** argv) {
              torch_ms, frugal8_ms, frugal8_ms / torch_ms);
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);
+  const nlohmann::json j = {
+      {"bench", "optimizer"}, {"threads", torch::get_num_threads()},
+      {"rows",
+       {{{"what", "adam"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal_ms}},
+        {{"what", "adam8bit"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal8_ms}},
+        {{"what", "step_in_backward"}, {"ordinary_ms", plain_ms}, {"in_backward_ms", fused_ms}}}}};
+  fmt::print("\n{}\n", j.dump());
   return 0;
 }

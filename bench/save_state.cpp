@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -108,6 +110,10 @@ int main(int argc, char** argv) {
   fmt::print("| save_training_state | {:.1f} | {:.2f}x |\n", save_ms, save_ms / raw_ms);
   fmt::print("| load_training_state | {:.1f} | {:.2f}x |\n", load_ms, load_ms / raw_ms);
   fmt::print("{} rounds interleaved, {}\n", rounds, bench::machine_line());
+  const nlohmann::json j = {{"bench", "save_state"}, {"optimizer", optimizer_name},
+                            {"raw_ms", raw_ms}, {"save_ms", save_ms}, {"load_ms", load_ms},
+                            {"file_bytes", file_bytes}, {"state_bytes", raw.size()}};
+  fmt::print("{}\n", j.dump());
   std::filesystem::remove(state_path);
   std::filesystem::remove(raw_path);
   return 0;

@@ -34,8 +34,9 @@ int main(int argc, char** argv) {
         return torch::nn::functional::cross_entropy(o.to(torch::kFloat), t);
       });
       if (variant == "checkpoint") {
+        // Each name given must be in the model (a misspelt rule is an error): one per model.
         trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
-            frugal::CheckpointSelect().types({"models::ResidualBlock", "fashion::Block"})));
+            frugal::CheckpointSelect().types({mlp ? "models::ResidualBlock" : "fashion::Block"})));
       } else if (variant == "autocast_bf16") {
         frugal::use_mixed_precision(trainer, torch::kBFloat16);
       }

@@ -63,6 +63,11 @@ inline std::vector<torch::Tensor> clone_params(const std::vector<torch::Tensor>&
   return out;
 }
 
+/// The mean squared error as a Trainer's loss of (output, targets).
+inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::mse_loss(out, target);
+}
+
 /// Seeded normal gradients times `scale`: the same step gives the same gradients.
 inline void set_grads(std::vector<torch::Tensor>& params, int step, double scale = 1.0) {
   torch::manual_seed(1000 + step);

@@ -29,7 +29,7 @@ using frugal::testing::launch;
 using frugal::dist::DataParallel;
 using frugal::dist::Group;
 
-constexpr std::int64_t kSteps = 20;
+constexpr std::int64_t kDistSteps = 20;
 constexpr std::int64_t kGlobal = 64;
 constexpr std::int64_t kIgnore = -100;
 
@@ -52,12 +52,12 @@ Data make_data(const std::string& mode) {
   torch::manual_seed(7);
   Data d;
   if (mode == "tokens") {
-    d.x = torch::randn({kSteps, kGlobal, 4, 8});
-    d.y = torch::randint(0, 4, {kSteps, kGlobal, 4});
-    d.y.masked_fill_(torch::rand({kSteps, kGlobal, 4}) < 0.4, kIgnore);
+    d.x = torch::randn({kDistSteps, kGlobal, 4, 8});
+    d.y = torch::randint(0, 4, {kDistSteps, kGlobal, 4});
+    d.y.masked_fill_(torch::rand({kDistSteps, kGlobal, 4}) < 0.4, kIgnore);
   } else {
-    d.x = torch::randn({kSteps, kGlobal, 8});
-    d.y = torch::randint(0, 4, {kSteps, kGlobal});
+    d.x = torch::randn({kDistSteps, kGlobal, 8});
+    d.y = torch::randint(0, 4, {kDistSteps, kGlobal});
   }
   if (mode == "scaler") {
     d.x[5][kGlobal - 1][0] = std::numeric_limits<float>::infinity();  // on the last rank
@@ -68,7 +68,7 @@ Data make_data(const std::string& mode) {
   return d;
 }
 
-// Trains `mode` for kSteps on this rank's share of each global batch (all of it in a group
+// Trains `mode` for kDistSteps on this rank's share of each global batch (all of it in a group
 // of one); returns the parameters and, last, the skipped steps, the reported losses and
 // the ledger's gradient bytes just before the optimizer step and optimizer bytes after it.
 std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group,
@@ -138,7 +138,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   // With accumulation each step() gets half of the rank's share.
   const std::int64_t parts = options.accumulate();
   std::vector<double> losses;
-  for (std::int64_t s = 0; s < kSteps; ++s) {
+  for (std::int64_t s = 0; s < kDistSteps; ++s) {
     for (std::int64_t k = 0; k < parts; ++k) {
       const auto from = start + k * length / parts;
       const auto to = start + (k + 1) * length / parts;

@@ -14,7 +14,7 @@ namespace F = torch::nn::functional;
 using frugal::testing::clone_all;
 using frugal::testing::make_mlp;
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& y) { return F::mse_loss(out, y); }
+using frugal::testing::mse;
 
 TEST(NonFinite, ANanLossSkipsTheStepInFloat32AndSaysSo) {
   torch::manual_seed(0);

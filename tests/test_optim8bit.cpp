@@ -24,7 +24,7 @@ using frugal::testing::step_overhead;
 
 // Parameters of several shapes: large ones of several chunks and blocks (one with a short
 // last block), a small one (float32 states), one not contiguous (stepped whole).
-std::vector<torch::Tensor> make_params() {
+std::vector<torch::Tensor> make_8bit_params() {
   torch::manual_seed(11);
   auto strided = torch::randn({100, 50}).t();
   return {torch::randn({64, 75}).requires_grad_(), torch::randn({9000}).requires_grad_(),
@@ -32,7 +32,7 @@ std::vector<torch::Tensor> make_params() {
 }
 
 // Gradients of a size that changes from step to step.
-void set_grads(std::vector<torch::Tensor>& params, int step) {
+void set_growing_grads(std::vector<torch::Tensor>& params, int step) {
   frugal::testing::set_grads(params, step, 1 + step % 3);
 }
 
@@ -55,7 +55,7 @@ TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
   // Same arithmetic as Adam: with float32 states the two agree exactly, so the 8-bit
   // optimizer differs from Adam by its quantization only.
   for (const double decay : {0.0, 0.01}) {
-    auto a = make_params(), b = clone_params(a), c = clone_params(a), d = clone_params(a);
+    auto a = make_8bit_params(), b = clone_params(a), c = clone_params(a), d = clone_params(a);
     fo::Adam adam(a, to::AdamOptions(1e-2).weight_decay(decay), kChunks);
     fo::Adam8bit adam8(b, to::AdamOptions(1e-2).weight_decay(decay), {}, kChunks);
     fo::AdamW adamw(c, to::AdamWOptions(1e-2).weight_decay(decay), kChunks);
@@ -64,7 +64,7 @@ TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
     adamw8.set_quantized(false);
     for (int step = 0; step < 20; ++step) {
       for (auto* params : {&a, &b, &c, &d}) {
-        set_grads(*params, step);
+        set_growing_grads(*params, step);
       }
       adam.step();
       adam8.step();
@@ -82,16 +82,16 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // float rounding (the 8-bit step's fused loop rounds a little differently from LibTorch's
   // vectorised kernels; tolerance 1e-4 of the largest update), and the new 8-bit states
   // are the new float32 ones rounded to the nearest code.
-  auto params8 = make_params();
+  auto params8 = make_8bit_params();
   fo::Adam8bit adam8(params8, to::AdamOptions(1e-2).weight_decay(1e-3),
                      fo::QuantizedStateOptions().min_elements(0), kChunks);
   for (int step = 0; step < 5; ++step) {
-    set_grads(params8, step);
+    set_growing_grads(params8, step);
     adam8.step();
   }
   auto params32 = clone_params(params8);
   fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
-  set_grads(params32, 99);
+  set_growing_grads(params32, 99);
   adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
   const auto map_s = fo::detail::moment_map(true), map_u = fo::detail::moment_map(false);
   const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
@@ -108,8 +108,8 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
         fo::dequantize_blockwise({s8.exp_avg_sq(), s8.exp_avg_sq_scales(), 256}, map_u));
   }
   const auto before = clone_params(params8);
-  set_grads(params8, 5);
-  set_grads(params32, 5);
+  set_growing_grads(params8, 5);
+  set_growing_grads(params32, 5);
   adam8.step();
   adam32.step();
   double worst = 0, worst_state = 0;
@@ -176,7 +176,7 @@ TEST(Optim8bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {
   fo::AdamW8bit a(fused, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   fo::AdamW8bit b(strided, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   for (int step = 0; step < 20; ++step) {
-    set_grads(fused, step);
+    set_growing_grads(fused, step);
     strided[0].mutable_grad() = fused[0].grad().t().contiguous().t();
     a.step();
     b.step();
@@ -217,7 +217,7 @@ struct Holder : torch::nn::Module {
 TEST(Optim8bit, TheLedgerCountsTheFormulasBytes) {
   frugal::CountingAllocator::install();
   frugal::MemoryProbe probe(torch::kCPU);
-  auto params = make_params();
+  auto params = make_8bit_params();
   Holder holder(params);
   fo::Adam8bit adam8(params, to::AdamOptions(1e-3));
   const auto expected = formula_bytes(params, 4096);
@@ -227,7 +227,7 @@ TEST(Optim8bit, TheLedgerCountsTheFormulasBytes) {
     numel += p.numel();
   }
   EXPECT_EQ(adam8.pending_state_bytes(false), 8 * numel);
-  set_grads(params, 0);
+  set_growing_grads(params, 0);
   const auto before = probe.allocated();
   adam8.step();
   EXPECT_EQ(probe.allocated() - before, expected);  // the step keeps nothing else
@@ -262,10 +262,10 @@ TEST(Optim8bit, TheCnnsStatesTakeAQuarterOfAdams) {
 }
 
 TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
-  auto a = make_params();
+  auto a = make_8bit_params();
   fo::AdamW8bit ours(a, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   for (int step = 0; step < 3; ++step) {
-    set_grads(a, step);
+    set_growing_grads(a, step);
     ours.step();
   }
   std::stringstream file;
@@ -286,8 +286,8 @@ TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
     }
   }
   for (int step = 3; step < 8; ++step) {
-    set_grads(a, step);
-    set_grads(b, step);
+    set_growing_grads(a, step);
+    set_growing_grads(b, step);
     ours.step();
     loaded.step();
   }
@@ -323,10 +323,10 @@ void expect_refused(to::Optimizer& optimizer, std::stringstream& file, const std
 }
 
 TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
-  auto a = make_params();
+  auto a = make_8bit_params();
   fo::Adam8bit saved(a, to::AdamOptions(1e-2), {}, kChunks);
   to::Adam torch_adam(a, to::AdamOptions(1e-2));
-  set_grads(a, 0);
+  set_growing_grads(a, 0);
   saved.step();
   torch_adam.step();
   std::stringstream ours, torchs;
@@ -336,7 +336,7 @@ TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
   auto b = clone_params(a);
   fo::Adam8bit other_block(b, to::AdamOptions(1e-2), fo::QuantizedStateOptions().block(512),
                            kChunks);
-  set_grads(b, 1);
+  set_growing_grads(b, 1);
   other_block.step();
   expect_refused(other_block, ours, "but this optimizer's block is 512", b);
   expect_refused(other_block, torchs, "not saved by frugal's Adam8bit", b);
@@ -344,16 +344,16 @@ TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
   auto c = clone_params(a);
   std::swap(c[0], c[1]);  // same count, other shapes
   fo::Adam8bit other_shapes(c, to::AdamOptions(1e-2), {}, kChunks);
-  set_grads(c, 1);
+  set_growing_grads(c, 1);
   other_shapes.step();
   expect_refused(other_shapes, ours, "the loaded state of parameter 0 (shape [9000])", c);
 }
 
 TEST(Optim8bit, ParametersWithoutGradientAreSkipped) {
-  auto params = make_params();
+  auto params = make_8bit_params();
   const auto before = params[1].detach().clone();
   fo::Adam8bit adam8(params, to::AdamOptions(1e-2));
-  set_grads(params, 0);
+  set_growing_grads(params, 0);
   params[1].mutable_grad().reset();
   adam8.step();
   EXPECT_TRUE(torch::equal(params[1], before));
@@ -361,13 +361,13 @@ TEST(Optim8bit, ParametersWithoutGradientAreSkipped) {
 }
 
 TEST(Optim8bit, StepParameterEqualsTheWholeStep) {
-  auto whole = make_params();
+  auto whole = make_8bit_params();
   auto one_by_one = clone_params(whole);
   fo::Adam8bit a(whole, to::AdamOptions(1e-2), {}, kChunks);
   fo::Adam8bit b(one_by_one, to::AdamOptions(1e-2), {}, kChunks);
   for (int step = 0; step < 4; ++step) {
-    set_grads(whole, step);
-    set_grads(one_by_one, step);
+    set_growing_grads(whole, step);
+    set_growing_grads(one_by_one, step);
     a.step();
     for (auto it = one_by_one.rbegin(); it != one_by_one.rend(); ++it) {
       b.step_parameter(*it);
@@ -406,11 +406,11 @@ TEST(Optim8bit, TheStepNeedsNoFullSizeCopyOfAState) {
 TEST(Optim8bit, AFailedStepChangesNeitherParametersNorState) {
   frugal::CountingAllocator::install();
   frugal::MemoryProbe probe(torch::kCPU);
-  auto params = make_params();
+  auto params = make_8bit_params();
   fo::Adam8bit adam8(params, to::AdamOptions(1e-2), {}, kChunks);
-  set_grads(params, 0);
+  set_growing_grads(params, 0);
   adam8.step();
-  set_grads(params, 1);
+  set_growing_grads(params, 1);
   const auto before = clone_params(params);
   std::vector<torch::Tensor> codes;
   for (const auto& p : params) {
@@ -428,7 +428,7 @@ TEST(Optim8bit, AFailedStepChangesNeitherParametersNorState) {
 }
 
 TEST(Optim8bit, BadOptionsNameTheValue) {
-  auto params = make_params();
+  auto params = make_8bit_params();
   const auto message = [&](auto make) {
     try {
       make();
@@ -461,7 +461,7 @@ TEST(CudaOptim8bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
   fo::AdamW8bit a(cpu, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   fo::AdamW8bit b(cuda, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   for (int step = 0; step < 20; ++step) {
-    set_grads(cpu, step);
+    set_growing_grads(cpu, step);
     cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
     a.step();
     b.step();

@@ -23,9 +23,7 @@ using frugal::testing::make_mlp;
 namespace F = torch::nn::functional;
 namespace to = torch::optim;
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return F::mse_loss(out, target);
-}
+using frugal::testing::mse;
 
 frugal::Batch batch_at(int step, std::int64_t n = 24) {
   torch::manual_seed(100 + step);

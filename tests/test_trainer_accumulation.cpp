@@ -12,9 +12,7 @@ using frugal::testing::grads_of;
 using frugal::testing::make_mlp;
 namespace F = torch::nn::functional;
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return F::mse_loss(out, target);
-}
+using frugal::testing::mse;
 
 frugal::Batch regression_batch(std::int64_t n, std::uint64_t seed) {
   torch::manual_seed(seed);

@@ -21,9 +21,7 @@ void expect_error_naming(const std::function<void()>& fn, const std::string& nee
   }
 }
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return F::mse_loss(out, target);
-}
+using frugal::testing::mse;
 
 TEST(TrainerErrors, BadOptionsNameTheValue) {
   auto model = make_mlp(4, 8, 2);

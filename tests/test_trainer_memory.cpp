@@ -11,9 +11,7 @@ namespace {
 using frugal::testing::make_mlp;
 namespace F = torch::nn::functional;
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return F::mse_loss(out, target);
-}
+using frugal::testing::mse;
 
 frugal::Batch wide_batch(std::int64_t n) {
   torch::manual_seed(5);
@@ -108,6 +106,30 @@ torch::Tensor branch_after_two_steps(bool set_to_none) {
   const auto after_first = branch->weight.detach().clone();
   trainer.step(batch);
   return (branch->weight.detach() - after_first).abs().max();
+}
+
+TEST(TrainerMemory, ReportsCountABufferTheModuleReplacedBetweenSteps) {
+  struct Net : torch::nn::Module {
+    Net() : scale(register_buffer("scale", torch::ones({64}))) {
+      fc = register_module("fc", torch::nn::Linear(64, 8));
+    }
+    torch::Tensor& scale;  // the registered tensor: assigning replaces the buffer
+    torch::nn::Linear fc{nullptr};
+  };
+  frugal::MemoryProbe probe(torch::kCPU);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  frugal::Trainer trainer(
+      net, [net](const torch::Tensor& x) { return net->fc->forward(x * net->scale); },
+      sgd, mse);
+  const auto batch = wide_batch(16);
+  const auto first = trainer.step(batch).ledger;
+  const auto allocated = probe.allocated();
+  net->scale = torch::ones({64 * 100}).narrow(0, 0, 64);  // a view of a larger storage
+  EXPECT_EQ(probe.allocated(), allocated - 4 * 64 + 4 * 64 * 100);  // the old one is freed
+  const auto second = trainer.step(batch).ledger;
+  EXPECT_EQ(second.weights, first.weights - 4 * 64 + 4 * 64 * 100);
+  EXPECT_EQ(second.weights, frugal::measure_ledger(probe, *net).weights);
 }
 
 TEST(TrainerMemory, WeightDecaySkipsAParameterWhoseGradientIsNone) {

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reports import step_records  # noqa: E402
 from speed_twin import DATA, WARMUP, cnn, load_idx  # noqa: E402
 
 BATCH = 64
@@ -76,12 +77,11 @@ def frugal_times(binary, steps, ranks):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.jsonl")
         cmd = [binary, "--model", "cnn", "--max-steps", str(steps), "--threads", "1", "--quiet",
-               "--report", report]
+               "--eval-samples", "100", "--report", report]
         if ranks > 1:
             cmd = torchrun("--no-python", *cmd, "--distributed")
         subprocess.run(cmd, check=True, capture_output=True, text=True)
-        rows = [json.loads(line) for line in open(report)]
-    return [r["time_ms"] for r in rows if "time_ms" in r and r.get("event") != "eval"][WARMUP:]
+        return [r["time_ms"] for r in step_records(report)][WARMUP:]
 
 
 def python_times(steps, ranks):
@@ -129,6 +129,8 @@ def main():
                   f"{'' if eff is None else f'{eff:.2f}'} |")
     print(f"\nfrugal / PyTorch DDP, 2 processes: {ms[('frugal', 2)] / ms[('PyTorch', 2)]:.2f}x "
           "ms/step")
+    print(json.dumps({"bench": "ddp_twin", "torch": torch.__version__,
+                      "ms": {f"{side}, {ranks}": v for (side, ranks), v in ms.items()}}))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,17 @@ allocator (nothing of frugal is loaded here). The two alternate, variant by vari
 several rounds; each figure is the median step time over all rounds (a step: forward,
 backward, optimizer step, zeroing; the first steps of each run are warm-up).
 
+PyTorch's side is written twice, and the faster one is the reference: as nested
+`nn.Sequential` modules (the form of the C++ example) and as one small `nn.Module` whose
+forward calls the functional ops. frugal's step is also split into its kernels and its own
+cost: `bench_engine --model cnn` runs the same CNN under the Trainer beside a hand-written
+LibTorch C++ loop in the same run (the hand-written loop is the kernels and LibTorch's
+dispatch; the difference is frugal's own). `--profile` prints each Python form's busiest
+operators (torch.profiler), which says where the two forms differ.
+
     python bench/python/speed_twin.py --binary build/torch2/examples/fashion_mnist \
-        [--steps 300] [--rounds 2] [--threads 2]
+        [--engine build/torch2/bench/bench_engine] [--steps 300] [--rounds 2] [--threads 2]
+        [--variants plain bf16 ...] [--profile]
 """
 import argparse
 import gzip
@@ -23,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from reports import step_records
 
 WARMUP = 10
 DATA = "/usr/share/datasets/fashion-mnist"
@@ -44,15 +55,65 @@ def cnn(dropout):
         nn.Linear(1024, 10))
 
 
-def python_run(variant, images, labels, steps, batch=64, lr=1e-3, dropout=0.4, seed=1):
+class FunctionalCNN(nn.Module):
+    """The same CNN, parameters and initialisation as `cnn`, its forward in functional ops."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        net = cnn(dropout)  # same shapes and default initialisation, same RNG draws
+        self.conv1, self.conv2 = net[0][0], net[1][0]
+        self.fc1, self.fc2 = net[2][1], net[3]
+        self.dropout = dropout
+
+    def block(self, i, x):
+        if i < 2:
+            conv = self.conv1 if i == 0 else self.conv2
+            return F.max_pool2d(F.relu(F.conv2d(x, conv.weight, conv.bias, padding=2)), 2)
+        h = F.relu(F.linear(x.flatten(1), self.fc1.weight, self.fc1.bias))
+        return F.dropout(h, self.dropout, self.training)
+
+    def blocks(self):
+        return [lambda x, i=i: self.block(i, x) for i in range(3)]
+
+    def head(self, x):
+        return F.linear(x, self.fc2.weight, self.fc2.bias)
+
+    def forward(self, x):
+        for i in range(3):
+            x = self.block(i, x)
+        return self.head(x)
+
+
+FORMS = ("modules", "functional")
+
+
+def make_net(form, dropout):
+    return cnn(dropout) if form == "modules" else FunctionalCNN(dropout)
+
+
+def forward(net, form, x, checkpointed):
+    if not checkpointed:
+        return net(x)
+    blocks, head = (list(net)[:-1], net[-1]) if form == "modules" else (net.blocks(), net.head)
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    return head(x)
+
+
+def python_run(form, variant, images, labels, steps, batch, lr=1e-3, dropout=0.4, seed=1,
+               profile=False):
     torch.manual_seed(seed)
-    net = cnn(dropout)
+    net = make_net(form, dropout)
     adam = torch.optim.Adam(net.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(images.shape[0], generator=generator)
-    micro = 16 if variant == "micro-batch 16" else batch
+    micro = 16 if variant == "micro-batch 16" else batch  # the last part may be smaller
     times = []
+    profiler = None
     for i in range(steps):
+        if profile and i == WARMUP:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         idx = order[i * batch:(i + 1) * batch]
         x, y = images.index_select(0, idx), labels.index_select(0, idx)
         start = time.perf_counter()
@@ -60,65 +121,106 @@ def python_run(variant, images, labels, steps, batch=64, lr=1e-3, dropout=0.4, s
         for part in range(0, batch, micro):
             xs, ys = x[part:part + micro], y[part:part + micro]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16"):
-                if variant == "checkpoint":
-                    h = xs
-                    for block in list(net)[:-1]:
-                        h = checkpoint(block, h, use_reentrant=False)
-                    out = net[-1](h)
-                else:
-                    out = net(xs)
+                out = forward(net, form, xs, variant == "checkpoint")
             loss = F.cross_entropy(out.float(), ys) * (xs.shape[0] / batch)
             loss.backward()
             total += loss.item()
         adam.step()
         adam.zero_grad(set_to_none=True)
         times.append((time.perf_counter() - start) * 1e3)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        print(f"{form}, {variant}: busiest operators over {steps - WARMUP} steps")
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     return times[WARMUP:]
 
 
 FLAGS = {"plain": [], "bf16": ["--autocast", "bf16"], "checkpoint": ["--checkpoint"],
          "micro-batch 16": ["--micro-batch", "16"]}
+TORCH_ADAM = "plain, LibTorch's Adam"
 
 
-def frugal_run(binary, variant, steps, threads, extra):
+def frugal_run(binary, variant, steps, threads, batch, extra):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.jsonl")
         subprocess.run([binary, "--model", "cnn", "--max-steps", str(steps), "--threads",
-                        str(threads), "--quiet", "--report", report, *FLAGS[variant], *extra],
+                        str(threads), "--batch", str(batch), "--eval-samples", "100",
+                        "--quiet", "--report", report,
+                        *FLAGS[variant], *extra],
                        check=True, capture_output=True, text=True)
-        rows = [json.loads(line) for line in open(report)]
-    return [r["time_ms"] for r in rows if r.get("event") != "eval"][WARMUP:]
+        return [r["time_ms"] for r in step_records(report)][WARMUP:]
+
+
+def engine_split(binary, steps, rounds, threads, batch):
+    """frugal's CNN step split into kernels (the hand-written C++ loop) and frugal's own."""
+    run = subprocess.run([binary, "--model", "cnn", "--batch", str(batch), "--steps", str(steps),
+                          "--rounds", str(rounds), "--threads", str(threads)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--binary", default="build/torch2/examples/fashion_mnist")
+    parser.add_argument("--engine", default="build/torch2/bench/bench_engine",
+                        help="bench_engine, for the split into kernels and frugal's own")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="samples a step (above 16)")
+    parser.add_argument("--variants", nargs="+", default=list(FLAGS) + [TORCH_ADAM],
+                        choices=list(FLAGS) + [TORCH_ADAM])
+    parser.add_argument("--profile", action="store_true",
+                        help="print each Python form's busiest operators (plain variant)")
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must be more than the {WARMUP} warm-up steps, got {args.steps}")
+    if args.batch <= 16:
+        parser.error(f"--batch must be above the micro-batch variant's 16, got {args.batch}")
     torch.set_num_threads(args.threads)
     images = load_idx(f"{DATA}/train-images-idx3-ubyte.gz").unsqueeze(1).float().div_(255)
     labels = load_idx(f"{DATA}/train-labels-idx1-ubyte.gz").long()
 
-    rows = [(v, []) for v in FLAGS] + [("plain, LibTorch's Adam", [])]
-    times = {name: {"frugal": [], "pytorch": []} for name, _ in rows}
+    sides = ("frugal",) + FORMS
+    times = {name: {side: [] for side in sides} for name in args.variants}
     for _ in range(args.rounds):
-        for name, _ in rows:
+        for name in args.variants:
             variant = name.split(",")[0]
-            extra = ["--torch-optimizer"] if "LibTorch's Adam" in name else []
-            times[name]["frugal"] += frugal_run(args.binary, variant, args.steps, args.threads, extra)
-            times[name]["pytorch"] += python_run(variant, images, labels, args.steps)
+            extra = ["--torch-optimizer"] if name == TORCH_ADAM else []
+            times[name]["frugal"] += frugal_run(args.binary, variant, args.steps, args.threads,
+                                                args.batch, extra)
+            for form in FORMS:
+                times[name][form] += python_run(form, variant, images, labels, args.steps,
+                                                args.batch)
+    split = engine_split(args.engine, max(args.steps // 10, 1), max(3 * args.rounds, 1),
+                         args.threads, args.batch)
+    if args.profile:
+        for form in FORMS:
+            python_run(form, "plain", images, labels, args.steps, args.batch, profile=True)
 
     print(f"fashion_mnist against PyTorch in Python, same LibTorch ({torch.__version__}), "
-          f"{args.threads} threads, CNN batch 64, Adam 1e-3, {args.rounds} rounds of "
+          f"{args.threads} threads, CNN batch {args.batch}, Adam 1e-3, {args.rounds} rounds of "
           f"{args.steps} steps, medians of steps after {WARMUP} warm-up steps\n")
-    print("| variant | frugal (ms/step) | PyTorch (ms/step) | ratio |")
-    print("|---|---|---|---|")
-    for name, _ in rows:
-        f = statistics.median(times[name]["frugal"])
-        p = statistics.median(times[name]["pytorch"])
-        print(f"| {name} | {f:.1f} | {p:.1f} | {f / p:.2f} |")
+    print("| variant | frugal (ms/step) | PyTorch, modules | PyTorch, functional | "
+          "fastest PyTorch | ratio to the fastest |")
+    print("|---|---|---|---|---|---|")
+    result = {"bench": "speed_twin", "torch": torch.__version__, "threads": args.threads,
+              "rows": []}
+    for name in args.variants:
+        ms = {side: statistics.median(times[name][side]) for side in sides}
+        fastest = min(FORMS, key=lambda form: ms[form])
+        ratio = ms["frugal"] / ms[fastest]
+        print(f"| {name} | {ms['frugal']:.1f} | {ms['modules']:.1f} | {ms['functional']:.1f} | "
+              f"{fastest} | {ratio:.2f} |")
+        result["rows"].append({"variant": name, **{f"{side}_ms": ms[side] for side in sides},
+                               "fastest": fastest, "ratio": ratio})
+    hand, engine = split["hand_ms"], split["engine_ms"]
+    print(f"\nfrugal's CNN step split (bench_engine, same CNN without dropout, batch {args.batch}): "
+          f"{engine:.1f} ms under the Trainer = {hand:.1f} ms of kernels (the same step "
+          f"hand-written in LibTorch C++) + {engine - hand:.2f} ms frugal's own "
+          f"({(engine - hand) / engine * 100:.1f} %)")
+    result["split"] = {"kernels_ms": hand, "trainer_ms": engine, "own_ms": engine - hand}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from reports import step_records
+
 WARMUP = 10
 PAD, START, VOCAB, IGNORE = 0, 1, 98, -100
 
@@ -160,7 +162,7 @@ def frugal_run(binary, variant, args):
                         "--seed", str(args.seed), "--eval-every", "0", "--eval-samples", "16",
                         "--quiet", "--report", report, *FLAGS[variant]],
                        check=True, capture_output=True, text=True)
-        rows = [json.loads(line) for line in open(report) if '"eval"' not in line]
+        rows = step_records(report)
     return ([r["time_ms"] for r in rows][WARMUP:], max(r["peak_bytes"] for r in rows),
             [r["loss"] for r in rows])
 
@@ -205,11 +207,15 @@ def main():
     print("| variant | frugal ms/step | PyTorch ms/step | ratio | frugal step peak | "
           "PyTorch step peak | last loss frugal / PyTorch |")
     print("|---|---:|---:|---:|---:|---:|---|")
+    rows = []
     for v in FLAGS:
         f, p = res[v]["frugal"], res[v]["pytorch"]
         fm, pm = statistics.median(f[0]), statistics.median(p[0])
         print(f"| {v} | {fm:.1f} | {pm:.1f} | {fm / pm:.2f} | {f[1] / 2**20:.2f} MiB | "
               f"{p[1] / 2**20:.2f} MiB | {f[2][-1]:.4f} / {p[2][-1]:.4f} |")
+        rows.append({"variant": v, "frugal_ms": fm, "pytorch_ms": pm, "frugal_peak_bytes": f[1],
+                     "pytorch_peak_bytes": p[1], "frugal_loss": f[2][-1], "pytorch_loss": p[2][-1]})
+    print(json.dumps({"bench": "tiny_lm_twin", "torch": torch.__version__, "rows": rows}))
 
 
 if __name__ == "__main__":

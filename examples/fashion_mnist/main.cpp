@@ -65,7 +65,10 @@ int run(Args args) {
     throw std::invalid_argument("--device cuda: CUDA is not available on this machine");
   }
   auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
-  const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
+  auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
+  if (args.eval_samples > 0 && args.eval_samples < test.inputs.size(0)) {
+    test = test.slice(0, args.eval_samples);  // a quick run's evaluation: the first samples
+  }
   if (args.batch > train.inputs.size(0)) {
     throw std::invalid_argument(fmt::format("--batch {} is larger than the training set ({} "
                                             "samples)", args.batch, train.inputs.size(0)));
@@ -276,6 +279,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--eval-batch", args.eval_batch, "Samples per evaluation batch")
       ->check(kPositive)
+      ->capture_default_str();
+  app.add_option("--eval-samples", args.eval_samples,
+                 "Evaluate on the first this many test samples (0: all 10000)")
+      ->check(kNonNegative)
       ->capture_default_str();
   app.add_option("--lr", args.lr, "Learning rate")->check(kPositive)->capture_default_str();
   app.add_option("--optimizer", args.optimizer,

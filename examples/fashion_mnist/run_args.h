@@ -20,6 +20,7 @@ struct Args {
   std::int64_t batch = 64;
   std::int64_t micro_batch = 0;
   std::int64_t eval_batch = 1000;
+  std::int64_t eval_samples = 0;
   double lr = 1e-3;
   double dropout = 0.4;
   std::string set_to_none = "on";

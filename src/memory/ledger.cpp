@@ -4,10 +4,14 @@
 #include <torch/optim.h>
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
+#include <typeinfo>
 #include <unordered_set>
 #include <vector>
 
 #include "frugal/memory/format.h"
+#include "module_tensors.h"
+#include "state_tensors.h"
 
 namespace frugal {
 namespace {
@@ -15,25 +19,158 @@ namespace {
 // Sums each storage on one device once, across all the categories it is asked about.
 class StorageCounter {
  public:
-  explicit StorageCounter(torch::Device device) : device_(device) {}
+  explicit StorageCounter(torch::Device device) : device_(device) { list_.reserve(16); }
 
   std::int64_t add(const torch::Tensor& t) {
     if (!t.defined() || !t.has_storage() || t.device() != device_) {
       return 0;
     }
     const auto& storage = t.storage();
-    if (!seen_.insert(storage.unsafeGetStorageImpl()).second) {
+    if (!first_sight(storage.unsafeGetStorageImpl())) {
       return 0;
     }
     return static_cast<std::int64_t>(storage.nbytes());
   }
 
  private:
+  // A short list searched in place until it grows long: most models have a few dozen
+  // tensors, where a hash set's allocation per entry costs more than the search.
+  static constexpr std::size_t kListed = 64;
+  bool first_sight(const void* storage) {
+    if (set_.empty() && list_.size() < kListed) {
+      if (std::find(list_.begin(), list_.end(), storage) != list_.end()) {
+        return false;
+      }
+      list_.push_back(storage);
+      return true;
+    }
+    if (set_.empty()) {
+      set_.insert(list_.begin(), list_.end());
+    }
+    return set_.insert(storage).second;
+  }
+
   torch::Device device_;
-  std::unordered_set<const void*> seen_;
+  std::vector<const void*> list_;
+  std::unordered_set<const void*> set_;
 };
 
+Ledger measure_parts(const MemoryProbe& probe, const std::vector<torch::Tensor>& parameters,
+                     const std::vector<torch::Tensor>& buffers,
+                     const torch::optim::Optimizer* optimizer) {
+  StorageCounter counter(probe.device());
+  Ledger ledger;
+  for (const auto& p : parameters) {
+    ledger.weights += counter.add(p);
+  }
+  for (const auto& b : buffers) {
+    ledger.weights += counter.add(b);
+  }
+  for (const auto& p : parameters) {
+    ledger.gradients += counter.add(p.grad());
+  }
+  if (optimizer != nullptr) {
+    for (const auto& entry : optimizer->state()) {
+      detail::for_each_state_tensor(*entry.second, [&](const torch::Tensor& t) {
+        ledger.optimizer += counter.add(t);
+      });
+    }
+    if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
+      for (const auto& t : parts->ledger_gradients()) {
+        ledger.gradients += counter.add(t);
+      }
+      for (const auto& t : parts->ledger_optimizer_state()) {
+        ledger.optimizer += counter.add(t);
+      }
+    }
+  }
+  ledger.allocated = probe.snapshot().process_allocated;
+  ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;
+  return ledger;
+}
+
 }  // namespace
+
+namespace detail {
+
+ModuleTensors::ModuleTensors(const torch::nn::Module& module) : module_(module) { refresh(); }
+
+void ModuleTensors::refresh() {
+  auto hold = [](const std::vector<torch::Tensor>& from, std::vector<Weak>& to) {
+    to.clear();
+    for (const auto& t : from) {
+      if (t.defined()) {  // an undefined tensor holds no bytes, and no weak reference
+        to.emplace_back(t.getIntrusivePtr());
+      }
+    }
+  };
+  hold(module_.parameters(), parameters_);
+  hold(module_.buffers(), buffers_);
+}
+
+bool ModuleTensors::lock(const std::vector<Weak>& from, std::vector<torch::Tensor>& to) {
+  to.clear();
+  to.reserve(from.size());
+  for (const auto& weak : from) {
+    auto strong = weak.lock();
+    if (!strong) {
+      return false;
+    }
+    to.emplace_back(std::move(strong));
+  }
+  return true;
+}
+
+void ModuleTensors::read(std::vector<torch::Tensor>& parameters,
+                         std::vector<torch::Tensor>& buffers) {
+  if (!lock(parameters_, parameters) || !lock(buffers_, buffers)) {
+    refresh();
+    lock(parameters_, parameters);
+    lock(buffers_, buffers);
+  }
+}
+
+Ledger measure_ledger(const MemoryProbe& probe, ModuleTensors& tensors,
+                      const torch::optim::Optimizer* optimizer) {
+  std::vector<torch::Tensor> parameters, buffers;
+  tensors.read(parameters, buffers);
+  return measure_parts(probe, parameters, buffers, optimizer);
+}
+
+}  // namespace detail
+
+namespace detail {
+
+void for_each_state_tensor(const torch::optim::OptimizerParamState& s,
+                           c10::function_ref<void(const torch::Tensor&)> fn) {
+  using namespace torch::optim;
+  // LibTorch's own states by their exact type first: a typeid comparison, where a failed
+  // dynamic_cast walks the class hierarchy (this runs for every parameter every step).
+  const auto& type = typeid(s);
+  if (type == typeid(AdamParamState)) {
+    const auto& adam = static_cast<const AdamParamState&>(s);
+    fn(adam.exp_avg());
+    fn(adam.exp_avg_sq());
+    fn(adam.max_exp_avg_sq());
+    return;
+  }
+  if (type == typeid(AdamWParamState)) {
+    const auto& adamw = static_cast<const AdamWParamState&>(s);
+    fn(adamw.exp_avg());
+    fn(adamw.exp_avg_sq());
+    fn(adamw.max_exp_avg_sq());
+    return;
+  }
+  if (type == typeid(SGDParamState)) {
+    fn(static_cast<const SGDParamState&>(s).momentum_buffer());
+    return;
+  }
+  for (const auto& t : optimizer_state_tensors(s)) {
+    fn(t);
+  }
+}
+
+}  // namespace detail
 
 std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::OptimizerParamState& s) {
   using namespace torch::optim;
@@ -70,35 +207,7 @@ std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer
 
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
                       const torch::optim::Optimizer* optimizer) {
-  StorageCounter counter(probe.device());
-  Ledger ledger;
-  for (const auto& p : module.parameters()) {
-    ledger.weights += counter.add(p);
-  }
-  for (const auto& b : module.buffers()) {
-    ledger.weights += counter.add(b);
-  }
-  for (const auto& p : module.parameters()) {
-    ledger.gradients += counter.add(p.grad());
-  }
-  if (optimizer != nullptr) {
-    for (const auto& entry : optimizer->state()) {
-      for (const auto& t : optimizer_state_tensors(*entry.second)) {
-        ledger.optimizer += counter.add(t);
-      }
-    }
-    if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
-      for (const auto& t : parts->ledger_gradients()) {
-        ledger.gradients += counter.add(t);
-      }
-      for (const auto& t : parts->ledger_optimizer_state()) {
-        ledger.optimizer += counter.add(t);
-      }
-    }
-  }
-  ledger.allocated = probe.snapshot().process_allocated;
-  ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;
-  return ledger;
+  return measure_parts(probe, module.parameters(), module.buffers(), optimizer);
 }
 
 std::string Ledger::summary() const {

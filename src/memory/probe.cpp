@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -122,12 +123,19 @@ struct ProbeState {
   std::uint64_t enter() {
     std::lock_guard<std::mutex> lock(mutex);
     fold_and_reset();
-    open.emplace(next_id, Peaks{});
+    open.emplace_back(next_id, Peaks{});
     return next_id++;
   }
 
+  std::vector<std::pair<std::uint64_t, Peaks>>::const_iterator find(std::uint64_t id) const {
+    const auto it = std::find_if(open.begin(), open.end(),
+                                 [id](const auto& region) { return region.first == id; });
+    TORCH_INTERNAL_ASSERT(it != open.end(), "frugal: no open peak region ", id);
+    return it;
+  }
+
   Peaks peaks_of(std::uint64_t id) const {
-    Peaks p = open.at(id);
+    Peaks p = find(id)->second;
     p.raise(device_peaks());
     return p;
   }
@@ -135,7 +143,7 @@ struct ProbeState {
   Peaks leave(std::uint64_t id) {
     std::lock_guard<std::mutex> lock(mutex);
     const Peaks region = peaks_of(id);
-    open.erase(id);
+    open.erase(find(id));
     return region;
   }
 
@@ -154,7 +162,9 @@ struct ProbeState {
   torch::Device device;
   MemoryScope scope;
   mutable std::mutex mutex;
-  std::map<std::uint64_t, Peaks> open;  // open regions: peaks before the last reset
+  // Open regions and their peaks before the last reset: a few at a time (a step and its
+  // phases), so a list that keeps its capacity, searched in place, allocates nothing.
+  std::vector<std::pair<std::uint64_t, Peaks>> open;
   Peaks user;                           // the probe user's peak before the last reset
   std::uint64_t next_id = 0;
 };

@@ -6,6 +6,7 @@
 #include "frugal/report/sink.h"
 #include "frugal/train/trainer.h"
 #include "internal.h"
+#include "../memory/module_tensors.h"
 #include "frugal/error.h"
 
 namespace frugal {
@@ -136,7 +137,7 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
   report.peak = peak.end();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
+    report.ledger = detail::measure_ledger(probe_, *module_tensors_, &optimizer_);
   }
   report.time_ms = detail::ms_since(start);
   return report;

@@ -6,6 +6,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "../memory/module_tensors.h"
 #include "grad_ready.h"
 #include "frugal/train/trainer.h"
 #include "frugal/error.h"
@@ -29,6 +30,7 @@ Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
         optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
   }
   policies_.push_back(std::move(policy));
+  module_tensors_->refresh();  // a policy may have rearranged the module tree (on_add)
   return *this;
 }
 

@@ -40,7 +40,8 @@ Trainer::Split Trainer::split(const Batch& batch) const {
   std::int64_t offset = 0;
   const std::int64_t samples = batch.inputs.size(0);
   for (const auto size : plan(samples)) {
-    out.micros.push_back(batch.slice(offset, size));
+    // The whole batch in one part is the batch itself: no view of each tensor to make.
+    out.micros.push_back(size == samples ? batch : batch.slice(offset, size));
     out.counts.push_back(count_of(out.micros.back()));
     out.total += out.counts.back();
     offset += size;

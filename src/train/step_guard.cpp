@@ -1,16 +1,17 @@
 #include "step_guard.h"
 
 #include "frugal/compat.h"
+#include "../memory/state_tensors.h"
 #include "frugal/memory/ledger.h"
 
 namespace frugal::detail {
 namespace {
 
-std::vector<std::int64_t> versions_of(const torch::optim::OptimizerParamState& state) {
-  std::vector<std::int64_t> out;
-  for (const auto& t : optimizer_state_tensors(state)) {
+OptimizerStepGuard::Versions versions_of(const torch::optim::OptimizerParamState& state) {
+  OptimizerStepGuard::Versions out;
+  for_each_state_tensor(state, [&](const torch::Tensor& t) {
     out.push_back(t.defined() ? static_cast<std::int64_t>(t._version()) : -1);
-  }
+  });
   return out;
 }
 
@@ -19,6 +20,11 @@ std::vector<std::int64_t> versions_of(const torch::optim::OptimizerParamState& s
 OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
     : optimizer_(optimizer) {
   auto& state = optimizer_.state();
+  std::size_t count = 0;
+  for (const auto& group : optimizer_.param_groups()) {
+    count += group.params().size();
+  }
+  entries_.reserve(count);
   for (auto& group : optimizer_.param_groups()) {
     for (auto& p : group.params()) {
       Entry entry{p, static_cast<std::int64_t>(p._version()), nullptr, {}};

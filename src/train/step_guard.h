@@ -1,6 +1,7 @@
 // What an optimizer step changed, and undoing what it did not finish.
 #pragma once
 
+#include <c10/util/SmallVector.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
@@ -18,6 +19,9 @@ namespace frugal::detail {
 /// changed). Costs one version read per tensor and one small copy per state object.
 class OptimizerStepGuard {
  public:
+  /// The versions of one parameter's state tensors (-1: undefined); most states hold few.
+  using Versions = c10::SmallVector<std::int64_t, 4>;
+
   explicit OptimizerStepGuard(torch::optim::Optimizer& optimizer);
 
   /// The parameters whose values or state tensors the step wrote.
@@ -30,7 +34,7 @@ class OptimizerStepGuard {
     torch::Tensor param;
     std::int64_t version = 0;
     std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before
-    std::vector<std::int64_t> state_versions;
+    Versions state_versions;
   };
   bool changed(const Entry& entry) const;
 

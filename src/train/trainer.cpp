@@ -9,6 +9,7 @@
 #include "forward_scope.h"
 #include "grad_ready.h"
 #include "internal.h"
+#include "../memory/module_tensors.h"
 #include "frugal/report/sink.h"
 #include "frugal/error.h"
 
@@ -62,7 +63,8 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
                options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
-  const auto ledger = measure_ledger(probe_, *module_);
+  module_tensors_ = std::make_unique<detail::ModuleTensors>(*module_);
+  const auto ledger = detail::measure_ledger(probe_, *module_tensors_, nullptr);
   if (ledger.weights > ledger.allocated) {
     TORCH_WARN("frugal: the module's weights (", ledger.weights, " bytes) were allocated "
                "before the counting CPU allocator was installed, so the probe does not count "
@@ -307,7 +309,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
         if (counts_nothing) {
           loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
         } else if (micros.size() == 1) {
-          logged = loss.detach().item<double>() * share;  // one read, as a plain loop does
+          logged = loss.item<double>() * share;  // one read, as a plain loop does
         } else {
           const auto detached = loss.detach().to(torch::kDouble) * share;
           loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
@@ -367,7 +369,7 @@ void Trainer::finish_report(StepReport& report) {
   report.lr = groups.empty() ? 0.0 : groups.front().options().get_lr();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = measure_ledger(probe_, *module_, &optimizer_);
+    report.ledger = detail::measure_ledger(probe_, *module_tensors_, &optimizer_);
   }
 }
 

@@ -22,6 +22,7 @@ namespace frugal {
 class ReportSink;
 namespace detail {
 class GradReady;
+class ModuleTensors;
 class OptimizerStepGuard;
 }
 
@@ -207,6 +208,7 @@ class Trainer {
   BatchLossFn batch_loss_;
   TrainerOptions options_;
   MemoryProbe probe_;
+  std::unique_ptr<detail::ModuleTensors> module_tensors_;  // what the ledger counts as weights
   std::vector<std::shared_ptr<Policy>> policies_;
   std::vector<std::shared_ptr<ReportSink>> sinks_;
   std::unique_ptr<detail::GradReady> grad_ready_;  // while a policy wants gradient-ready calls

@@ -1,0 +1,140 @@
+"""Small steps against PyTorch in Python: bench_overhead's loops beside the same MLPs trained
+in this Python process, alternating round by round in one run.
+
+Each round runs `bench_overhead` once (its four C++ loops interleaved: hand-written LibTorch,
+the Trainer, the Trainer without the ledger, the Trainer with common policies), then the
+Python loops: the MLP as `nn.Sequential` modules and as functional ops, each with
+torch.optim.Adam's three implementations (the default per-parameter loop, foreach and
+fused). The fastest Python loop of each row is the reference. Every loop zeroes with
+set_to_none, steps Adam 1e-3 and reads the loss as a number each step; figures are medians
+over rounds of microseconds a step.
+
+    python bench/python/overhead_twin.py --binary build/torch2/bench/bench_overhead \
+        [--rounds 7] [--steps 200] [--models 32-64-1 784-128-10] [--batches 1 8 32]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WARMUP = 10
+
+
+def shape_of(text):
+    inputs, hidden, outputs = (int(v) for v in text.split("-"))
+    return inputs, hidden, outputs
+
+
+def make_modules(inputs, hidden, outputs):
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, outputs))
+
+
+class FunctionalMLP(nn.Module):
+    """The same two layers, parameters and initialisation; forward as two F.linear calls."""
+
+    def __init__(self, inputs, hidden, outputs):
+        super().__init__()
+        net = make_modules(inputs, hidden, outputs)
+        self.w1, self.b1 = net[0].weight, net[0].bias
+        self.w2, self.b2 = net[2].weight, net[2].bias
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+
+def adam_kinds():
+    kinds = {"loop": {"foreach": False}, "foreach": {"foreach": True}}
+    try:  # fused Adam runs on the CPU from PyTorch 2.4
+        torch.optim.Adam([nn.Parameter(torch.zeros(1))], fused=True).step()
+        kinds["fused"] = {"fused": True}
+    except (RuntimeError, TypeError):
+        pass
+    return kinds
+
+
+def python_us(model, batch, form, adam_kwargs, steps):
+    inputs, hidden, outputs = shape_of(model)
+    torch.manual_seed(0)
+    x = torch.randn(batch, inputs)
+    y = torch.randint(0, outputs, (batch,)) if outputs > 1 else torch.randn(batch, outputs)
+    loss_fn = F.cross_entropy if outputs > 1 else F.mse_loss
+    torch.manual_seed(1)
+    net = make_modules(inputs, hidden, outputs) if form == "modules" else FunctionalMLP(
+        inputs, hidden, outputs)
+    adam = torch.optim.Adam(net.parameters(), lr=1e-3, **adam_kwargs)
+
+    def step():
+        adam.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        adam.step()
+        return loss.item()
+
+    for _ in range(WARMUP):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) * 1e6 / steps
+
+
+def frugal_us(binary, model, batch, steps, threads):
+    run = subprocess.run([binary, "--rounds", "1", "--steps", str(steps), "--models", model,
+                          "--batches", str(batch), "--threads", str(threads)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])["rows"][0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--binary", default="build/torch2/bench/bench_overhead")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", nargs="+", default=["32-64-1", "784-128-10"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kinds = adam_kinds()
+    loops = [(form, kind) for form in ("modules", "functional") for kind in kinds]
+    keys = ("hand_us", "trainer_us", "trainer_no_ledger_us", "trainer_policies_us")
+
+    print(f"Small MLP steps, Adam 1e-3, LibTorch {torch.__version__} on both sides, "
+          f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps, medians of "
+          f"the rounds in microseconds a step\n")
+    print("| model | batch | hand-written C++ | Trainer | x hand | frugal's own | "
+          "Trainer + policies | fastest PyTorch | PyTorch | Trainer / PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for model in args.models:
+        for batch in args.batches:
+            cpp = {key: [] for key in keys}
+            py = {loop: [] for loop in loops}
+            for _ in range(args.rounds):
+                row = frugal_us(args.binary, model, batch, args.steps, args.threads)
+                for key in keys:
+                    cpp[key].append(row[key])
+                for form, kind in loops:
+                    py[(form, kind)].append(python_us(model, batch, form, kinds[kind], args.steps))
+            c = {key: statistics.median(v) for key, v in cpp.items()}
+            p = {loop: statistics.median(v) for loop, v in py.items()}
+            best = min(p, key=p.get)
+            print(f"| {model} | {batch} | {c['hand_us']:.1f} | {c['trainer_us']:.1f} | "
+                  f"{c['trainer_us'] / c['hand_us']:.3f} | {c['trainer_us'] - c['hand_us']:.1f} | "
+                  f"{c['trainer_policies_us']:.1f} | {best[0]}, Adam {best[1]} | {p[best]:.1f} | "
+                  f"{c['trainer_us'] / p[best]:.2f} |")
+            rows.append({"model": model, "batch": batch, **c,
+                         "python_us": {f"{form}, {kind}": v for (form, kind), v in p.items()},
+                         "fastest_python": f"{best[0]}, Adam {best[1]}",
+                         "trainer_over_python": c["trainer_us"] / p[best]})
+    print(json.dumps({"bench": "overhead_twin", "torch": torch.__version__,
+                      "threads": args.threads, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+// The tensors of a module that the ledger counts as its weights, read once and held weakly.
+#pragma once
+
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <vector>
+
+#include "frugal/memory/ledger.h"
+
+namespace frugal::detail {
+
+/// A module's parameters and buffers, as of the last read of the module tree. Walking the
+/// tree (parameters(), buffers()) builds a dictionary of names at every level and costs
+/// more than the rest of the ledger together, so a trainer that measures the ledger every
+/// step reads the tree once. The tensors are held weakly: a buffer the module replaced is
+/// not kept alive by this list, and its being freed makes the next read walk the tree again.
+///
+/// Example:
+///   frugal::detail::ModuleTensors tensors(*model);
+///   auto ledger = frugal::detail::measure_ledger(probe, tensors, &optimizer);
+class ModuleTensors {
+ public:
+  explicit ModuleTensors(const torch::nn::Module& module);
+
+  /// Walks the module tree again (after the module registered new parameters or buffers).
+  void refresh();
+  /// The parameters and buffers alive now, into `parameters` and `buffers`; walks the tree
+  /// again first where one read before has been freed.
+  void read(std::vector<torch::Tensor>& parameters, std::vector<torch::Tensor>& buffers);
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  static bool lock(const std::vector<Weak>& from, std::vector<torch::Tensor>& to);
+
+  const torch::nn::Module& module_;
+  std::vector<Weak> parameters_;
+  std::vector<Weak> buffers_;
+};
+
+/// measure_ledger over the tensors of `module` as `tensors` holds them.
+Ledger measure_ledger(const MemoryProbe& probe, ModuleTensors& tensors,
+                      const torch::optim::Optimizer* optimizer);
+
+}  // namespace frugal::detail

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Runs every benchmark binary and Python twin for a few steps at small sizes, so that a
+changed flag, report format or table breaks the test suite rather than a benchmark run
+months later. Each run must exit 0, print its markdown table and end with its JSON line
+holding the fields the README's tables are made from. The figures themselves mean nothing
+at these sizes and are not checked.
+Usage: bench_smoke.py BUILD_DIR PYTHON_WITH_TORCH|"" [NAME ...]
+  NAME: one of the runs below (all without a name). Without a Python that has torch ("")
+  the Python twins are left out, and said so.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from cli_check import check, finish
+
+BUILD = sys.argv[1]
+PYTHON = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] else None
+NAMES = sys.argv[3:]
+HERE = os.path.dirname(os.path.abspath(__file__))
+TWINS = os.path.join(HERE, "..", "bench", "python")
+BENCH = os.path.join(BUILD, "bench")
+FASHION = os.path.join(BUILD, "examples", "fashion_mnist")
+TINY_LM = os.path.join(BUILD, "examples", "tiny_lm")
+
+
+def last_json(stdout):
+    lines = [line for line in stdout.strip().splitlines() if line.startswith(("{", "["))]
+    return json.loads(lines[-1]) if lines else None
+
+
+def has_keys(value, path):
+    """`path` like "rows.0.hand_us": every step must exist."""
+    for part in path.split("."):
+        if isinstance(value, list):
+            if not part.isdigit() or int(part) >= len(value):
+                return False
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            return False
+    return True
+
+
+def smoke(name, cmd, keys, table=True, env=None):
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - start
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-2000:])
+    check(done.returncode == 0, f"{name}: exits 0 ({took:.1f} s)")
+    if done.returncode != 0:
+        return
+    if table:
+        check("|---" in done.stdout, f"{name}: prints its markdown table")
+    try:
+        result = last_json(done.stdout)
+    except json.JSONDecodeError as error:
+        result = None
+        print(f"     last JSON line does not parse: {error}")
+    missing = [k for k in keys if result is None or not has_keys(result, k)]
+    check(not missing, f"{name}: its JSON line holds {', '.join(keys)}"
+          + (f" (missing: {', '.join(missing)})" if missing else ""))
+
+
+def runs(tmp):
+    """name -> (command, JSON fields, prints a table, needs a Python with torch)."""
+    b = lambda name: os.path.join(BENCH, name)  # noqa: E731
+    py = lambda script: [PYTHON or "python3", os.path.join(TWINS, script)]  # noqa: E731
+    return {
+        "bench_allocator": ([b("bench_allocator"), "--rounds", "1", "--steps", "2", "--batch", "4",
+                             "--threads", "1"], ["ratio"], True, False),
+        "bench_engine": ([b("bench_engine"), "--rounds", "1", "--steps", "2", "--batch", "4",
+                          "--threads", "1"], ["hand_ms", "engine_ms", "ratio"], True, False),
+        "bench_checkpoint": ([b("bench_checkpoint"), "--rounds", "1", "--steps", "1", "--blocks",
+                              "2", "--width", "16", "--hidden", "32", "--batch", "4",
+                              "--threads", "1"], ["time_ratio"], True, False),
+        "bench_optimizer": ([b("bench_optimizer"), "--rounds", "1", "--calls", "1",
+                             "--threads", "1"], ["rows.2.in_backward_ms"], True, False),
+        "bench_save_state": ([b("bench_save_state"), "--rounds", "1", "--threads", "1", "--dir",
+                              tmp], ["save_ms", "load_ms"], True, False),
+        "bench_overhead": ([b("bench_overhead"), "--rounds", "1", "--steps", "2", "--models",
+                            "8-4-1", "6-4-3", "--batches", "1", "2"],
+                           ["rows.3.hand_us", "rows.3.trainer_us", "rows.3.trainer_policies_us",
+                            "rows.3.own_us"], True, False),
+        "bench_twin": ([b("bench_twin"), "--steps", "1", "--threads", "1"],
+                       ["step_ms", "peak_bytes"], False, False),
+        "twin.py": (py("twin.py") + ["--build", BUILD, "--steps", "1", "--threads", "1"],
+                    ["0.frugal.step_ms", "0.pytorch.step_ms"], True, True),
+        "speed_twin.py": (py("speed_twin.py") + [
+            "--binary", FASHION, "--engine", b("bench_engine"), "--steps", "11", "--rounds", "1",
+            "--threads", "1", "--batch", "24", "--profile"],
+            ["rows.4.frugal_ms", "rows.4.modules_ms", "rows.4.functional_ms", "rows.4.ratio",
+             "split.own_ms"], True, True),
+        "overhead_twin.py": (py("overhead_twin.py") + [
+            "--binary", b("bench_overhead"), "--rounds", "1", "--steps", "2", "--models", "8-4-1",
+            "--batches", "2"], ["rows.0.trainer_us", "rows.0.fastest_python",
+                                "rows.0.trainer_over_python"], True, True),
+        "tiny_lm_twin.py": (py("tiny_lm_twin.py") + [
+            "--build", BUILD, "--steps", "11", "--rounds", "1", "--threads", "1", "--batch", "4",
+            "--dim", "16", "--heads", "2", "--layers", "1", "--max-len", "32"],
+            ["rows.3.frugal_ms", "rows.3.pytorch_ms"], True, True),
+        "ddp_twin.py": (py("ddp_twin.py") + ["--binary", FASHION, "--steps", "11", "--rounds", "1"],
+                        ["ms"], True, True),
+    }
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    every = runs(tmp)
+    unknown = [name for name in NAMES if name not in every]
+    if unknown:
+        sys.exit(f"bench_smoke.py: no benchmark named {', '.join(unknown)}; "
+                 f"there are {', '.join(every)}")
+    for name in NAMES or list(every):
+        cmd, keys, table, needs_torch = every[name]
+        if needs_torch and PYTHON is None:
+            print(f"skip {name}: no python with torch was given")
+            continue
+        smoke(name, cmd, keys, table)
+finish()
