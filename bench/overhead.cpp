@@ -6,16 +6,20 @@
 //   Trainer          frugal::Trainer with no policy (probe and ledger in every report)
 //   Trainer, no ledger   the same with TrainerOptions().ledger(false)
 //   Trainer + policies   clipping by norm, a cosine schedule with warm-up, a leak guard
-// bench/python/overhead_twin.py runs this binary beside the same loops in PyTorch-Python.
-#include <CLI/CLI.hpp>
+// Each with LibTorch's Adam (a loop over parameters, ops per parameter) and, on LibTorch 2.4
+// and later, Adam through the fused kernel (at::_fused_adam_, what PyTorch-Python's
+// Adam(fused=True) runs). bench/python/overhead_twin.py runs this binary beside the same
+// loops in PyTorch-Python.
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "bench_util.h"
+#include "fused_adam.h"
 
 namespace {
 
@@ -32,7 +36,8 @@ Shape parse_shape(const std::string& text) {
   in >> s.inputs >> dash1 >> s.hidden >> dash2 >> s.outputs;
   if (!in || dash1 != '-' || dash2 != '-' || s.inputs < 1 || s.hidden < 1 || s.outputs < 1 ||
       in.peek() != std::char_traits<char>::eof()) {
-    throw CLI::ValidationError("--models", "'" + text + "' is not INPUTS-HIDDEN-OUTPUTS (e.g. 32-64-1)");
+    throw CLI::ValidationError("--models",
+                               "'" + text + "' is not INPUTS-HIDDEN-OUTPUTS (e.g. 32-64-1)");
   }
   return s;
 }
@@ -71,15 +76,30 @@ Data make_data(const Shape& s, std::int64_t batch, int count) {
 struct Loop {
   std::string name;
   torch::nn::Sequential model;
-  std::unique_ptr<torch::optim::Adam> adam;
+  std::unique_ptr<torch::optim::Optimizer> adam;
   std::unique_ptr<frugal::Trainer> trainer;
   std::function<double()> step;
   double loss = 0;
   Data data;
 };
 
-std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, int steps_in_all) {
-  auto loss_fn = [s](const torch::Tensor& out, const torch::Tensor& t) { return loss_of(s, out, t); };
+std::unique_ptr<torch::optim::Optimizer> make_adam(const std::string& kind,
+                                                   std::vector<torch::Tensor> params) {
+  const auto options = torch::optim::AdamOptions(1e-3);
+#if FRUGAL_BENCH_HAS_FUSED_ADAM
+  if (kind == "fused") {
+    return std::make_unique<bench::FusedAdam>(std::move(params), options);
+  }
+#endif
+  TORCH_CHECK(kind == "adam", "--optimizers: '", kind, "' is not one of adam, fused");
+  return std::make_unique<torch::optim::Adam>(std::move(params), options);
+}
+
+std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, const std::string& adam,
+                             int steps_in_all) {
+  auto loss_fn = [s](const torch::Tensor& out, const torch::Tensor& t) {
+    return loss_of(s, out, t);
+  };
   std::vector<Loop> loops(4);
   const char* names[] = {"hand-written", "frugal::Trainer", "frugal::Trainer, no ledger",
                          "frugal::Trainer + clip, schedule, leak guard"};
@@ -88,8 +108,7 @@ std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, int steps_in_al
     l.name = names[i];
     l.model = make_mlp(s);
     l.data = make_data(s, batch, 256);  // each loop sees the same batches in the same order
-    l.adam = std::make_unique<torch::optim::Adam>(l.model->parameters(),
-                                                  torch::optim::AdamOptions(1e-3));
+    l.adam = make_adam(adam, l.model->parameters());
     if (i == 0) {
       l.step = [&l, s] {
         const auto i = l.data.take();
@@ -110,13 +129,12 @@ std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, int steps_in_al
     l.trainer = std::make_unique<frugal::Trainer>(l.model, *l.adam, loss_fn,
                                                   frugal::TrainerOptions().ledger(i != 2));
     if (i == 3) {
-      l.trainer->add_policy(std::make_shared<frugal::ClipGradPolicy>(
-          frugal::ClipGradOptions().max_norm(1.0)));
-      l.trainer->add_policy(std::make_shared<frugal::LrSchedule>(
-          frugal::LrScheduleOptions()
-              .decay(frugal::LrDecay::Cosine)
-              .warmup_steps(10)
-              .total_steps(steps_in_all)));
+      l.trainer->add_policy(
+          std::make_shared<frugal::ClipGradPolicy>(frugal::ClipGradOptions().max_norm(1.0)));
+      l.trainer->add_policy(std::make_shared<frugal::LrSchedule>(frugal::LrScheduleOptions()
+                                                                     .decay(frugal::LrDecay::Cosine)
+                                                                     .warmup_steps(10)
+                                                                     .total_steps(steps_in_all)));
       l.trainer->add_policy(std::make_shared<frugal::LeakGuard>());
     }
     l.step = [&l] {
@@ -133,53 +151,81 @@ int main(int argc, char** argv) {
   int rounds = 21, steps = 200, threads = 1;
   std::vector<std::string> models = {"32-64-1", "784-128-10"};
   std::vector<std::int64_t> batches = {1, 8, 32};
+  std::vector<std::string> optimizers = {"adam"};
+#if FRUGAL_BENCH_HAS_FUSED_ADAM
+  optimizers.push_back("fused");
+#endif
   CLI::App app{"frugal's cost per step on overhead-bound MLP training"};
-  app.add_option("--rounds", rounds, "Interleaved rounds")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--steps", steps, "Steps per round and loop")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--rounds", rounds, "Interleaved rounds")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--steps", steps, "Steps per round and loop")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--models", models, "MLP shapes INPUTS-HIDDEN-OUTPUTS (1 output: MSE)")
       ->capture_default_str();
-  app.add_option("--batches", batches, "Batch sizes")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batches", batches, "Batch sizes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--optimizers", optimizers,
+                 "adam (LibTorch's), fused (at::_fused_adam_, LibTorch 2.4 and later)")
+      ->check(CLI::IsMember({"adam", "fused"}))
+      ->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(threads);
   frugal::CountingAllocator::install();  // every loop runs on the same allocator
 
-  fmt::print("Per-step cost on small MLPs, Adam 1e-3, {} rounds x {} steps, {}; medians of "
-             "the rounds, in microseconds a step\n\n",
-             rounds, steps, bench::machine_line());
-  fmt::print("| model | batch | hand-written | Trainer | x | frugal's own | no ledger | x | "
-             "+ policies | x |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  fmt::print(
+      "Per-step cost on small MLPs, Adam 1e-3, {} rounds x {} steps, {}; medians of "
+      "the rounds, in microseconds a step\n\n",
+      rounds, steps, bench::machine_line());
+  fmt::print(
+      "| model | batch | Adam | hand-written | Trainer | x | frugal's own | no ledger | x | "
+      "+ policies | x |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<nlohmann::json> rows;
-  for (const auto& text : models) {
-    const Shape s = parse_shape(text);
-    for (const auto batch : batches) {
-      auto loops = make_loops(s, batch, rounds * steps + 10);
-      std::vector<std::pair<std::string, std::function<double()>>> variants;
-      for (auto& l : loops) {
-        for (int i = 0; i < 10; ++i) {
-          l.loss = l.step();  // warm-up: Adam's state exists, caches are filled
+  for (const auto& adam : optimizers) {
+    for (const auto& text : models) {
+      const Shape s = parse_shape(text);
+      for (const auto batch : batches) {
+        auto loops = make_loops(s, batch, adam, rounds * steps + 10);
+        std::vector<std::pair<std::string, std::function<double()>>> variants;
+        for (auto& l : loops) {
+          for (int i = 0; i < 10; ++i) {
+            l.loss = l.step();  // warm-up: Adam's state exists, caches are filled
+          }
+          variants.emplace_back(l.name, [&l, steps] {
+            return 1e3 * bench::ms_per_call([&l] { l.loss = l.step(); }, steps);
+          });
         }
-        variants.emplace_back(l.name, [&l, steps] {
-          return 1e3 * bench::ms_per_call([&l] { l.loss = l.step(); }, steps);
-        });
+        const auto times = bench::interleave(variants, rounds, /*rotate=*/true);
+        std::vector<double> us;
+        for (const auto& l : loops) {
+          us.push_back(bench::median(times.at(l.name)));
+        }
+        fmt::print(
+            "| {} | {} | {} | {:.1f} | {:.1f} | {:.3f} | {:.1f} | {:.1f} | {:.3f} | {:.1f} | "
+            "{:.3f} |\n",
+            s.name, batch, adam, us[0], us[1], us[1] / us[0], us[1] - us[0], us[2], us[2] / us[0],
+            us[3], us[3] / us[0]);
+        rows.push_back({{"model", s.name},
+                        {"batch", batch},
+                        {"optimizer", adam},
+                        {"hand_us", us[0]},
+                        {"trainer_us", us[1]},
+                        {"trainer_no_ledger_us", us[2]},
+                        {"trainer_policies_us", us[3]},
+                        {"ratio", us[1] / us[0]},
+                        {"own_us", us[1] - us[0]},
+                        {"losses", {loops[0].loss, loops[1].loss, loops[2].loss}}});
       }
-      const auto times = bench::interleave(variants, rounds, /*rotate=*/true);
-      std::vector<double> us;
-      for (const auto& l : loops) {
-        us.push_back(bench::median(times.at(l.name)));
-      }
-      fmt::print("| {} | {} | {:.1f} | {:.1f} | {:.3f} | {:.1f} | {:.1f} | {:.3f} | {:.1f} | {:.3f} |\n",
-                 s.name, batch, us[0], us[1], us[1] / us[0], us[1] - us[0], us[2], us[2] / us[0],
-                 us[3], us[3] / us[0]);
-      rows.push_back({{"model", s.name}, {"batch", batch}, {"hand_us", us[0]}, {"trainer_us", us[1]},
-                      {"trainer_no_ledger_us", us[2]}, {"trainer_policies_us", us[3]},
-                      {"ratio", us[1] / us[0]}, {"own_us", us[1] - us[0]},
-                      {"losses", {loops[0].loss, loops[1].loss, loops[2].loss}}});
     }
   }
   const nlohmann::json j = {{"bench", "overhead"}, {"machine", bench::machine_line()},
-                            {"threads", threads}, {"rounds", rounds}, {"steps", steps},
-                            {"rows", rows}};
+                            {"threads", threads},  {"rounds", rounds},
+                            {"steps", steps},      {"rows", rows}};
   fmt::print("\n{}\n", j.dump());
   return 0;
 }

@@ -93,13 +93,14 @@ def runs(tmp):
                     ["0.frugal.step_ms", "0.pytorch.step_ms"], True, True),
         "speed_twin.py": (py("speed_twin.py") + [
             "--binary", FASHION, "--engine", b("bench_engine"), "--steps", "11", "--rounds", "1",
-            "--threads", "1", "--batch", "24", "--profile"],
+            "--threads", "1", "--batch", "24", "--profile", "--allocator"],
             ["rows.4.frugal_ms", "rows.4.modules_ms", "rows.4.functional_ms", "rows.4.ratio",
-             "split.own_ms"], True, True),
+             "rows.0.fastest_on_frugal_allocator_ms", "split.own_ms"], True, True),
         "overhead_twin.py": (py("overhead_twin.py") + [
             "--binary", b("bench_overhead"), "--rounds", "1", "--steps", "2", "--models", "8-4-1",
-            "--batches", "2"], ["rows.0.trainer_us", "rows.0.fastest_python",
-                                "rows.0.trainer_over_python"], True, True),
+            "--batches", "2"], ["rows.0.trainer_us", "rows.0.trainer_over_python",
+                                "rows.0.fastest_python", "rows.0.trainer_over_fastest_python"],
+            True, True),
         "tiny_lm_twin.py": (py("tiny_lm_twin.py") + [
             "--build", BUILD, "--steps", "11", "--rounds", "1", "--threads", "1", "--batch", "4",
             "--dim", "16", "--heads", "2", "--layers", "1", "--max-len", "32"],

@@ -13,11 +13,13 @@ forward calls the functional ops. frugal's step is also split into its kernels a
 cost: `bench_engine --model cnn` runs the same CNN under the Trainer beside a hand-written
 LibTorch C++ loop in the same run (the hand-written loop is the kernels and LibTorch's
 dispatch; the difference is frugal's own). `--profile` prints each Python form's busiest
-operators (torch.profiler), which says where the two forms differ.
+operators (torch.profiler), which says where the two forms differ; `--allocator` runs the
+fastest form again on frugal's caching CPU allocator, which says how much of the gap is the
+allocator's.
 
     python bench/python/speed_twin.py --binary build/torch2/examples/fashion_mnist \
         [--engine build/torch2/bench/bench_engine] [--steps 300] [--rounds 2] [--threads 2]
-        [--variants plain bf16 ...] [--profile]
+        [--variants plain bf16 ...] [--profile] [--allocator]
 """
 import argparse
 import gzip
@@ -25,6 +27,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -151,6 +154,21 @@ def frugal_run(binary, variant, steps, threads, batch, extra):
         return [r["time_ms"] for r in step_records(report)][WARMUP:]
 
 
+def python_on_frugal_allocator(build, form, variant, steps, batch, threads):
+    """The Python side's steps in a new process whose CPU tensors come from frugal's caching
+    allocator (libfrugal_probe_capi.so, as twin.py loads it): what the allocator alone is worth."""
+    code = ("import ctypes, json, sys, torch; sys.path.insert(0, sys.argv[1]); import speed_twin as s; "
+            "ctypes.CDLL(sys.argv[2]).frugal_probe_install(); torch.set_num_threads(int(sys.argv[6])); "
+            "i = s.load_idx(f'{s.DATA}/train-images-idx3-ubyte.gz').unsqueeze(1).float().div_(255); "
+            "l = s.load_idx(f'{s.DATA}/train-labels-idx1-ubyte.gz').long(); "
+            "print(json.dumps(s.python_run(sys.argv[3], sys.argv[4], i, l, int(sys.argv[5]), int(sys.argv[7]))))")
+    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                          os.path.join(build, "bench", "libfrugal_probe_capi.so"), form, variant,
+                          str(steps), str(threads), str(batch)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def engine_split(binary, steps, rounds, threads, batch):
     """frugal's CNN step split into kernels (the hand-written C++ loop) and frugal's own."""
     run = subprocess.run([binary, "--model", "cnn", "--batch", str(batch), "--steps", str(steps),
@@ -172,6 +190,9 @@ def main():
                         choices=list(FLAGS) + [TORCH_ADAM])
     parser.add_argument("--profile", action="store_true",
                         help="print each Python form's busiest operators (plain variant)")
+    parser.add_argument("--allocator", action="store_true",
+                        help="also run the fastest Python form of the plain variant on frugal's "
+                        "CPU allocator")
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warm-up steps, got {args.steps}")
@@ -194,6 +215,13 @@ def main():
                                                 args.batch)
     split = engine_split(args.engine, max(args.steps // 10, 1), max(3 * args.rounds, 1),
                          args.threads, args.batch)
+    build = os.path.dirname(os.path.dirname(os.path.abspath(args.engine)))
+    on_frugal = {}
+    if args.allocator:
+        for name in [v for v in args.variants if v == "plain"]:  # one is enough to say why
+            form = min(FORMS, key=lambda f: statistics.median(times[name][f]))
+            on_frugal[name] = statistics.median(python_on_frugal_allocator(
+                build, form, name.split(",")[0], args.steps, args.batch, args.threads))
     if args.profile:
         for form in FORMS:
             python_run(form, "plain", images, labels, args.steps, args.batch, profile=True)
@@ -214,6 +242,11 @@ def main():
               f"{fastest} | {ratio:.2f} |")
         result["rows"].append({"variant": name, **{f"{side}_ms": ms[side] for side in sides},
                                "fastest": fastest, "ratio": ratio})
+        if name in on_frugal:
+            result["rows"][-1]["fastest_on_frugal_allocator_ms"] = on_frugal[name]
+    if on_frugal:
+        print("\nThe fastest PyTorch form again, in a process whose CPU tensors come from frugal's "
+              "allocator: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in on_frugal.items()))
     hand, engine = split["hand_ms"], split["engine_ms"]
     print(f"\nfrugal's CNN step split (bench_engine, same CNN without dropout, batch {args.batch}): "
           f"{engine:.1f} ms under the Trainer = {hand:.1f} ms of kernels (the same step "

@@ -137,31 +137,33 @@ Ledger measure_ledger(const MemoryProbe& probe, ModuleTensors& tensors,
   return measure_parts(probe, parameters, buffers, optimizer);
 }
 
-}  // namespace detail
+namespace {
 
-namespace detail {
+// Adam's and AdamW's states, which hold the same tensors.
+template <typename State>
+bool visit_adam_state(const torch::optim::OptimizerParamState& s,
+                      c10::function_ref<void(const torch::Tensor&)> fn) {
+  if (typeid(s) != typeid(State)) {
+    return false;
+  }
+  const auto& state = static_cast<const State&>(s);
+  fn(state.exp_avg());
+  fn(state.exp_avg_sq());
+  fn(state.max_exp_avg_sq());
+  return true;
+}
+
+}  // namespace
 
 void for_each_state_tensor(const torch::optim::OptimizerParamState& s,
                            c10::function_ref<void(const torch::Tensor&)> fn) {
   using namespace torch::optim;
   // LibTorch's own states by their exact type first: a typeid comparison, where a failed
   // dynamic_cast walks the class hierarchy (this runs for every parameter every step).
-  const auto& type = typeid(s);
-  if (type == typeid(AdamParamState)) {
-    const auto& adam = static_cast<const AdamParamState&>(s);
-    fn(adam.exp_avg());
-    fn(adam.exp_avg_sq());
-    fn(adam.max_exp_avg_sq());
+  if (visit_adam_state<AdamParamState>(s, fn) || visit_adam_state<AdamWParamState>(s, fn)) {
     return;
   }
-  if (type == typeid(AdamWParamState)) {
-    const auto& adamw = static_cast<const AdamWParamState&>(s);
-    fn(adamw.exp_avg());
-    fn(adamw.exp_avg_sq());
-    fn(adamw.max_exp_avg_sq());
-    return;
-  }
-  if (type == typeid(SGDParamState)) {
+  if (typeid(s) == typeid(SGDParamState)) {
     fn(static_cast<const SGDParamState&>(s).momentum_buffer());
     return;
   }

@@ -55,7 +55,11 @@ struct TrainerOptions {
   /// Also scan every gradient before the step for NaN/inf (one pass over the gradients);
   /// otherwise only the loss, which costs nothing, is checked.
   TORCH_ARG(bool, check_gradients) = false;
-  /// Measure the ledger (weights, gradients, optimizer state) in every report.
+  /// Measure the ledger (weights, gradients, optimizer state) in every report. The
+  /// module's parameters and buffers are read from its tree when the Trainer is made and
+  /// when a policy is added (and again whenever one of them has been freed, as when a
+  /// buffer is replaced), not at every step: a module that registers new ones later
+  /// shows them under `other` until then.
   TORCH_ARG(bool, ledger) = true;
   /// Whose bytes the reports' allocated figure and peaks count on the CPU: the thread that
   /// calls step() (so trainers on several threads see their own, and LeakGuard is not
