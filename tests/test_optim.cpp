@@ -216,3 +216,25 @@ TEST(Optim, TheStepAllocatesAChunkWhereLibTorchAllocatesWholeParameters) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(OptimizerStateKey, FindsTheStateLibTorchsOptimizersKeep) {
+  // LibTorch keys each parameter's state by its TensorImpl (2.x) or that pointer's text
+  // (1.13); frugal's key must be the same for every parameter, or no state is found.
+  auto params = make_params();
+  to::Adam adam(params, to::AdamOptions(1e-2));
+  to::SGD sgd(clone_params(params), to::SGDOptions(0.1).momentum(0.9));
+  for (torch::optim::Optimizer* optimizer : {static_cast<torch::optim::Optimizer*>(&adam),
+                                             static_cast<torch::optim::Optimizer*>(&sgd)}) {
+    auto& own = optimizer->param_groups()[0].params();
+    set_grads(own, 0);
+    optimizer->step();
+    ASSERT_EQ(optimizer->state().size(), own.size());
+    for (const auto& p : own) {
+      EXPECT_EQ(optimizer->state().count(frugal::compat::optimizer_state_key(p)), 1u);
+    }
+  }
+}
+
+}  // namespace

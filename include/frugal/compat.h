@@ -104,9 +104,21 @@ using OptimizerStateKey =
 template <typename Key = OptimizerStateKey>
 Key optimizer_state_key(const at::Tensor& param) {
   if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream text;  // as c10::guts::to_string writes a pointer
-    text << static_cast<const void*>(param.unsafeGetTensorImpl());
-    return text.str();
+    // The pointer as c10::guts::to_string writes it (an ostream's "0x" and lowercase hex),
+    // without an ostringstream and its locale: the step guard asks for every parameter's
+    // key every step. A TensorImpl pointer is never null.
+    auto bits = reinterpret_cast<std::uintptr_t>(param.unsafeGetTensorImpl());
+    char digits[2 * sizeof(bits)];
+    std::size_t n = 0;
+    do {
+      digits[n++] = "0123456789abcdef"[bits & 0xf];
+      bits >>= 4;
+    } while (bits != 0);
+    std::string key = "0x";
+    while (n > 0) {
+      key.push_back(digits[--n]);
+    }
+    return key;
   } else {
     return param.unsafeGetTensorImpl();
   }
