@@ -87,7 +87,29 @@ TEST(Ledger, ManyTensorsAndTheirViewsCountEachStorageOnce) {
   EXPECT_EQ(frugal::detail::measure_ledger(probe, tensors, nullptr).weights, bytes);
 }
 
-TEST(StateTensors, VisitsWhatOptimizerStateTensorsLists) {
+std::vector<const void*> impls(const std::vector<torch::Tensor>& tensors) {
+  std::vector<const void*> out;
+  for (const auto& t : tensors) {
+    out.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
+  }
+  return out;
+}
+
+std::vector<const void*> visited(const torch::optim::OptimizerParamState& state) {
+  std::vector<torch::Tensor> seen;
+  frugal::detail::for_each_state_tensor(state, [&](const torch::Tensor& t) { seen.push_back(t); });
+  return impls(seen);
+}
+
+// A state of a type LibTorch does not know, found through what it derives from.
+struct TaggedAdamState : torch::optim::AdamParamState {};
+struct ListedState : torch::optim::OptimizerCloneableParamState<ListedState>,
+                     frugal::StateTensorList {
+  torch::Tensor a = torch::ones({2}), b = torch::zeros({3});
+  std::vector<torch::Tensor> state_tensors() const override { return {a, b}; }
+};
+
+TEST(StateTensors, VisitsEachStateTypesTensorsInOrder) {
   torch::manual_seed(0);
   torch::nn::Linear layer(4, 3);
   torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -95,23 +117,34 @@ TEST(StateTensors, VisitsWhatOptimizerStateTensorsLists) {
   torch::optim::AdamW adamw(layer->parameters(), torch::optim::AdamWOptions(1e-3));
   torch::optim::Adagrad adagrad(layer->parameters(), torch::optim::AdagradOptions(0.1));
   layer->forward(torch::randn({2, 4})).sum().backward();
-  for (torch::optim::Optimizer* optimizer :
+  for (torch::optim::Optimizer* o :
        std::initializer_list<torch::optim::Optimizer*>{&sgd, &adam, &adamw, &adagrad}) {
-    optimizer->step();
-    ASSERT_EQ(optimizer->state().size(), 2u);
-    for (const auto& entry : optimizer->state()) {
-      std::vector<const void*> visited;
-      frugal::detail::for_each_state_tensor(*entry.second, [&](const torch::Tensor& t) {
-        visited.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
-      });
-      std::vector<const void*> listed;
-      for (const auto& t : frugal::optimizer_state_tensors(*entry.second)) {
-        listed.push_back(t.defined() ? t.unsafeGetTensorImpl() : nullptr);
-      }
-      EXPECT_FALSE(listed.empty());
-      EXPECT_EQ(visited, listed);
-    }
+    o->step();
+    ASSERT_EQ(o->state().size(), 2u);
   }
+  for (const auto& [key, state] : sgd.state()) {
+    const auto& s = static_cast<const torch::optim::SGDParamState&>(*state);
+    EXPECT_EQ(visited(s), impls({s.momentum_buffer()}));
+  }
+  for (const auto& [key, state] : adam.state()) {
+    const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
+    EXPECT_EQ(visited(s), impls({s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}));
+    EXPECT_EQ(impls(frugal::optimizer_state_tensors(s)), visited(s));
+  }
+  for (const auto& [key, state] : adamw.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+    EXPECT_EQ(visited(s), impls({s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}));
+  }
+  for (const auto& [key, state] : adagrad.state()) {
+    const auto& s = static_cast<const torch::optim::AdagradParamState&>(*state);
+    EXPECT_EQ(visited(s), impls({s.sum()}));
+  }
+  TaggedAdamState tagged;
+  tagged.exp_avg(torch::ones({2}));
+  tagged.exp_avg_sq(torch::ones({2}));
+  EXPECT_EQ(visited(tagged), impls({tagged.exp_avg(), tagged.exp_avg_sq(), torch::Tensor()}));
+  const ListedState listed;
+  EXPECT_EQ(visited(listed), impls({listed.a, listed.b}));
 }
 
 }  // namespace

@@ -141,16 +141,10 @@ namespace {
 
 // Adam's and AdamW's states, which hold the same tensors.
 template <typename State>
-bool visit_adam_state(const torch::optim::OptimizerParamState& s,
-                      c10::function_ref<void(const torch::Tensor&)> fn) {
-  if (typeid(s) != typeid(State)) {
-    return false;
-  }
-  const auto& state = static_cast<const State&>(s);
+void visit_adam_state(const State& state, c10::function_ref<void(const torch::Tensor&)> fn) {
   fn(state.exp_avg());
   fn(state.exp_avg_sq());
   fn(state.max_exp_avg_sq());
-  return true;
 }
 
 }  // namespace
@@ -160,51 +154,63 @@ void for_each_state_tensor(const torch::optim::OptimizerParamState& s,
   using namespace torch::optim;
   // LibTorch's own states by their exact type first: a typeid comparison, where a failed
   // dynamic_cast walks the class hierarchy (this runs for every parameter every step).
-  if (visit_adam_state<AdamParamState>(s, fn) || visit_adam_state<AdamWParamState>(s, fn)) {
+  const auto& type = typeid(s);
+  if (type == typeid(AdamParamState)) {
+    return visit_adam_state(static_cast<const AdamParamState&>(s), fn);
+  }
+  if (type == typeid(AdamWParamState)) {
+    return visit_adam_state(static_cast<const AdamWParamState&>(s), fn);
+  }
+  if (type == typeid(SGDParamState)) {
+    return fn(static_cast<const SGDParamState&>(s).momentum_buffer());
+  }
+  // Then by what a state derives from: frugal's list first, LibTorch's states' subclasses.
+  if (auto* list = dynamic_cast<const StateTensorList*>(&s)) {
+    for (const auto& t : list->state_tensors()) {
+      fn(t);
+    }
     return;
   }
-  if (typeid(s) == typeid(SGDParamState)) {
-    fn(static_cast<const SGDParamState&>(s).momentum_buffer());
-    return;
+  if (auto* sgd = dynamic_cast<const SGDParamState*>(&s)) {
+    return fn(sgd->momentum_buffer());
   }
-  for (const auto& t : optimizer_state_tensors(s)) {
-    fn(t);
+  if (auto* adam = dynamic_cast<const AdamParamState*>(&s)) {
+    return visit_adam_state(*adam, fn);
+  }
+  if (auto* adamw = dynamic_cast<const AdamWParamState*>(&s)) {
+    return visit_adam_state(*adamw, fn);
+  }
+  if (auto* adagrad = dynamic_cast<const AdagradParamState*>(&s)) {
+    return fn(adagrad->sum());
+  }
+  if (auto* rms = dynamic_cast<const RMSpropParamState*>(&s)) {
+    fn(rms->square_avg());
+    fn(rms->momentum_buffer());
+    return fn(rms->grad_avg());
+  }
+  if (auto* lbfgs = dynamic_cast<const LBFGSParamState*>(&s)) {
+    fn(lbfgs->d());
+    fn(lbfgs->H_diag());
+    fn(lbfgs->prev_flat_grad());
+    for (const auto& list : {lbfgs->old_dirs(), lbfgs->old_stps(), lbfgs->ro()}) {
+      for (const auto& t : list) {
+        fn(t);
+      }
+    }
+    if (lbfgs->al().has_value()) {
+      for (const auto& t : *lbfgs->al()) {
+        fn(t);
+      }
+    }
   }
 }
 
 }  // namespace detail
 
 std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::OptimizerParamState& s) {
-  using namespace torch::optim;
-  if (auto* list = dynamic_cast<const StateTensorList*>(&s)) {
-    return list->state_tensors();
-  }
-  if (auto* sgd = dynamic_cast<const SGDParamState*>(&s)) {
-    return {sgd->momentum_buffer()};
-  }
-  if (auto* adam = dynamic_cast<const AdamParamState*>(&s)) {
-    return {adam->exp_avg(), adam->exp_avg_sq(), adam->max_exp_avg_sq()};
-  }
-  if (auto* adamw = dynamic_cast<const AdamWParamState*>(&s)) {
-    return {adamw->exp_avg(), adamw->exp_avg_sq(), adamw->max_exp_avg_sq()};
-  }
-  if (auto* adagrad = dynamic_cast<const AdagradParamState*>(&s)) {
-    return {adagrad->sum()};
-  }
-  if (auto* rms = dynamic_cast<const RMSpropParamState*>(&s)) {
-    return {rms->square_avg(), rms->momentum_buffer(), rms->grad_avg()};
-  }
-  if (auto* lbfgs = dynamic_cast<const LBFGSParamState*>(&s)) {
-    std::vector<torch::Tensor> out = {lbfgs->d(), lbfgs->H_diag(), lbfgs->prev_flat_grad()};
-    for (const auto& list : {lbfgs->old_dirs(), lbfgs->old_stps(), lbfgs->ro()}) {
-      out.insert(out.end(), list.begin(), list.end());
-    }
-    if (lbfgs->al().has_value()) {
-      out.insert(out.end(), lbfgs->al()->begin(), lbfgs->al()->end());
-    }
-    return out;
-  }
-  return {};
+  std::vector<torch::Tensor> out;
+  detail::for_each_state_tensor(s, [&](const torch::Tensor& t) { out.push_back(t); });
+  return out;
 }
 
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,

@@ -6,7 +6,8 @@
 
 namespace frugal::detail {
 
-/// Calls `fn` on each tensor that optimizer_state_tensors(state) lists, in the same order:
+/// Calls `fn` on each tensor of one parameter's optimizer state, in the order that
+/// optimizer_state_tensors(state) lists them (it is built on this):
 /// the step guard and the ledger read every parameter's state every step, where a list
 /// (an allocation each) costs more than the reading.
 void for_each_state_tensor(const torch::optim::OptimizerParamState& state,
