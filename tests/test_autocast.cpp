@@ -3,7 +3,7 @@
 
 #include "frugal/compat.h"
 #include "frugal/policy/autocast.h"
-#include "frugal/policy/mixed_precision.h"
+#include "frugal/compose/mixed_precision.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 

@@ -6,7 +6,7 @@
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/sgd.h"
-#include "frugal/policy/planner.h"
+#include "frugal/compose/planner.h"
 #include "residual_mlp.h"
 
 namespace {

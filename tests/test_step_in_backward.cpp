@@ -83,7 +83,7 @@ TEST(StepInBackward, SameWeightsAsTheOrdinaryStepAfter20Steps) {
 // Records, at each gradient-ready call, the gradient bytes alive then.
 struct GradientWatch : frugal::Policy {
   std::string name() const override { return "gradient-watch"; }
-  bool wants_grad_ready() const override { return true; }
+  frugal::Traits traits() const override { return frugal::Trait::GradReady; }
   void on_grad_ready(frugal::StepContext& ctx, const torch::Tensor&) override {
     ++calls;
     most = std::max(most, frugal::measure_ledger(ctx.probe, ctx.module).gradients);

@@ -243,7 +243,7 @@ TEST(CudaTrainingState, ResumesDropoutAndTheGpuGeneratorBitForBit) {
 // Fails in backward at the second gradient, after the step in backward updated the first.
 struct FailAtSecondGradient : frugal::Policy {
   std::string name() const override { return "fail-at-second-gradient"; }
-  bool wants_grad_ready() const override { return true; }
+  frugal::Traits traits() const override { return frugal::Trait::GradReady; }
   void on_grad_ready(frugal::StepContext&, const torch::Tensor&) override {
     TORCH_CHECK(!armed || ++calls < 2, "injected failure in backward");
   }

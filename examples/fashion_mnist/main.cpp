@@ -48,9 +48,9 @@ class Progress {
 
 int run(Args args) {
   // Under torchrun every rank trains its share of each --batch; rank 0 speaks for the run.
-  std::shared_ptr<frugal::dist::Group> group;
+  std::shared_ptr<frugal::distributed::Group> group;
   if (args.distributed) {
-    group = frugal::dist::Group::join(frugal::dist::LaunchEnv::from_environment());
+    group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
     if (group->rank() != 0) {
       args.quiet = true;
       args.report.clear();
@@ -81,10 +81,10 @@ int run(Args args) {
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (args.zero > 0) {  // each rank steps its 1/N of the parameters with the chosen optimizer
-    optimizer = std::make_unique<frugal::dist::ZeroOptimizer>(
+    optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group,
         [&args](std::vector<torch::Tensor> shard) { return make_optimizer(args, std::move(shard)); },
-        frugal::dist::ZeroOptions().stage(args.zero));
+        frugal::distributed::ZeroOptions().stage(args.zero));
   } else {
     optimizer = make_optimizer(args, model->parameters());
   }
@@ -107,7 +107,7 @@ int run(Args args) {
       },
       options);
   if (group) {
-    trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
+    trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
   }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
   if (args.checkpoint) {  // every block but the output layer
@@ -155,7 +155,8 @@ int run(Args args) {
                          .save_dir(args.save_dir)
                          .save_every(args.save_every)
                          .resume(args.resume)
-                         .group(group);
+                         .ranks(group ? std::make_shared<frugal::distributed::GroupRanks>(group)
+                                      : nullptr);
   if (args.lr_schedule != "constant" || args.warmup_steps > 0) {
     const std::int64_t total = args.max_steps > 0 ? args.max_steps : per_epoch * args.epochs;
     trainer.add_policy(std::make_shared<frugal::LrSchedule>(lr_schedule(args, per_epoch, total)));

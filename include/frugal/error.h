@@ -38,6 +38,9 @@ class PartialStepError : public Error {
   std::vector<std::string> updated;
 };
 
+/// An exception's message without LibTorch's C++ backtrace.
+std::string error_message(const std::exception& error);
+
 }  // namespace frugal
 
 /// Throws frugal::Error with the arguments after the condition, concatenated as

@@ -7,8 +7,6 @@
 #include <csignal>
 #include <optional>
 
-#include "frugal/dist/shard.h"
-#include "frugal/dist/zero.h"
 #include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
@@ -88,6 +86,10 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
 
 }  // namespace
 
+EvalReport Ranks::evaluate(Trainer& trainer, const Batch& data) const {
+  return trainer.evaluate(data);
+}
+
 FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& options,
               const Batch& eval) {
   check_options(options, train);
@@ -100,32 +102,23 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   auto& pos = result.position;
   pos.batches_per_epoch = (n - 1) / bs + 1;
 
-  dist::Group* group = options.group().get();
-  // A sharded optimizer's state differs by rank: every rank keeps its own saves then.
-  const bool sharded =
-      group != nullptr && dynamic_cast<const dist::ZeroOptimizer*>(&trainer.optimizer()) != nullptr;
-  const bool writes = group == nullptr || group->rank() == 0 || sharded;
+  static const Ranks one_process;
+  const Ranks& ranks = options.ranks() ? *options.ranks() : one_process;
+  const bool writes = ranks.writes_saves(trainer.optimizer());
   std::optional<SaveDir> saves;
   if (!options.save_dir().empty()) {
-    saves.emplace(sharded ? options.save_dir() + "/rank-" + std::to_string(group->rank())
-                          : options.save_dir(),
-                  options.keep());
+    saves.emplace(ranks.save_dir(options.save_dir(), trainer.optimizer()), options.keep());
   }
   if (options.resume()) {
     resume(*saves, trainer, options, log, result);
-  }
-  if (group != nullptr && options.resume()) {
-    const double steps = static_cast<double>(trainer.steps());
-    FRUGAL_CHECK(group->sum(steps) == steps * group->size(), "frugal: rank ", group->rank(),
-                 " resumed at step ", trainer.steps(), " but not every rank did; the ranks' "
-                 "saves differ (remove the newer ones)");
+    ranks.check_resumed(trainer.steps());
   }
   std::int64_t saved_step = -1;  // the step of the newest save file
   if (!result.resumed_from.empty()) {
     saved_step = trainer.steps();
   }
   auto save = [&] {
-    if (!writes) {  // the ranks hold the same state: rank 0's file is every rank's
+    if (!writes) {  // the processes hold the same state: another's file is this one's
       saved_step = trainer.steps();
       return;
     }
@@ -139,7 +132,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     saved_step = trainer.steps();
   };
   auto evaluate = [&] {
-    result.eval = group != nullptr ? dist::evaluate(trainer, *group, eval) : trainer.evaluate(eval);
+    result.eval = ranks.evaluate(trainer, eval);
     if (options.on_eval()) {
       options.on_eval()(result.eval, pos);
     }
@@ -164,14 +157,10 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
         options.shuffle() ? torch::randperm(n, generator) : torch::arange(n, torch::kLong);
     while (pos.batch < pos.batches_per_epoch) {
       const std::int64_t start = pos.batch * bs;
-      auto indices = order.narrow(0, start, std::min(bs, n - start));
-      if (group != nullptr) {
-        if (indices.size(0) < group->size()) {
-          ++pos.batch;  // too small to give every rank a sample
-          continue;
-        }
-        const auto share = dist::share_of(indices.size(0), group->rank(), group->size());
-        indices = indices.narrow(0, share.start, share.length);
+      const auto indices = ranks.share(order.narrow(0, start, std::min(bs, n - start)));
+      if (!indices.defined()) {
+        ++pos.batch;  // too small to give every process a sample
+        continue;
       }
       const auto report = trainer.step(train.get(indices));
       ++pos.batch;
@@ -186,12 +175,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
       if (every_eval && eval.inputs.defined()) {
         evaluate();
       }
-      int caught = signals.caught();
-      if (group != nullptr && options.handle_signals()) {
-        // The ranks stop together: after the step where any of them saw a signal.
-        const double seen = group->sum(caught);
-        caught = seen > 0 ? (caught != 0 ? caught : SIGTERM) : 0;
-      }
+      const int caught = options.handle_signals() ? ranks.agree_on_stop(signals.caught()) : 0;
       if (caught != 0) {
         if (saves) {
           save();

@@ -8,7 +8,6 @@
 #include <set>
 
 #include "frugal/error.h"
-#include "frugal/train/trainer.h"
 
 namespace frugal {
 namespace {
@@ -63,7 +62,7 @@ CheckpointPolicy::~CheckpointPolicy() {
   }
 }
 
-void CheckpointPolicy::on_add(Trainer& trainer) { apply(trainer.module()); }
+void CheckpointPolicy::on_add(PolicyPort& port) { apply(port.module()); }
 
 void CheckpointPolicy::on_step_begin(StepContext& ctx) {
   if (!applied_) {

@@ -6,8 +6,7 @@
 
 namespace frugal {
 
-ClipGradPolicy::ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler)
-    : options_(options), scaler_(std::move(scaler)) {
+ClipGradPolicy::ClipGradPolicy(ClipGradOptions options) : options_(options) {
   FRUGAL_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
                options_.max_norm());
   FRUGAL_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
@@ -17,9 +16,7 @@ ClipGradPolicy::ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScal
 }
 
 void ClipGradPolicy::before_optimizer_step(StepContext& ctx) {
-  if (scaler_ && scaler_->is_enabled() && !scaler_->unscaled(ctx.optimizer)) {
-    scaler_->unscale_(ctx.optimizer);
-  }
+  ctx.port.unscale_gradients();
   std::vector<torch::Tensor> params;
   for (auto& group : ctx.optimizer.param_groups()) {
     for (auto& p : group.params()) {

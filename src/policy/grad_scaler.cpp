@@ -267,7 +267,15 @@ void GradScalerPolicy::before_optimizer_step(StepContext& ctx) {
 
 void GradScalerPolicy::after_optimizer_step(StepContext&) { scaler_->update(); }
 
-void GradScalerPolicy::on_optimizer_error(Trainer&, StepContext& ctx, const std::exception&) {
+void GradScalerPolicy::on_add(PolicyPort& port) {
+  port.set_unscale([scaler = scaler_](torch::optim::Optimizer& optimizer) {
+    if (scaler->is_enabled() && !scaler->unscaled(optimizer)) {
+      scaler->unscale_(optimizer);
+    }
+  });
+}
+
+void GradScalerPolicy::on_optimizer_error(StepContext& ctx, const std::exception&) {
   scaler_->discard_step(ctx.optimizer);  // the next step unscales and checks afresh
 }
 

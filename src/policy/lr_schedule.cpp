@@ -6,7 +6,6 @@
 #include <cmath>
 
 #include "frugal/state/archive.h"
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
 namespace frugal {
@@ -47,17 +46,17 @@ LrSchedule::LrSchedule(LrScheduleOptions options) : options_(options) {
                "frugal: LrSchedule gamma must be in (0, 1], got ", o.gamma());
 }
 
-void LrSchedule::on_add(Trainer& trainer) {
-  trainer_ = &trainer;
+void LrSchedule::on_add(PolicyPort& port) {
+  port_ = &port;
   base_lrs_.clear();
-  for (const auto& group : trainer.optimizer().param_groups()) {
+  for (const auto& group : port.optimizer().param_groups()) {
     base_lrs_.push_back(group.options().get_lr());
   }
 }
 
 void LrSchedule::on_step_begin(StepContext& ctx) {
   // Every batch of a window sets the rate of the step that ends it.
-  const double factor = lr_factor(options_, trainer_->steps());
+  const double factor = lr_factor(options_, port_->steps());
   auto& groups = ctx.optimizer.param_groups();
   FRUGAL_CHECK(groups.size() == base_lrs_.size(), "frugal: LrSchedule knows ", base_lrs_.size(),
                " param groups, the optimizer now has ", groups.size());

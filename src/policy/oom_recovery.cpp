@@ -8,7 +8,6 @@
 #include "frugal/memory/ledger.h"
 #include "frugal/optim/in_place.h"
 #include "frugal/state/archive.h"
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
 namespace frugal {
@@ -37,11 +36,11 @@ OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
                options_.grow_after());
 }
 
-bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) {
+bool OomRecovery::on_step_error(StepContext& ctx, const std::exception& error) {
   if (!is_oom(error)) {
     return false;
   }
-  trainer_ = &trainer;
+  port_ = &ctx.port;
   const std::int64_t current = ctx.report.micro_batch;
   TORCH_CHECK_WITH(OutOfMemoryError, current > options_.min_micro_batch(),
                    "frugal: out of memory at micro-batch ", current, " (the floor is ",
@@ -52,27 +51,27 @@ bool OomRecovery::on_step_error(Trainer& trainer, StepContext& ctx, const std::e
     largest_ = current;
   }
   ctx.probe.empty_cache();
-  trainer.set_micro_batch(std::max(options_.min_micro_batch(), current / 2));
+  ctx.port.set_micro_batch(std::max(options_.min_micro_batch(), current / 2));
   clean_steps_ = 0;
   ++recovered_;
   return true;
 }
 
-bool OomRecovery::on_eval_error(Trainer& trainer, std::int64_t batch_size,
+bool OomRecovery::on_eval_error(PolicyPort& port, std::int64_t batch_size,
                                 const std::exception& error) {
   if (!is_oom(error)) {
     return false;
   }
   TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1, "frugal: out of memory in evaluate() at "
-                   "batch size 1: ", memory_figures(trainer.probe()), ". The error was: ",
+                   "batch size 1: ", memory_figures(port.probe()), ". The error was: ",
                    error_message(error));
-  trainer.probe().empty_cache();
-  trainer.set_eval_batch(batch_size / 2);
+  port.probe().empty_cache();
+  port.set_eval_batch(batch_size / 2);
   ++recovered_;
   return true;
 }
 
-void OomRecovery::on_optimizer_error(Trainer& trainer, StepContext& ctx,
+void OomRecovery::on_optimizer_error(StepContext& ctx,
                                      const std::exception& error) {
   if (!is_oom(error)) {
     return;
@@ -95,7 +94,7 @@ void OomRecovery::on_optimizer_error(Trainer& trainer, StepContext& ctx,
                   "Parameters, optimizer state and the trainer's counters are as before the "
                   "step (the window's gradients were dropped). What fits in less: {}more "
                   "memory. The error was: {}",
-                  trainer.steps() + 1, need, format_bytes(ledger.weights),
+                  ctx.port.steps() + 1, need, format_bytes(ledger.weights),
                   format_bytes(ledger.gradients), format_bytes(ledger.optimizer),
                   in_place ? "frugal::StepInBackward (frees each gradient as it is used), or "
                            : "one of frugal::optim's optimizers (they update in place with one "
@@ -104,11 +103,11 @@ void OomRecovery::on_optimizer_error(Trainer& trainer, StepContext& ctx,
 }
 
 void OomRecovery::on_step_end(StepContext& ctx) {
-  if (ctx.report.oom_retries > 0 || options_.grow_after() == 0 || trainer_ == nullptr) {
+  if (ctx.report.oom_retries > 0 || options_.grow_after() == 0 || port_ == nullptr) {
     return;
   }
-  if (++clean_steps_ >= options_.grow_after() && trainer_->micro_batch() < largest_) {
-    trainer_->set_micro_batch(std::min(largest_, trainer_->micro_batch() * 2));
+  if (++clean_steps_ >= options_.grow_after() && port_->micro_batch() < largest_) {
+    port_->set_micro_batch(std::min(largest_, port_->micro_batch() * 2));
     clean_steps_ = 0;
   }
 }

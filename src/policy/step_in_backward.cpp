@@ -5,17 +5,16 @@
 
 #include <typeinfo>
 
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
 namespace frugal {
 
-void StepInBackward::on_add(Trainer& trainer) {
+void StepInBackward::on_add(PolicyPort& port) {
   FRUGAL_CHECK(optimizer_ == nullptr, "frugal: a StepInBackward policy belongs to one trainer");
-  auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&trainer.optimizer());
+  auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&port.optimizer());
   FRUGAL_CHECK(in_place != nullptr, "frugal: StepInBackward updates one parameter at a time "
                "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
-               "trainer's optimizer is ", c10::demangle(typeid(trainer.optimizer()).name()));
+               "trainer's optimizer is ", c10::demangle(typeid(port.optimizer()).name()));
   optimizer_ = in_place;
 }
 

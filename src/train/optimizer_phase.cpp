@@ -81,9 +81,7 @@ void Trainer::divide_grads(std::int64_t window_count) {
 }
 
 bool Trainer::guards_non_finite() const {
-  return options_.skip_non_finite() &&
-         std::none_of(policies_.begin(), policies_.end(),
-                      [](const auto& p) { return p->handles_non_finite(); });
+  return options_.skip_non_finite() && !traits_.has(Trait::OwnsNonFinite);
 }
 
 bool Trainer::grads_finite() const {
@@ -126,7 +124,7 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
     const auto partial = partial_error("the optimizer step", changed, *error);
     for (auto& policy : policies_) {
       try {
-        policy->on_optimizer_error(*this, ctx, partial);
+        policy->on_optimizer_error(ctx, partial);
       } catch (...) {
         // The partial update is what the caller must hear of.
       }
@@ -134,7 +132,7 @@ void Trainer::optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& gua
     throw partial;
   }
   for (auto& policy : policies_) {
-    policy->on_optimizer_error(*this, ctx, *error);  // may raise a clearer error instead
+    policy->on_optimizer_error(ctx, *error);  // may raise a clearer error instead
   }
   throw;
 }
@@ -154,7 +152,7 @@ bool Trainer::flush() {
   }
   StepReport report;
   Batch none;
-  StepContext ctx{*module_, optimizer_, probe_, none, {}, 0, 0, {}, false, report, false, {}};
+  StepContext ctx(*this, none, report);
   optimizer_phase(ctx, window_count_, /*ends_batch=*/false);
   return true;
 }

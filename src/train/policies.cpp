@@ -7,7 +7,9 @@
 #include <unordered_map>
 
 #include "../memory/module_tensors.h"
+#include "compatibility.h"
 #include "grad_ready.h"
+#include "frugal/optim/sharded.h"
 #include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
@@ -15,20 +17,25 @@ namespace frugal {
 
 Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
   FRUGAL_CHECK(policy != nullptr, "frugal: add_policy got a null policy");
-  for (const auto& other : policies_) {
-    for (const auto& [all, early] : {std::pair{policy.get(), other.get()},
-                                     std::pair{other.get(), policy.get()}}) {
-      FRUGAL_CHECK(!(all->needs_all_gradients() && early->updates_in_backward()),
-                   "frugal: policy '", all->name(), "' needs every gradient of a step before "
-                   "any parameter changes, but '", early->name(), "' updates parameters during "
-                   "backward; use one of them");
-    }
+  // The traits are read once, here, and checked against the optimizer's and every earlier
+  // policy's in the one table of refused pairs.
+  const Traits traits = policy->traits();
+  std::vector<detail::Party> present;
+  present.push_back({"the optimizer", optimizer_traits_});
+  for (std::size_t i = 0; i < policies_.size(); ++i) {
+    present.push_back({fmt::format("'{}'", policies_[i]->name()), policy_traits_[i]});
   }
+  detail::check_compatible(present, {fmt::format("'{}'", policy->name()), traits});
   policy->on_add(*this);
-  if (policy->wants_grad_ready() && !grad_ready_) {
-    grad_ready_ = std::make_unique<detail::GradReady>(
-        optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
+  if (traits.has(Trait::GradReady)) {
+    if (!grad_ready_) {
+      grad_ready_ = std::make_unique<detail::GradReady>(
+          optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
+    }
+    grad_ready_policies_.push_back(policy.get());
   }
+  traits_ |= traits;
+  policy_traits_.push_back(traits);
   policies_.push_back(std::move(policy));
   module_tensors_->refresh();  // a policy may have rearranged the module tree (on_add)
   return *this;
@@ -36,16 +43,17 @@ Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
 
 void Trainer::grad_ready(const torch::Tensor& param) {
   TORCH_INTERNAL_ASSERT(backward_ctx_ != nullptr, "gradient-ready call outside a step");
-  for (auto& policy : policies_) {
-    if (policy->wants_grad_ready()) {
-      policy->on_grad_ready(*backward_ctx_, param);
-    }
+  for (auto* policy : grad_ready_policies_) {
+    policy->on_grad_ready(*backward_ctx_, param);
   }
 }
 
-std::string error_message(const std::exception& error) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-  return c10_error != nullptr ? c10_error->what_without_backtrace() : error.what();
+void Trainer::set_unscale(Unscale unscale) { unscale_ = std::move(unscale); }
+
+void Trainer::unscale_gradients() {
+  if (unscale_) {
+    unscale_(optimizer_);
+  }
 }
 
 PartialStepError Trainer::partial_error(const char* where,

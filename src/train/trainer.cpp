@@ -10,6 +10,7 @@
 #include "grad_ready.h"
 #include "internal.h"
 #include "../memory/module_tensors.h"
+#include "frugal/optim/sharded.h"
 #include "frugal/report/sink.h"
 #include "frugal/error.h"
 
@@ -63,6 +64,9 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
                options_.accumulate());
   micro_batch_ = options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
+  if (const auto* sharded = dynamic_cast<const optim::ShardedOptimizer*>(&optimizer_)) {
+    optimizer_traits_ = sharded->traits();
+  }
   module_tensors_ = std::make_unique<detail::ModuleTensors>(*module_);
   const auto ledger = detail::measure_ledger(probe_, *module_tensors_, nullptr);
   if (ledger.weights > ledger.allocated) {
@@ -102,11 +106,6 @@ void Trainer::restore_counters(const TrainerCounters& c) {
 
 torch::Tensor Trainer::loss_of(const Batch& micro) const {
   return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro), micro);
-}
-
-bool Trainer::retries_steps() const {
-  return std::any_of(policies_.begin(), policies_.end(),
-                     [](const auto& p) { return p->retries_steps(); });
 }
 
 void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
@@ -158,7 +157,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
       bool retry = false;
       try {
         retry = std::any_of(policies_.begin(), policies_.end(), [&](const auto& policy) {
-          return policy->on_step_error(*this, ctx, error);
+          return policy->on_step_error(ctx, error);
         });
       } catch (...) {
         give_up();
@@ -190,18 +189,18 @@ StepReport Trainer::step(const Batch& batch) {
     zero_grads();  // a window accumulates from nothing, whatever the caller left
   }
   ScopedPeak step_peak(probe_);
-  StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report, false, {}};
+  StepContext ctx(*this, batch, report);
   try {
     for (auto& policy : policies_) {
       policy->on_step_begin(ctx);
     }
-    run_batch(ctx, !window_start && retries_steps(), std::move(parts));
+    run_batch(ctx, !window_start && traits_.has(Trait::Retries), std::move(parts));
   } catch (const PartialStepError&) {
     drop_window();
     zero_grads();
     throw;
   } catch (...) {
-    if (!window_start && !retries_steps()) {
+    if (!window_start && !traits_.has(Trait::Retries)) {
       drop_window();
       TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
                  "gradients were dropped and the next batch starts a new one");
@@ -238,7 +237,7 @@ StepReport Trainer::trial(const Batch& batch) {
   auto aside = take_grads();
   {
     ScopedPeak peak(probe_);
-    StepContext ctx{*module_, optimizer_, probe_, batch, {}, 0, 0, {}, false, report, true, {}};
+    StepContext ctx(*this, batch, report, /*trial=*/true);
     try {
       for (auto& policy : policies_) {
         policy->on_step_begin(ctx);
@@ -272,10 +271,7 @@ void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micr
       windowed && !ctx.trial ? 1.0 / static_cast<double>(window_count_ + total) : 1.0;
   const bool mean = options_.reduction() == LossReduction::Mean;
   ctx.window_count = ctx.trial ? total : window_count_ + total;
-  const bool in_backward_guard =
-      guards_non_finite() && std::any_of(policies_.begin(), policies_.end(), [](const auto& p) {
-        return p->updates_in_backward();
-      });
+  const bool in_backward_guard = guards_non_finite() && traits_.has(Trait::UpdatesInBackward);
   torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
   double logged = 0;
   for (std::size_t i = 0; i < micros.size(); ++i) {

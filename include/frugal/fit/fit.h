@@ -10,15 +10,13 @@
 #include <string>
 
 #include "frugal/fit/data_source.h"
+#include "frugal/fit/ranks.h"
 #include "frugal/state/save_dir.h"
 #include "frugal/train/step_report.h"
 
 namespace frugal {
 
 class Trainer;
-namespace dist {
-class Group;
-}
 
 /// Where a fit run stands: epochs count from 1, batches within the epoch from 1.
 struct FitPosition {
@@ -60,14 +58,15 @@ struct FitOptions {
   /// with FitResult::signal set. The previous handlers are back when fit returns. One fit
   /// at a time per process should handle signals (the flag is the process's).
   TORCH_ARG(bool, handle_signals) = true;
-  /// Data-parallel: this process is one rank of `group` (its trainer has a
-  /// dist::DataParallel policy). batch_size stays the global batch: every rank draws the
-  /// same order and takes its share of each batch (dist::share_of); a last batch smaller
-  /// than the group is left out. Evaluation is shared (dist::evaluate). Only rank 0 writes
-  /// saves and every rank resumes from its files, except with a dist::ZeroOptimizer, whose
-  /// state differs by rank: each rank then saves in and resumes from save_dir/rank-R. A
-  /// signal on any rank stops all of them after the same step.
-  TORCH_ARG(std::shared_ptr<dist::Group>, group);
+  /// The processes this run is shared among (default: this one). Data-parallel:
+  /// `std::make_shared<frugal::distributed::GroupRanks>(group)`, with the trainer under a
+  /// distributed::DataParallel policy: batch_size stays the global batch, every rank draws
+  /// the same order and takes its share of each batch (a last batch smaller than the group
+  /// is left out), evaluation is shared, only rank 0 writes saves and every rank resumes from
+  /// its files, except under a sharded optimizer (distributed::ZeroOptimizer), whose state
+  /// differs by rank: each rank then saves in and resumes from save_dir/rank-R. A signal on
+  /// any rank stops all of them after the same step.
+  TORCH_ARG(std::shared_ptr<Ranks>, ranks);
 
   /// At the start of each epoch, and of the rest of one a resumed run goes on with.
   TORCH_ARG(PositionFn, on_epoch_begin);

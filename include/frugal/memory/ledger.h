@@ -54,7 +54,7 @@ class StateTensorList {
 };
 
 /// An optimizer that keeps gradients or state outside its parameters' `grad` and its
-/// `state()` (a sharded one, frugal::dist::ZeroOptimizer) derives from this too, so that the
+/// `state()` (a sharded one, frugal::distributed::ZeroOptimizer) derives from this too, so that the
 /// ledger counts them as gradients and optimizer state.
 class LedgerParts {
  public:

@@ -52,7 +52,7 @@ class CheckpointPolicy : public Policy {
   explicit CheckpointPolicy(CheckpointSelect select, CheckpointOptions options = {});
   ~CheckpointPolicy() override;
   std::string name() const override { return "checkpoint"; }
-  void on_add(Trainer& trainer) override;
+  void on_add(PolicyPort& port) override;
   void on_step_begin(StepContext& ctx) override;
   /// After the first training forward: checks that every chosen module was reached.
   void after_forward(StepContext& ctx) override;

@@ -6,7 +6,6 @@
 #include <memory>
 #include <string>
 
-#include "frugal/policy/grad_scaler.h"
 #include "frugal/train/policy.h"
 
 namespace frugal {
@@ -20,25 +19,25 @@ struct ClipGradOptions {
   TORCH_ARG(double, max_value) = 0.0;
 };
 
-/// Clips gradients before the optimizer step. With a GradScaler it unscales first, so the
-/// thresholds apply to the true gradients, whatever order the policies were added in.
+/// Clips gradients before the optimizer step. Gradients that carry a loss scale (a
+/// GradScalerPolicy's) are unscaled first, through the port, so the thresholds apply to the
+/// true gradients, whatever order the policies were added in.
 /// The last norm (before clipping) is kept in `last_norm()`.
 ///
 /// Example:
 ///   trainer.add_policy(std::make_shared<frugal::ClipGradPolicy>(
-///       frugal::ClipGradOptions().max_norm(1.0), scaler));
+///       frugal::ClipGradOptions().max_norm(1.0)));
 class ClipGradPolicy : public Policy {
  public:
-  explicit ClipGradPolicy(ClipGradOptions options, std::shared_ptr<GradScaler> scaler = nullptr);
+  explicit ClipGradPolicy(ClipGradOptions options);
   std::string name() const override { return "clip-grad"; }
   /// Acts on every gradient before any parameter changes.
-  bool needs_all_gradients() const override { return true; }
+  Traits traits() const override { return Trait::AllGradients; }
   void before_optimizer_step(StepContext& ctx) override;
   double last_norm() const { return last_norm_; }
 
  private:
   ClipGradOptions options_;
-  std::shared_ptr<GradScaler> scaler_;
   double last_norm_ = 0.0;
 };
 

@@ -95,14 +95,14 @@ class GradScalerPolicy : public Policy {
  public:
   explicit GradScalerPolicy(std::shared_ptr<GradScaler> scaler);
   std::string name() const override { return "grad-scaler"; }
-  /// Acts on every gradient before any parameter changes.
-  bool needs_all_gradients() const override { return true; }
-  bool handles_non_finite() const override { return true; }
+  /// Reads every gradient before any parameter changes and decides the skip on inf/NaN
+  /// itself; offers its unscale to other policies through the port.
+  Traits traits() const override { return Trait::AllGradients | Trait::OwnsNonFinite; }
+  void on_add(PolicyPort& port) override;
   void before_backward(StepContext& ctx) override;
   void before_optimizer_step(StepContext& ctx) override;
   void after_optimizer_step(StepContext& ctx) override;
-  void on_optimizer_error(Trainer& trainer, StepContext& ctx,
-                          const std::exception& error) override;
+  void on_optimizer_error(StepContext& ctx, const std::exception& error) override;
   void on_step_end(StepContext& ctx) override;
   /// The scaler's state_dict (scale, growth tracker and options).
   void save_state(torch::serialize::OutputArchive& archive) const override;

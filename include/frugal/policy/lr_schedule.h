@@ -48,7 +48,7 @@ class LrSchedule : public Policy {
  public:
   explicit LrSchedule(LrScheduleOptions options);
   std::string name() const override { return "lr-schedule"; }
-  void on_add(Trainer& trainer) override;
+  void on_add(PolicyPort& port) override;
   void on_step_begin(StepContext& ctx) override;
   void save_state(torch::serialize::OutputArchive& archive) const override;
   void load_state(torch::serialize::InputArchive& archive) override;
@@ -58,7 +58,7 @@ class LrSchedule : public Policy {
 
  private:
   LrScheduleOptions options_;
-  const Trainer* trainer_ = nullptr;
+  const PolicyPort* port_ = nullptr;  // the step counter it follows
   std::vector<double> base_lrs_;
 };
 

@@ -32,13 +32,13 @@ class OomRecovery : public Policy {
  public:
   explicit OomRecovery(OomRecoveryOptions options = {});
   std::string name() const override { return "oom-recovery"; }
-  bool on_step_error(Trainer& trainer, StepContext& ctx, const std::exception& error) override;
+  bool on_step_error(StepContext& ctx, const std::exception& error) override;
   /// Out of memory in the optimizer step: says what the step held and what would fit.
-  void on_optimizer_error(Trainer& trainer, StepContext& ctx,
+  void on_optimizer_error(StepContext& ctx,
                           const std::exception& error) override;
-  bool on_eval_error(Trainer& trainer, std::int64_t batch_size,
+  bool on_eval_error(PolicyPort& port, std::int64_t batch_size,
                      const std::exception& error) override;
-  bool retries_steps() const override { return true; }
+  Traits traits() const override { return Trait::Retries; }
   void on_step_end(StepContext& ctx) override;
   /// Keeps the micro-batch it started from, its clean-step count and recoveries (the
   /// micro-batch in use is the trainer's, saved with it).
@@ -50,7 +50,7 @@ class OomRecovery : public Policy {
 
  private:
   OomRecoveryOptions options_;
-  Trainer* trainer_ = nullptr;
+  PolicyPort* port_ = nullptr;  // the engine whose micro-batch it grows back
   std::int64_t largest_ = 0;  // the micro-batch before the first shrink
   std::int64_t clean_steps_ = 0;
   std::int64_t recovered_ = 0;

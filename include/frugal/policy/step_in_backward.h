@@ -34,9 +34,9 @@ namespace frugal {
 class StepInBackward : public Policy {
  public:
   std::string name() const override { return "step-in-backward"; }
-  void on_add(Trainer& trainer) override;
-  bool wants_grad_ready() const override { return true; }
-  bool updates_in_backward() const override { return true; }
+  /// Gradient-ready calls, in which it changes parameters.
+  Traits traits() const override { return Trait::GradReady | Trait::UpdatesInBackward; }
+  void on_add(PolicyPort& port) override;
   void on_grad_ready(StepContext& ctx, const torch::Tensor& param) override;
 
   /// Off, the policy does nothing (the planner switches it).

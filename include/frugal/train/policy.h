@@ -12,11 +12,11 @@
 
 #include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
+#include "frugal/train/port.h"
 #include "frugal/train/step_report.h"
+#include "frugal/traits.h"
 
 namespace frugal {
-
-class Trainer;
 
 /// The phases of one step, in order. Forward and backward phases run once per micro-batch;
 /// the optimizer phases once per optimizer step.
@@ -36,6 +36,17 @@ const char* phase_name(Phase phase);
 
 /// What a policy sees of the step in progress.
 struct StepContext {
+  /// A step (or trial, `trial` true) of `batch` under the engine `port`.
+  StepContext(PolicyPort& port, const Batch& batch, StepReport& report, bool trial = false)
+      : port(port),
+        module(port.module()),
+        optimizer(port.optimizer()),
+        probe(port.probe()),
+        batch(batch),
+        report(report),
+        trial(trial) {}
+
+  PolicyPort& port;  ///< the engine: micro-batch control, counters, the loss scale
   torch::nn::Module& module;
   torch::optim::Optimizer& optimizer;
   const MemoryProbe& probe;
@@ -88,46 +99,37 @@ class Policy {
   virtual void after_zero_grad(StepContext&) {}
   virtual void on_step_end(StepContext&) {}
 
+  /// What the policy needs of the step and does to it (Trait), read once when it is added:
+  /// the engine arranges what the traits ask for (gradient-ready calls, gradients kept
+  /// aside for retries, its non-finite guard) and refuses policies whose traits clash.
+  virtual Traits traits() const { return {}; }
+  /// Trainer::add_policy calls it after the traits passed; throw to refuse the trainer
+  /// (its optimizer, say).
+  virtual void on_add(PolicyPort&) {}
+
   /// The step's forward or backward threw `error`. The engine has dropped everything the
   /// attempt made (graph, outputs, gradients). Return true to retry the same batch (the
-  /// first policy that does wins); false lets the error through.
-  virtual bool on_step_error(Trainer&, StepContext&, const std::exception&) { return false; }
+  /// first policy that does wins; declare Trait::Retries); false lets the error through.
+  virtual bool on_step_error(StepContext&, const std::exception&) { return false; }
   /// The optimizer phase (dividing the window's gradients, BeforeOptimizerStep, the
   /// optimizer's step) threw `error`. The engine has put back what it could: parameters and
   /// optimizer state are as before (else `error` is the PartialStepError about to be thrown),
   /// the window's gradients are dropped. Reset what was prepared for the step; a policy may
   /// throw an error of its own in place of `error` (OomRecovery does for out-of-memory).
   /// No retry: the step's memory does not depend on the micro-batch.
-  virtual void on_optimizer_error(Trainer&, StepContext&, const std::exception&) {}
+  virtual void on_optimizer_error(StepContext&, const std::exception&) {}
   /// An evaluation chunk of `batch_size` samples threw; return true to go on from that
-  /// chunk (with a smaller Trainer::eval_batch, say).
-  virtual bool on_eval_error(Trainer&, std::int64_t /*batch_size*/, const std::exception&) {
+  /// chunk (with a smaller eval batch, PolicyPort::set_eval_batch, say).
+  virtual bool on_eval_error(PolicyPort&, std::int64_t /*batch_size*/, const std::exception&) {
     return false;
   }
-  /// True when this policy may ask for retries. The engine then keeps the gradients of
-  /// an accumulation window's earlier batches aside while a batch runs (costing a second
-  /// set of gradient buffers meanwhile), so that a failed attempt cannot spoil them.
-  virtual bool retries_steps() const { return false; }
-
-  /// Trainer::add_policy calls it first; throw to refuse the trainer (its optimizer, say).
-  virtual void on_add(Trainer&) {}
-  /// True to receive on_grad_ready: the engine then hooks every parameter's gradient.
-  virtual bool wants_grad_ready() const { return false; }
   /// Inside the backward that completes an optimizer step (the last micro-batch of the
   /// accumulation window's last batch), as soon as `param`'s gradient for that step is
   /// final: accumulated over the window and divided by its count, as the optimizer would
   /// see it. Runs inside autograd's backward, once per parameter that gets a gradient
   /// there; parameters whose gradient came only from earlier micro-batches get none.
+  /// Called only for policies that declare Trait::GradReady.
   virtual void on_grad_ready(StepContext&, const torch::Tensor& /*param*/) {}
-  /// True when the policy needs every gradient of a step before any parameter changes
-  /// (clipping by the global norm, GradScaler's inf/NaN check).
-  virtual bool needs_all_gradients() const { return false; }
-  /// True when the policy deals with non-finite losses and gradients itself (GradScaler):
-  /// the engine's guard (TrainerOptions::skip_non_finite) then stays out of its way.
-  virtual bool handles_non_finite() const { return false; }
-  /// True when the policy changes parameters during backward. The engine refuses it
-  /// together with a policy that needs all gradients.
-  virtual bool updates_in_backward() const { return false; }
 
   /// What a saved training state (frugal::save_training_state) keeps of this policy: the
   /// state a resumed run needs to go on as if never stopped (a loss scale, a micro-batch

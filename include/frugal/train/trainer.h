@@ -15,6 +15,7 @@
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"
 #include "frugal/train/policy.h"
+#include "frugal/train/port.h"
 #include "frugal/train/step_report.h"
 
 namespace frugal {
@@ -35,9 +36,6 @@ struct TrainerCounters {
   std::int64_t micro_batch = 0;
   std::int64_t eval_batch = 0;
 };
-
-/// An exception's message without LibTorch's C++ backtrace.
-std::string error_message(const std::exception& error);
 
 /// Runs training steps: splits a batch into micro-batches, weights each loss by its share
 /// of the global count so the accumulated gradient equals the full batch's, steps the
@@ -60,7 +58,7 @@ std::string error_message(const std::exception& error);
 ///                           frugal::TrainerOptions().micro_batch(16));
 ///   auto report = trainer.step({images, labels});
 ///   fmt::print("loss {} peak {}\n", report.loss, report.peak);
-class Trainer {
+class Trainer : public PolicyPort {
  public:
   using ForwardFn = std::function<torch::Tensor(const torch::Tensor& inputs)>;
   using LossFn = std::function<torch::Tensor(const torch::Tensor& output,
@@ -131,32 +129,36 @@ class Trainer {
   /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
   /// evaluate() without writing the report to the sinks: for a caller that combines
-  /// reports (dist::evaluate sums the ranks') and writes the result with write_to_sinks.
+  /// reports (distributed::evaluate sums the ranks') and writes the result with write_to_sinks.
   EvalReport evaluate_unreported(const Batch& data,
                                  c10::optional<std::int64_t> batch_size = c10::nullopt);
   void write_to_sinks(const EvalReport& report);
 
-  /// Adds a policy after the others. Refused (with an error naming both) where it cannot
-  /// work with one already added, e.g. a policy that needs all gradients at once beside
-  /// one that updates parameters during backward.
+  /// Adds a policy after the others. Refused (with an error naming both and the rule) where
+  /// its traits cannot meet those of one already added or of the optimizer, e.g. a policy
+  /// that needs all gradients at once beside one that updates parameters during backward.
   Trainer& add_policy(std::shared_ptr<Policy> policy);
   const std::vector<std::shared_ptr<Policy>>& policies() const { return policies_; }
   Trainer& add_hook(Phase phase, HookPolicy::Fn fn);
   Trainer& add_sink(std::shared_ptr<ReportSink> sink);
 
   /// The micro-batch size in use (0: the whole batch); policies may change it.
-  std::int64_t micro_batch() const { return micro_batch_; }
-  void set_micro_batch(std::int64_t size);
+  std::int64_t micro_batch() const override { return micro_batch_; }
+  void set_micro_batch(std::int64_t size) override;
   /// The evaluation batch size in use (0: the micro-batch, else the whole set).
-  std::int64_t eval_batch() const { return eval_batch_; }
-  void set_eval_batch(std::int64_t size);
+  std::int64_t eval_batch() const override { return eval_batch_; }
+  void set_eval_batch(std::int64_t size) override;
 
   const TrainerOptions& options() const { return options_; }
-  const MemoryProbe& probe() const { return probe_; }
-  torch::nn::Module& module() { return *module_; }
-  torch::optim::Optimizer& optimizer() { return optimizer_; }
-  std::int64_t steps() const { return steps_; }
-  std::int64_t skipped_steps() const { return skipped_; }
+  const MemoryProbe& probe() const override { return probe_; }
+  torch::nn::Module& module() override { return *module_; }
+  torch::optim::Optimizer& optimizer() override { return optimizer_; }
+  std::int64_t steps() const override { return steps_; }
+  std::int64_t skipped_steps() const override { return skipped_; }
+  /// The traits of the policies added so far, together.
+  Traits traits() const { return traits_; }
+  void set_unscale(Unscale unscale) override;
+  void unscale_gradients() override;
   /// True between the first batch of an accumulation window and the step that ends it.
   bool window_open() const { return window_batches_ > 0; }
   TrainerCounters counters() const;
@@ -178,7 +180,6 @@ class Trainer {
   void run_batch(StepContext& ctx, bool isolate, Split parts);
   std::vector<torch::Tensor> take_grads();
   void put_back_grads(std::vector<torch::Tensor> aside, bool add);
-  bool retries_steps() const;
   torch::Tensor loss_of(const Batch& micro) const;
   bool guards_non_finite() const;
   bool grads_finite() const;
@@ -210,6 +211,11 @@ class Trainer {
   MemoryProbe probe_;
   std::unique_ptr<detail::ModuleTensors> module_tensors_;  // what the ledger counts as weights
   std::vector<std::shared_ptr<Policy>> policies_;
+  std::vector<Traits> policy_traits_;         // each policy's, read when it was added
+  std::vector<Policy*> grad_ready_policies_;  // those that declared Trait::GradReady
+  Traits traits_;            // every policy's, together
+  Traits optimizer_traits_;  // a sharded optimizer's
+  Unscale unscale_;          // a policy's that scales the loss
   std::vector<std::shared_ptr<ReportSink>> sinks_;
   std::unique_ptr<detail::GradReady> grad_ready_;  // while a policy wants gradient-ready calls
   StepContext* backward_ctx_ = nullptr;            // the step whose backward is running

@@ -8,8 +8,9 @@
 #include "children.h"
 #include "dist_launch.h"
 #include "resume_setup.h"
-#include "frugal/dist/data_parallel.h"
-#include "frugal/dist/zero.h"
+#include "frugal/distributed/data_parallel.h"
+#include "frugal/distributed/ranks.h"
+#include "frugal/distributed/zero.h"
 #include "frugal/fit/fit.h"
 #include "frugal/train/trainer.h"
 
@@ -22,9 +23,9 @@ namespace fs = std::filesystem;
 // steps and resuming from it ("-": no saving); each rank writes its weights to OUT-<rank>.pt.
 int dp_fit(const std::vector<std::string>& args) {
   torch::set_num_threads(1);
-  const auto env = frugal::dist::LaunchEnv::from_environment();
-  auto group = frugal::dist::Group::join(
-      env, frugal::dist::GroupOptions().timeout(std::chrono::seconds(60)));
+  const auto env = frugal::distributed::LaunchEnv::from_environment();
+  auto group = frugal::distributed::Group::join(
+      env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(60)));
   torch::manual_seed(11);
   const auto x = torch::randn({640, 8});
   const auto y = torch::randint(0, 4, {640});
@@ -36,8 +37,8 @@ int dp_fit(const std::vector<std::string>& args) {
   };
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (args.at(0) == "zero2") {
-    optimizer = std::make_unique<frugal::dist::ZeroOptimizer>(
-        model->parameters(), group, adam, frugal::dist::ZeroOptions().stage(2));
+    optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
+        model->parameters(), group, adam, frugal::distributed::ZeroOptions().stage(2));
   } else {
     optimizer = adam(model->parameters());
   }
@@ -45,7 +46,7 @@ int dp_fit(const std::vector<std::string>& args) {
       model, *optimizer, [](const torch::Tensor& out, const torch::Tensor& t) {
         return torch::nn::functional::cross_entropy(out, t);
       });
-  trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
+  trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
   const bool saving = args.at(1) != "-";
   frugal::fit(trainer, frugal::TensorData({x, y}),
               frugal::FitOptions()
@@ -57,7 +58,7 @@ int dp_fit(const std::vector<std::string>& args) {
                   .save_every(saving ? 5 : 0)
                   .resume(saving)
                   .handle_signals(false)
-                  .group(group)
+                  .ranks(std::make_shared<frugal::distributed::GroupRanks>(group))
                   .log([](const std::string&) {}));
   std::vector<torch::Tensor> weights;
   for (const auto& p : model->parameters()) {

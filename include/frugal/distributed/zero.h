@@ -9,10 +9,11 @@
 #include <memory>
 #include <vector>
 
-#include "frugal/dist/group.h"
+#include "frugal/distributed/group.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/optim/sharded.h"
 
-namespace frugal::dist {
+namespace frugal::distributed {
 
 struct ZeroOptions {
   /// 1: the optimizer state is sharded; every rank holds every (averaged) gradient.
@@ -47,15 +48,17 @@ struct ZeroOptions {
 /// every rank saves its own (fit does, in save_dir/rank-R) and loads only its own.
 ///
 /// Example:
-///   auto zero = std::make_shared<frugal::dist::ZeroOptimizer>(
+///   auto zero = std::make_shared<frugal::distributed::ZeroOptimizer>(
 ///       model->parameters(), group,
 ///       [](std::vector<torch::Tensor> shard) {
 ///         return std::make_unique<frugal::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
 ///       },
-///       frugal::dist::ZeroOptions().stage(2));
+///       frugal::distributed::ZeroOptions().stage(2));
 ///   frugal::Trainer trainer(model, *zero, loss_fn);
-///   trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
-class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
+///   trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
+class ZeroOptimizer : public torch::optim::Optimizer,
+                      public LedgerParts,
+                      public optim::ShardedOptimizer {
  public:
   using Factory =
       std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> shard)>;
@@ -73,9 +76,11 @@ class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
   std::int64_t shard_size() const { return shard_size_; }
   /// The optimizer that updates this rank's range.
   torch::optim::Optimizer& inner() { return *inner_; }
+  /// Stage 2: Trait::KeepsGradients.
+  Traits traits() const override;
   /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
   /// goes into the range's gradient; DataParallel calls it once per parameter and step.
-  void keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad);
+  void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) override;
 
   std::vector<torch::Tensor> ledger_gradients() const override;
   std::vector<torch::Tensor> ledger_optimizer_state() const override;
@@ -95,4 +100,4 @@ class ZeroOptimizer : public torch::optim::Optimizer, public LedgerParts {
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -4,7 +4,7 @@
 
 #include "backend.h"
 
-namespace frugal::dist::detail {
+namespace frugal::distributed::detail {
 
 c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                           int size, int device, std::chrono::milliseconds timeout) {
@@ -14,4 +14,4 @@ c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 }
 
-}  // namespace frugal::dist::detail
+}  // namespace frugal::distributed::detail

@@ -1,4 +1,4 @@
-#include "frugal/policy/planner.h"
+#include "frugal/compose/planner.h"
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>

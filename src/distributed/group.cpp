@@ -1,5 +1,5 @@
 // The process group over LibTorch's c10d: the one file that includes Gloo.
-#include "frugal/dist/group.h"
+#include "frugal/distributed/group.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -15,7 +15,7 @@
 #include "backend.h"
 #include "frugal/error.h"
 
-namespace frugal::dist {
+namespace frugal::distributed {
 namespace {
 
 const char* variable(const char* name) {
@@ -257,4 +257,4 @@ double Group::sum(double value) {
   return t.item<double>();
 }
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -1,4 +1,4 @@
-#include "frugal/policy/mixed_precision.h"
+#include "frugal/compose/mixed_precision.h"
 
 #include "frugal/policy/autocast.h"
 

@@ -11,14 +11,14 @@
 #include "children.h"
 #include "dist_launch.h"
 #include "resume_setup.h"
-#include "frugal/dist/data_parallel.h"
-#include "frugal/dist/shard.h"
-#include "frugal/dist/zero.h"
+#include "frugal/distributed/data_parallel.h"
+#include "frugal/distributed/shard.h"
+#include "frugal/distributed/zero.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/leak_guard.h"
-#include "frugal/policy/mixed_precision.h"
+#include "frugal/compose/mixed_precision.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
 
@@ -26,8 +26,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using frugal::testing::launch;
-using frugal::dist::DataParallel;
-using frugal::dist::Group;
+using frugal::distributed::DataParallel;
+using frugal::distributed::Group;
 
 constexpr std::int64_t kDistSteps = 20;
 constexpr std::int64_t kGlobal = 64;
@@ -85,13 +85,13 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     optimizer = std::make_unique<torch::optim::SGD>(
         model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   } else if (mode == "zero1" || mode == "zero2") {
-    optimizer = std::make_unique<frugal::dist::ZeroOptimizer>(
+    optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group,
         [](std::vector<torch::Tensor> shard) {
           return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
         },
         // Stage 2 also gathers in pieces of 64 bytes: many pieces, uneven at the end.
-        frugal::dist::ZeroOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
+        frugal::distributed::ZeroOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
   } else {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-2));
@@ -132,7 +132,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     grad_bytes = frugal::measure_ledger(c.probe, c.module, &c.optimizer).gradients;
   });
   std::int64_t optimizer_bytes = 0;
-  const auto share = frugal::dist::share_of(kGlobal, group->rank(), group->size());
+  const auto share = frugal::distributed::share_of(kGlobal, group->rank(), group->size());
   const std::int64_t start = share.start;
   const std::int64_t length = share.length;
   // With accumulation each step() gets half of the rank's share.
@@ -161,13 +161,13 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
 // mode (on the GPU, over Gloo or NCCL), writing OUT_PREFIX-<mode>-<rank>.pt.
 int dp_train(const std::vector<std::string>& args) {
   torch::set_num_threads(1);
-  const auto env = frugal::dist::LaunchEnv::from_environment();
+  const auto env = frugal::distributed::LaunchEnv::from_environment();
   const bool cuda = args.size() > 1 && args[1] == "cuda";
   const bool nccl = args.size() > 2 && args[2] == "nccl";
-  auto group = Group::join(env, frugal::dist::GroupOptions()
+  auto group = Group::join(env, frugal::distributed::GroupOptions()
                                     .timeout(std::chrono::seconds(60))
-                                    .backend(nccl ? frugal::dist::Backend::Nccl
-                                                  : frugal::dist::Backend::Gloo));
+                                    .backend(nccl ? frugal::distributed::Backend::Nccl
+                                                  : frugal::distributed::Backend::Gloo));
   const torch::Device device =
       cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
                                              env.local_rank % torch::cuda::device_count()))
@@ -183,8 +183,8 @@ const frugal::testing::RegisterChild register_train("dp-train", dp_train);
 // dp-fail: rank 1 throws at its fourth step; the others go on until the group fails them.
 int dp_fail(const std::vector<std::string>&) {
   torch::set_num_threads(1);
-  const auto env = frugal::dist::LaunchEnv::from_environment();
-  auto group = Group::join(env, frugal::dist::GroupOptions().timeout(std::chrono::seconds(30)));
+  const auto env = frugal::distributed::LaunchEnv::from_environment();
+  auto group = Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(30)));
   torch::nn::Linear model(8, 4);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   frugal::Trainer trainer(model, sgd, cross_entropy);
@@ -312,7 +312,7 @@ class ScopedEnv {
 
 std::string launch_error() {
   try {
-    frugal::dist::LaunchEnv::from_environment();
+    frugal::distributed::LaunchEnv::from_environment();
   } catch (const std::exception& e) {
     return frugal::error_message(e);
   }
@@ -345,7 +345,7 @@ TEST(DistLaunchEnv, NamesTheMissingOrWrongVariable) {
     ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
                    {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
                    {"TORCHELASTIC_RESTART_COUNT", "2"}});
-    const auto env_read = frugal::dist::LaunchEnv::from_environment();
+    const auto env_read = frugal::distributed::LaunchEnv::from_environment();
     EXPECT_EQ(env_read.rank, 1);
     EXPECT_EQ(env_read.master_port, 29400);
     EXPECT_TRUE(env_read.use_agent_store);

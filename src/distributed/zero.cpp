@@ -1,4 +1,4 @@
-#include "frugal/dist/zero.h"
+#include "frugal/distributed/zero.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -8,7 +8,7 @@
 #include "frugal/state/archive.h"
 #include "frugal/error.h"
 
-namespace frugal::dist {
+namespace frugal::distributed {
 
 struct ZeroOptimizer::Layout {
   std::vector<torch::Tensor> params;
@@ -87,7 +87,11 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOpti
                "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
 }
 
-void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
+Traits ZeroOptimizer::traits() const {
+  return options_.stage() == 2 ? Traits(Trait::KeepsGradients) : Traits();
+}
+
+void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
   const auto it = layout_->index.find(param.unsafeGetTensorImpl());
   FRUGAL_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
                "parameter it does not hold");
@@ -108,7 +112,7 @@ void ZeroOptimizer::keep_owned_gradient(const torch::Tensor& param, const torch:
 void ZeroOptimizer::gather_owned_gradient() {
   for (const auto& p : layout_->params) {
     if (p.grad().defined()) {
-      keep_owned_gradient(p, p.grad());
+      keep_gradient(p, p.grad());
     }
   }
 }
@@ -186,4 +190,4 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   inner_->load(inner);
 }
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

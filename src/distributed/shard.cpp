@@ -1,4 +1,4 @@
-#include "frugal/dist/shard.h"
+#include "frugal/distributed/shard.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -6,7 +6,7 @@
 #include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
-namespace frugal::dist {
+namespace frugal::distributed {
 
 Share share_of(std::int64_t n, int rank, int size) {
   FRUGAL_CHECK(size >= 1 && rank >= 0 && rank < size, "frugal: rank ", rank,
@@ -47,4 +47,4 @@ EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   return report;
 }
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace frugal::dist {
+namespace frugal::distributed {
 
 /// What `torchrun --no-python` (or any launcher setting the same variables) tells a worker.
 struct LaunchEnv {
@@ -61,7 +61,7 @@ class Work {
 /// tensors). Collectives are issued in the same order on every rank.
 ///
 /// Example:
-///   auto group = frugal::dist::Group::join(frugal::dist::LaunchEnv::from_environment());
+///   auto group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
 ///   auto total = torch::tensor({local_count});
 ///   group->all_reduce(total).wait();  // the sum over all ranks
 class Group {
@@ -99,4 +99,9 @@ class Group {
   int size_;
 };
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed
+
+namespace frugal {
+/// The namespace's earlier name.
+namespace dist = distributed;
+}  // namespace frugal

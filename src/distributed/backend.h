@@ -15,7 +15,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #endif
 
-namespace frugal::dist::detail {
+namespace frugal::distributed::detail {
 
 #if FRUGAL_TORCH_AT_LEAST(2, 0)
 using BackendBase = c10d::Backend;
@@ -27,4 +27,4 @@ using BackendBase = c10d::ProcessGroup;
 c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                           int size, int device, std::chrono::milliseconds timeout);
 
-}  // namespace frugal::dist::detail
+}  // namespace frugal::distributed::detail

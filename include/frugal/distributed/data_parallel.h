@@ -9,12 +9,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "frugal/dist/group.h"
+#include "frugal/distributed/group.h"
+#include "frugal/optim/sharded.h"
 #include "frugal/train/policy.h"
 
-namespace frugal::dist {
-
-class ZeroOptimizer;
+namespace frugal::distributed {
 
 struct DataParallelOptions {
   /// Gradients travel in buckets of about this many bytes, each sent as soon as all its
@@ -53,17 +52,17 @@ struct DataParallelOptions {
 /// timeout) rather than hang.
 ///
 /// Example:
-///   auto group = frugal::dist::Group::join(frugal::dist::LaunchEnv::from_environment());
+///   auto group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
 ///   frugal::Trainer trainer(model, adam, loss_fn);
-///   trainer.add_policy(std::make_shared<frugal::dist::DataParallel>(group));
+///   trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
 ///   trainer.step(my_share_of_the_batch);
 class DataParallel : public Policy {
  public:
   explicit DataParallel(std::shared_ptr<Group> group, DataParallelOptions options = {});
   std::string name() const override { return "data-parallel"; }
-  void on_add(Trainer& trainer) override;
-  bool wants_grad_ready() const override { return true; }
-  bool needs_all_gradients() const override { return true; }
+  /// Gradient-ready calls; it shares gradients among the processes during backward.
+  Traits traits() const override { return Trait::GradReady | Trait::SharesGradients; }
+  void on_add(PolicyPort& port) override;
   void on_step_begin(StepContext& ctx) override;
   void on_grad_ready(StepContext& ctx, const torch::Tensor& param) override;
   void before_optimizer_step(StepContext& ctx) override;
@@ -98,9 +97,8 @@ class DataParallel : public Policy {
   torch::Tensor flags_;  // per parameter: 1 where this rank had a gradient
   torch::Tensor flags_cpu_;  // the ranks' sum, read once a step
   std::vector<Work> works_;
-  ZeroOptimizer* stage2_ = nullptr;  // gradients go to its shard, not to the parameters
-  Trainer* trainer_ = nullptr;
+  optim::ShardedOptimizer* keeper_ = nullptr;  // gradients go to its shard, not the parameters
   bool in_step_ = false;  // between a step's begin and its end: set when a step failed
 };
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -1,4 +1,4 @@
-#include "frugal/dist/data_parallel.h"
+#include "frugal/distributed/data_parallel.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -7,11 +7,9 @@
 #include <string>
 #include <utility>
 
-#include "frugal/dist/zero.h"
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
 
-namespace frugal::dist {
+namespace frugal::distributed {
 namespace {
 
 // Copies rank 0's tensors to every rank, one flat message per dtype and device.
@@ -45,19 +43,12 @@ DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions opt
                options_.bucket_bytes());
 }
 
-void DataParallel::on_add(Trainer& trainer) {
-  for (const auto& other : trainer.policies()) {
-    FRUGAL_CHECK(!other->needs_all_gradients() && !other->retries_steps(),
-                 "frugal: add DataParallel before '", other->name(), "', which ",
-                 other->needs_all_gradients() ? "reads every gradient" : "retries steps",
-                 ": it must see the gradients averaged over the ranks");
-  }
-  trainer_ = &trainer;
-  auto* zero = dynamic_cast<ZeroOptimizer*>(&trainer.optimizer());
-  stage2_ = zero != nullptr && zero->stage() == 2 ? zero : nullptr;
+void DataParallel::on_add(PolicyPort& port) {
+  auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&port.optimizer());
+  keeper_ = sharded != nullptr && sharded->traits().has(Trait::KeepsGradients) ? sharded : nullptr;
   params_.clear();
   index_.clear();
-  for (auto& group : trainer.optimizer().param_groups()) {
+  for (auto& group : port.optimizer().param_groups()) {
     for (auto& p : group.params()) {
       if (p.requires_grad() && index_.emplace(p.unsafeGetTensorImpl(), params_.size()).second) {
         params_.push_back(p);
@@ -94,10 +85,10 @@ void DataParallel::on_add(Trainer& trainer) {
   flags_ = torch::zeros({static_cast<std::int64_t>(params_.size()) + 1}, torch::kFloat);
   // Every rank starts from rank 0's weights and buffers.
   std::vector<torch::Tensor> state;
-  for (auto& p : trainer.module().parameters()) {
+  for (auto& p : port.module().parameters()) {
     state.push_back(p);
   }
-  for (auto& b : trainer.module().buffers()) {
+  for (auto& b : port.module().buffers()) {
     state.push_back(b);
   }
   if (group_->size() > 1 && !state.empty()) {
@@ -126,13 +117,6 @@ void DataParallel::on_step_begin(StepContext& ctx) {
   FRUGAL_CHECK(!in_step_, "frugal: rank ", group_->rank(),
                "'s last step failed, so the ranks are out of step; restart the run (from a "
                "saved training state)");
-  if (stage2_ != nullptr) {
-    for (const auto& policy : trainer_->policies()) {
-      FRUGAL_CHECK(!policy->needs_all_gradients() || policy.get() == this, "frugal: policy '",
-                   policy->name(), "' reads every gradient, but under ZeRO stage 2 each rank "
-                   "keeps only its share of them; use stage 1");
-    }
-  }
   in_step_ = true;
   reset();
   if (options_.broadcast_buffers()) {
@@ -197,7 +181,7 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   works_.push_back(group_->all_reduce(flat));
   flats_.push_back(std::move(flat));
   // Under stage 2, buckets that have arrived shrink to this rank's part while backward goes on.
-  while (stage2_ != nullptr && finished_ < works_.size() && works_[finished_].done()) {
+  while (keeper_ != nullptr && finished_ < works_.size() && works_[finished_].done()) {
     finish(finished_);
   }
 }
@@ -206,13 +190,13 @@ void DataParallel::finish(std::size_t bucket) {
   works_[bucket].wait();
   torch::NoGradGuard no_grad;
   auto& flat = flats_[bucket];
-  const float* any = stage2_ == nullptr ? flags_cpu_.data_ptr<float>() : nullptr;
+  const float* any = keeper_ == nullptr ? flags_cpu_.data_ptr<float>() : nullptr;
   std::int64_t offset = 0;
   for (const auto k : buckets_[bucket]) {
     auto& p = params_[k];
     const auto n = p.numel();
-    if (stage2_ != nullptr) {
-      stage2_->keep_owned_gradient(p, flat.narrow(0, offset, n));
+    if (keeper_ != nullptr) {
+      keeper_->keep_gradient(p, flat.narrow(0, offset, n));
     } else if (any[k] > 0) {
       // The averaged gradient, as a view of the bucket (no second copy).
       p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
@@ -261,4 +245,4 @@ void DataParallel::on_step_end(StepContext& ctx) {
   in_step_ = false;
 }
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "frugal/dist/group.h"
+#include "frugal/distributed/group.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/step_report.h"
 
@@ -11,7 +11,7 @@ namespace frugal {
 class Trainer;
 }
 
-namespace frugal::dist {
+namespace frugal::distributed {
 
 /// Items [start, start + length) of a batch of `n`: rank `rank` of `size` ranks takes its
 /// share in rank order, the first n % size ranks one more (torch::tensor_split's rule).
@@ -29,4 +29,4 @@ Batch share_of(const Batch& batch, const Group& group);
 /// sinks receive). Memory figures stay this rank's. Every rank must call it.
 EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data);
 
-}  // namespace frugal::dist
+}  // namespace frugal::distributed

@@ -1,0 +1,47 @@
+// How fit shares its work among processes: one process by default, a group in distributed/.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "frugal/train/batch.h"
+#include "frugal/train/step_report.h"
+
+namespace frugal {
+
+class Trainer;
+
+/// What fit asks of the processes it runs in: each one's share of a batch, where and
+/// whether it saves, agreeing on a stop and on a resume, and evaluation. This default is
+/// one process (the whole batch, saves in save_dir, evaluation by Trainer::evaluate);
+/// frugal::distributed::GroupRanks is a process group's. fit knows no other.
+///
+/// Example:
+///   frugal::fit(trainer, data, frugal::FitOptions().ranks(
+///       std::make_shared<frugal::distributed::GroupRanks>(group)));
+class Ranks {
+ public:
+  virtual ~Ranks() = default;
+  /// This process's part of a batch's sample indices; undefined to leave the batch out
+  /// (too small to give every process a sample).
+  virtual torch::Tensor share(const torch::Tensor& indices) const { return indices; }
+  /// Where this process keeps its saves, under fit's save_dir.
+  virtual std::string save_dir(const std::string& base,
+                               const torch::optim::Optimizer& /*optimizer*/) const {
+    return base;
+  }
+  /// Whether this process writes its saves (false: another writes the same state).
+  virtual bool writes_saves(const torch::optim::Optimizer& /*optimizer*/) const { return true; }
+  /// After a resume at `steps`: throws when the processes did not all resume there.
+  virtual void check_resumed(std::int64_t /*steps*/) const {}
+  /// The signal this process caught (0: none), agreed over the processes: all stop
+  /// after the same step.
+  virtual int agree_on_stop(int caught) const { return caught; }
+  /// Evaluates `data` (written to the trainer's sinks).
+  virtual EvalReport evaluate(Trainer& trainer, const Batch& data) const;
+};
+
+}  // namespace frugal
