@@ -8,8 +8,8 @@
 #include <map>
 #include <set>
 
-#include "frugal/compat.h"
-#include "frugal/policy/autocast.h"
+#include "compat.h"
+#include "frugal/autocast_guard.h"
 #include "frugal/error.h"
 
 namespace frugal {

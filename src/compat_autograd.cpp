@@ -4,7 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/error.h"
 
 namespace frugal::compat {

@@ -1,5 +1,5 @@
 // CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
-#include "frugal/compat.h"
+#include "compat.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>

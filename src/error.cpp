@@ -1,6 +1,6 @@
 #include "frugal/error.h"
 
-#include "frugal/compat.h"
+#include "compat.h"
 
 namespace frugal {
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "compat.h"
+
 namespace frugal::testing {
 
 /// Linear, ReLU and dropout: the block the checkpointed configuration recomputes.

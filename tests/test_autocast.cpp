@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/policy/autocast.h"
 #include "frugal/compose/mixed_precision.h"
 #include "frugal/train/trainer.h"

@@ -6,6 +6,7 @@
 #include <iostream>
 
 #include "frugal/optim/blockwise.h"
+#include "optim/codebook.h"
 #include "helpers.h"
 
 namespace {
@@ -71,8 +72,8 @@ TEST(Blockwise, TheHostTableRoundsToTheNearestCode) {
   // of magnitudes it picks a code exactly as near as the nearest one.
   torch::manual_seed(23);
   for (const bool is_signed : {true, false}) {
-    const auto map = fo::detail::moment_map(is_signed);
-    const auto& table = fo::detail::nearest_code(is_signed);
+    const auto map = fo::moment_map(is_signed);
+    const auto& table = fo::nearest_code(is_signed);
     auto y = torch::pow(10.0, torch::rand({100000}) * -9);
     if (is_signed) {
       y = y * (torch::randint(0, 2, {100000}) * 2 - 1);

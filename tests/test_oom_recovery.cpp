@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"

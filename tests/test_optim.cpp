@@ -5,6 +5,7 @@
 #include <memory>
 #include <sstream>
 
+#include "compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"

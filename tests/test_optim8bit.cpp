@@ -5,13 +5,14 @@
 #include <sstream>
 
 #include "fashion_mnist/models.h"
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/blockwise.h"
+#include "optim/codebook.h"
 #include "helpers.h"
 
 namespace {
@@ -93,7 +94,7 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
   set_growing_grads(params32, 99);
   adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
-  const auto map_s = fo::detail::moment_map(true), map_u = fo::detail::moment_map(false);
+  const auto map_s = fo::moment_map(true), map_u = fo::moment_map(false);
   const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
     return static_cast<to::AdamParamState&>(
         *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));

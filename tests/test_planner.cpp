@@ -7,6 +7,7 @@
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/sgd.h"
 #include "frugal/compose/planner.h"
+#include "compose/choose_plan.h"
 #include "residual_mlp.h"
 
 namespace {

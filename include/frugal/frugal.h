@@ -2,7 +2,6 @@
 #pragma once
 
 #include "frugal/checkpoint.h"
-#include "frugal/compat.h"
 #include "frugal/fit/data_source.h"
 #include "frugal/fit/fit.h"
 #include "frugal/memory/counting_allocator.h"
@@ -15,6 +14,7 @@
 #include "frugal/optim/blockwise.h"
 #include "frugal/optim/in_place.h"
 #include "frugal/optim/sgd.h"
+#include "frugal/autocast_guard.h"
 #include "frugal/policy/autocast.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/clip_grad.h"

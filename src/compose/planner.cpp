@@ -1,5 +1,7 @@
 #include "frugal/compose/planner.h"
 
+#include "choose_plan.h"
+
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <torch/optim.h>

@@ -7,7 +7,7 @@
 
 #include <chrono>
 
-#include "frugal/compat.h"
+#include "compat.h"
 
 #if FRUGAL_TORCH_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>

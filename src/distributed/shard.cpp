@@ -22,11 +22,11 @@ Batch share_of(const Batch& batch, const Group& group) {
   return batch.slice(share.start, share.length);
 }
 
-EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
-  const auto mine = share_of(data, group);
-  FRUGAL_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
-               " gets no sample of an evaluation set of ", data.size());
-  auto report = trainer.evaluate_unreported(mine);
+namespace {
+
+// The ranks' reports combined: the loss over the global count, the accuracy over all
+// samples, the samples summed.
+void sum_over_ranks(EvalReport& report, Group& group) {
   const bool classes = report.accuracy >= 0;
   auto sums = torch::tensor({report.loss * static_cast<double>(report.count),
                              static_cast<double>(report.count),
@@ -43,8 +43,17 @@ EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
   report.scored = static_cast<std::int64_t>(s[3]);
   report.samples = static_cast<std::int64_t>(s[4]);
   report.accuracy = classes && s[3] > 0 ? s[2] / s[3] : -1;
-  trainer.write_to_sinks(report);
-  return report;
+}
+
+}  // namespace
+
+EvalReport evaluate(Trainer& trainer, Group& group, const Batch& data) {
+  const auto mine = share_of(data, group);
+  FRUGAL_CHECK(mine.size() > 0, "frugal: rank ", group.rank(), " of ", group.size(),
+               " gets no sample of an evaluation set of ", data.size());
+  return trainer.evaluate(mine, EvaluateOptions().combine([&group](EvalReport& report) {
+    sum_over_ranks(report, group);
+  }));
 }
 
 }  // namespace frugal::distributed

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/memory/format.h"
 #include "frugal/error.h"
 

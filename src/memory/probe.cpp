@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
 #include "frugal/error.h"
@@ -98,6 +98,9 @@ torch::Device resolve(torch::Device device) {
 }
 
 }  // namespace
+}  // namespace detail
+using namespace detail;  // the helpers above, for the state below
+
 
 // The allocator can only reset its peak, so whoever resets first folds the peak reached
 // so far into every open region and into the probe user's peak. A region's peak is then the
@@ -168,6 +171,8 @@ struct ProbeState {
   Peaks user;                           // the probe user's peak before the last reset
   std::uint64_t next_id = 0;
 };
+
+namespace detail {
 
 namespace {
 std::shared_ptr<ProbeState> state_for(torch::Device device, MemoryScope scope) {

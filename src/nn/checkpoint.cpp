@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
+#include "call_choice.h"
 #include "frugal/error.h"
 
 #include <mutex>
@@ -36,8 +37,11 @@ void remove_call_choice(const torch::nn::Module* module) {
   r.chosen.erase(module);
 }
 
+}  // namespace detail
+
 std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module) {
-  auto& r = registry();
+  auto& r = detail::registry();
+  using detail::CallChoice;
   std::shared_ptr<CallChoice> choice;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
@@ -56,8 +60,6 @@ std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Modu
   }
   return std::shared_ptr<const CheckpointOptions>(choice, &choice->options);
 }
-
-}  // namespace detail
 
 CheckpointImpl::CheckpointImpl(torch::nn::AnyModule module, CheckpointOptions options)
     : module_(std::move(module)), options_(std::move(options)) {

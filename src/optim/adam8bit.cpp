@@ -9,7 +9,8 @@
 
 #include "adam8bit_kernel.h"
 #include "adam_chunk.h"
-#include "frugal/compat.h"
+#include "codebook.h"
+#include "compat.h"
 #include "frugal/error.h"
 
 namespace frugal::optim {
@@ -85,7 +86,10 @@ void Adam8bitParamState::serialize(torch::serialize::InputArchive& archive) {
   read_tensor(archive, "exp_avg_sq_scales", exp_avg_sq_scales_);
 }
 
-namespace detail {
+template <typename Options>
+struct Adam8bitBase<Options>::Books {
+  CodeBook signed_book, unsigned_book;
+};
 
 template <typename Options>
 Adam8bitBase<Options>::Adam8bitBase(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -144,11 +148,13 @@ const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(
   const auto key = std::make_pair(device.type(), device.index());
   auto it = books_.find(key);
   if (it == books_.end()) {
-    it = books_.emplace(key, Books{CodeBook(moment_map(true).to(device)),
-                                   CodeBook(moment_map(false).to(device))})
+    it = books_
+             .emplace(key, std::make_shared<const Books>(
+                               Books{CodeBook(moment_map(true).to(device)),
+                                     CodeBook(moment_map(false).to(device))}))
              .first;
   }
-  return it->second;
+  return *it->second;
 }
 
 template <typename Options>
@@ -203,14 +209,16 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const auto& o = static_cast<const Options&>(u.options);
   auto& s = static_cast<Adam8bitParamState&>(*u.state);
   s.step(s.step() + 1);
-  const auto step = adam_chunk_step(o, s.step(), std::is_same_v<Options, AdamWOptions>, u.fresh);
-  const Books* b = s.quantized() ? &books_.at({u.param.device().type(), u.param.device().index()})
-                                 : nullptr;
+  const auto step =
+      detail::adam_chunk_step(o, s.step(), std::is_same_v<Options, AdamWOptions>, u.fresh);
+  const Books* b =
+      s.quantized() ? books_.at({u.param.device().type(), u.param.device().index()}).get()
+                    : nullptr;
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
   const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
   if (fused) {  // the whole parameter at once: it needs no scratch
-    AdamScalars a;
+    detail::AdamScalars a;
     a.beta1 = static_cast<float>(step.beta1);
     a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
     a.beta2 = static_cast<float>(step.beta2);
@@ -222,7 +230,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     a.bias_correction2_sqrt = static_cast<float>(std::sqrt(step.bias_correction2));
     a.decoupled = step.decoupled;
     a.fresh = step.fresh;
-    adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
+    detail::adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
                  s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
                  s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(),
                  u.numel(), s.block(), a);
@@ -259,7 +267,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       m = u.part(s.exp_avg(), offset, n);
       v = u.part(s.exp_avg_sq(), offset, n);
     }
-    adam_chunk(p, grad, m, v, torch::Tensor(), work, work, step);
+    detail::adam_chunk(p, grad, m, v, torch::Tensor(), work, work, step);
     if (cast) {
       param_out.copy_(p);
     }
@@ -365,5 +373,4 @@ void Adam8bitBase<Options>::adopt_loaded() {
 template class Adam8bitBase<AdamOptions>;
 template class Adam8bitBase<AdamWOptions>;
 
-}  // namespace detail
 }  // namespace frugal::optim

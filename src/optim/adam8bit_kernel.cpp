@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "codebook.h"
 #include "frugal/optim/blockwise.h"
 
 // The loops are written to vectorize; on x86-64 a second copy is built for AVX2 and chosen

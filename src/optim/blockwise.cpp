@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#include "codebook.h"
 #include "frugal/error.h"
 
 namespace frugal::optim {
@@ -73,8 +74,8 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
   const auto options = flat.options();
   BlockwiseCodes q{torch::empty(x.sizes(), options.dtype(torch::kUInt8)),
                    torch::empty({(n + block - 1) / block}, options), block};
-  const detail::CodeBook book(map.to(x.device()));
-  detail::quantize_into(flat, q.codes.view(-1), q.scales, book, block,
+  const CodeBook book(map.to(x.device()));
+  quantize_into(flat, q.codes.view(-1), q.scales, book, block,
                         torch::empty({n}, options), torch::empty({n}, options.dtype(torch::kInt32)));
   return q;
 }
@@ -85,14 +86,12 @@ torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor&
   FRUGAL_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
                " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
                " scales, got ", q.scales.numel());
-  const detail::CodeBook book(map.to(q.codes.device()));
+  const CodeBook book(map.to(q.codes.device()));
   auto out = torch::empty(q.codes.sizes(), q.scales.options());
-  detail::dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
+  dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
                           torch::empty({n}, q.scales.options().dtype(torch::kInt32)));
   return out;
 }
-
-namespace detail {
 
 CodeBook::CodeBook(const torch::Tensor& map) {
   FRUGAL_CHECK(map.dim() == 1 && map.numel() == 256,
@@ -189,5 +188,4 @@ const NearestCode& nearest_code(bool is_signed) {
   return is_signed ? signed_code : unsigned_code;
 }
 
-}  // namespace detail
 }  // namespace frugal::optim

@@ -7,7 +7,7 @@
 #include <map>
 #include <tuple>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/error.h"
 
 namespace frugal::optim {

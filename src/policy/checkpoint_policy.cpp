@@ -1,11 +1,14 @@
 #include "frugal/policy/checkpoint_policy.h"
 
+#include "nn/call_choice.h"
+
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <algorithm>
 #include <map>
 #include <set>
+#include <typeinfo>
 
 #include "frugal/error.h"
 
@@ -150,8 +153,9 @@ const std::vector<std::string>& CheckpointPolicy::apply(torch::nn::Module& root)
     const bool below = std::any_of(inside.begin(), inside.end(), [&](const std::string& p) {
       return node.name.compare(0, p.size() + 1, p + ".") == 0;
     });
-    if ((names_hit || types_hit || every_hit) && !below &&
-        dynamic_cast<const nn::CheckpointImpl*>(node.module.get()) == nullptr) {
+    // A module that is a checkpoint wrapper already (this policy's own kind) is not wrapped again.
+    const bool wrapper = typeid(*node.module) == typeid(nn::CheckpointImpl);
+    if ((names_hit || types_hit || every_hit) && !below && !wrapper) {
       choose(node.name, node.module, node.parent, node.index);
       inside.push_back(node.name);
     }

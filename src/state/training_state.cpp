@@ -9,7 +9,7 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
 #include "state_file.h"

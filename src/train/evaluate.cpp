@@ -3,8 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include "frugal/report/sink.h"
+#include "frugal/train/sink.h"
 #include "frugal/train/trainer.h"
+#include "parts.h"
 #include "internal.h"
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
@@ -46,19 +47,21 @@ void Trainer::set_eval_batch(std::int64_t size) {
 }
 
 EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
-  auto report = evaluate_unreported(data, batch_size);
-  write_to_sinks(report);
-  return report;
+  return evaluate(data, EvaluateOptions().batch_size(batch_size));
 }
 
-void Trainer::write_to_sinks(const EvalReport& report) {
+EvalReport Trainer::evaluate(const Batch& data, const EvaluateOptions& options) {
+  auto report = evaluate_chunks(data, options.batch_size());
+  if (options.combine()) {
+    options.combine()(report);
+  }
   for (auto& sink : sinks_) {
     sink->write(report);
   }
+  return report;
 }
 
-EvalReport Trainer::evaluate_unreported(const Batch& data,
-                                        c10::optional<std::int64_t> batch_size) {
+EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_t> batch_size) {
   const auto start = detail::Clock::now();
   const std::int64_t samples = data.size();
   FRUGAL_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
@@ -96,7 +99,7 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
     const std::int64_t n = std::min(size, samples - offset);
     try {
       const auto micro = data.slice(offset, n).to(options_.device());
-      const std::int64_t count = count_of(micro);
+      const std::int64_t count = parts_->plan.count(micro);
       torch::Tensor loss;
       if (forward_) {
         const auto output = forward_(micro);
@@ -137,7 +140,7 @@ EvalReport Trainer::evaluate_unreported(const Batch& data,
   report.peak = peak.end();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = detail::measure_ledger(probe_, *module_tensors_, &optimizer_);
+    report.ledger = detail::measure_ledger(probe_, *parts_->module_tensors, &optimizer_);
   }
   report.time_ms = detail::ms_since(start);
   return report;

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "frugal/compat.h"
+#include "compat.h"
 
 namespace frugal::detail {
 

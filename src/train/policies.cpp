@@ -11,6 +11,7 @@
 #include "grad_ready.h"
 #include "frugal/optim/sharded.h"
 #include "frugal/train/trainer.h"
+#include "parts.h"
 #include "frugal/error.h"
 
 namespace frugal {
@@ -28,16 +29,19 @@ Trainer& Trainer::add_policy(std::shared_ptr<Policy> policy) {
   detail::check_compatible(present, {fmt::format("'{}'", policy->name()), traits});
   policy->on_add(*this);
   if (traits.has(Trait::GradReady)) {
-    if (!grad_ready_) {
-      grad_ready_ = std::make_unique<detail::GradReady>(
+    if (!parts_->grad_ready) {
+      parts_->grad_ready = std::make_unique<detail::GradReady>(
           optimizer_, [this](const torch::Tensor& param) { grad_ready(param); });
     }
     grad_ready_policies_.push_back(policy.get());
   }
+  if (traits.has(Trait::OwnsNonFinite)) {
+    parts_->guard.disable();  // the policy decides what a NaN or inf does to the step
+  }
   traits_ |= traits;
   policy_traits_.push_back(traits);
   policies_.push_back(std::move(policy));
-  module_tensors_->refresh();  // a policy may have rearranged the module tree (on_add)
+  parts_->module_tensors->refresh();  // a policy may have rearranged the module tree (on_add)
   return *this;
 }
 
@@ -70,8 +74,8 @@ PartialStepError Trainer::partial_error(const char* where,
     updated.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
     list += (list.empty() ? "" : ", ") + updated.back();
   }
-  halted_ = fmt::format("{} of step {} changed {} parameter(s) before failing", where,
-                        steps_ + 1, updated.size());
+  parts_->halt.halt(fmt::format("{} of step {} changed {} parameter(s) before failing", where,
+                        steps_ + 1, updated.size()));
   auto what = fmt::format(
       "frugal: {} failed after changing {} parameter(s): {}. Those (values or optimizer "
       "state) hold new values, the others and the trainer's counters are as before; the "

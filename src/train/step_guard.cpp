@@ -1,6 +1,6 @@
 #include "step_guard.h"
 
-#include "frugal/compat.h"
+#include "compat.h"
 #include "../memory/state_tensors.h"
 #include "frugal/memory/ledger.h"
 

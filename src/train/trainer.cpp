@@ -1,17 +1,17 @@
 #include "frugal/train/trainer.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "forward_scope.h"
-#include "grad_ready.h"
 #include "internal.h"
+#include "parts.h"
 #include "../memory/module_tensors.h"
 #include "frugal/optim/sharded.h"
-#include "frugal/report/sink.h"
+#include "frugal/train/sink.h"
 #include "frugal/error.h"
 
 namespace frugal {
@@ -67,8 +67,8 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
   if (const auto* sharded = dynamic_cast<const optim::ShardedOptimizer*>(&optimizer_)) {
     optimizer_traits_ = sharded->traits();
   }
-  module_tensors_ = std::make_unique<detail::ModuleTensors>(*module_);
-  const auto ledger = detail::measure_ledger(probe_, *module_tensors_, nullptr);
+  parts_ = std::make_unique<Parts>(*module_, optimizer_, options_);
+  const auto ledger = detail::measure_ledger(probe_, *parts_->module_tensors, nullptr);
   if (ledger.weights > ledger.allocated) {
     TORCH_WARN("frugal: the module's weights (", ledger.weights, " bytes) were allocated "
                "before the counting CPU allocator was installed, so the probe does not count "
@@ -78,6 +78,12 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
 }
 
 Trainer::~Trainer() = default;
+
+const std::string& Trainer::halted() const { return parts_->halt.why(); }
+
+void Trainer::accept_partial_update() { parts_->halt.lift(); }
+
+bool Trainer::window_open() const { return parts_->window.open(); }
 
 void Trainer::set_micro_batch(std::int64_t size) {
   FRUGAL_CHECK(size >= 1, "frugal: micro_batch must be >= 1, got ", size);
@@ -90,7 +96,7 @@ TrainerCounters Trainer::counters() const {
 
 void Trainer::restore_counters(const TrainerCounters& c) {
   FRUGAL_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
-               window_batches_, " of ", options_.accumulate(), " batches run)");
+               parts_->window.batches(), " of ", options_.accumulate(), " batches run)");
   FRUGAL_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
                   c.micro_batch >= 0 && c.eval_batch >= 0,
                "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
@@ -101,117 +107,49 @@ void Trainer::restore_counters(const TrainerCounters& c) {
   batches_ = c.batches;
   micro_batch_ = c.micro_batch;
   eval_batch_ = c.eval_batch;
-  halted_.clear();  // the whole state was put back: nothing is half-updated any more
-}
-
-torch::Tensor Trainer::loss_of(const Batch& micro) const {
-  return batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro), micro);
-}
-
-void Trainer::run_batch(StepContext& ctx, bool isolate, Split parts) {
-  auto& report = ctx.report;
-  // Gradients of earlier batches of the window wait aside, so that a failed attempt
-  // cannot spoil them; they are added back when the batch succeeds.
-  std::vector<torch::Tensor> aside;
-  if (isolate) {
-    aside = take_grads();
-  }
-  auto give_up = [&] {
-    if (isolate) {
-      put_back_grads(std::move(aside), /*add=*/false);
-    }
-  };
-  for (bool first = true;; first = false) {
-    const auto data_start = Clock::now();
-    if (!first) {
-      parts = split(ctx.batch);  // with the micro-batch size a policy chose
-    }
-    report.count = parts.total;
-    report.micro_batches = static_cast<std::int64_t>(parts.micros.size());
-    report.micro_batch = parts.micros.front().size();
-    ctx.micro_count = report.micro_batches;
-    report.time.data_ms += ms_since(data_start);
-    try {
-      run_micro_batches(ctx, parts.micros, parts.counts, parts.total, &aside);
-      break;
-    } catch (const std::exception& error) {
-      // Drop everything the failed attempt made: its graph, outputs and gradients.
-      ctx.loss = torch::Tensor();
-      ctx.micro = Batch();
-      parts = Split();
-      for (auto& p : module_->parameters()) {
-        p.mutable_grad().reset();
-      }
-      // Gradients handed out in backward may have changed parameters, or gone to other
-      // processes: no retry then, and the window (part of it handed out) is dropped.
-      if (grad_ready_ && grad_ready_->delivered_count() > 0) {
-        grad_ready_->clear();
-        give_up();
-        if (!ctx.updated_in_backward.empty()) {
-          throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
-        }
-        drop_window();
-        throw;
-      }
-      // A policy may ask for the batch to run again; one that gives up says why.
-      bool retry = false;
-      try {
-        retry = std::any_of(policies_.begin(), policies_.end(), [&](const auto& policy) {
-          return policy->on_step_error(ctx, error);
-        });
-      } catch (...) {
-        give_up();
-        throw;
-      }
-      if (!retry) {
-        give_up();
-        throw;
-      }
-      ++report.oom_retries;
-    }
-  }
-  if (isolate) {
-    put_back_grads(std::move(aside), /*add=*/true);
-  }
+  parts_->halt.lift();  // the whole state was put back: nothing is half-updated any more
 }
 
 StepReport Trainer::step(const Batch& batch) {
-  check_not_halted();
+  parts_->halt.check();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   FRUGAL_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
-  auto parts = split(batch);  // a bad count fails here, before anything is computed
+  // A bad count fails here, before anything is computed.
+  parts_->split = parts_->plan.split(batch, micro_batch_);
+  const auto release = c10::make_scope_exit([this] { parts_->split = {}; });
 
   StepReport report;
   report.samples = samples;
-  const bool window_start = window_batches_ == 0;
+  auto& window = parts_->window;
+  const bool window_start = !window.open();
   if (window_start) {
-    zero_grads();  // a window accumulates from nothing, whatever the caller left
+    window.zero();  // a window accumulates from nothing, whatever the caller left
   }
+  const bool retries = traits_.has(Trait::Retries);
   ScopedPeak step_peak(probe_);
   StepContext ctx(*this, batch, report);
   try {
     for (auto& policy : policies_) {
       policy->on_step_begin(ctx);
     }
-    run_batch(ctx, !window_start && traits_.has(Trait::Retries), std::move(parts));
+    run_batch(ctx, /*isolate=*/!window_start && retries);
   } catch (const PartialStepError&) {
     drop_window();
-    zero_grads();
+    window.zero();
     throw;
   } catch (...) {
-    if (!window_start && !traits_.has(Trait::Retries)) {
+    if (!window_start && !retries) {
       drop_window();
       TORCH_WARN("frugal: a step failed inside an accumulation window; the window's ",
                  "gradients were dropped and the next batch starts a new one");
     }
     throw;
   }
-  if (window_batches_ + 1 == options_.accumulate()) {
-    optimizer_phase(ctx, window_count_ + report.count, /*ends_batch=*/true);
+  if (window.completes_with_next()) {
+    optimizer_phase(ctx, window.count() + report.count, /*ends_batch=*/true);
   } else {
-    window_count_ += report.count;
-    ++window_batches_;
+    window.add(report.count);
     ++batches_;
   }
   report.batch = batches_;
@@ -228,13 +166,14 @@ StepReport Trainer::step(const Batch& batch) {
 }
 
 StepReport Trainer::trial(const Batch& batch) {
-  check_not_halted();
+  parts_->halt.check();
   const auto start = Clock::now();
   const std::int64_t samples = batch.size();
   FRUGAL_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
   StepReport report;
   report.samples = samples;
-  auto aside = take_grads();
+  auto& window = parts_->window;
+  auto aside = window.take();
   {
     ScopedPeak peak(probe_);
     StepContext ctx(*this, batch, report, /*trial=*/true);
@@ -242,9 +181,11 @@ StepReport Trainer::trial(const Batch& batch) {
       for (auto& policy : policies_) {
         policy->on_step_begin(ctx);
       }
-      run_batch(ctx, /*isolate=*/false, split(batch));
+      parts_->split = parts_->plan.split(batch, micro_batch_);
+      const auto release = c10::make_scope_exit([this] { parts_->split = {}; });
+      run_batch(ctx, /*isolate=*/false);
     } catch (...) {
-      put_back_grads(std::move(aside), /*add=*/false);
+      window.put_back(std::move(aside), /*add=*/false);
       throw;
     }
     for (auto& p : module_->parameters()) {
@@ -252,110 +193,23 @@ StepReport Trainer::trial(const Batch& batch) {
     }
     report.peak = peak.end();
   }
-  put_back_grads(std::move(aside), /*add=*/false);
+  window.put_back(std::move(aside), /*add=*/false);
   report.time.total_ms = ms_since(start);
   report.step = steps_;
   report.memory = probe_.snapshot();
   return report;
 }
 
-void Trainer::run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
-                                const std::vector<std::int64_t>& counts, std::int64_t total,
-                                std::vector<torch::Tensor>* aside) {
-  auto& report = ctx.report;
-  const bool windowed = options_.accumulate() > 1;
-  // Gradient-ready calls go out in the backward that completes the optimizer step, with
-  // the window's division done there rather than before the optimizer step.
-  const bool completes_step = ctx.trial || window_batches_ + 1 == options_.accumulate();
-  const double ready_scale =
-      windowed && !ctx.trial ? 1.0 / static_cast<double>(window_count_ + total) : 1.0;
-  const bool mean = options_.reduction() == LossReduction::Mean;
-  ctx.window_count = ctx.trial ? total : window_count_ + total;
-  const bool in_backward_guard = guards_non_finite() && traits_.has(Trait::UpdatesInBackward);
-  torch::Tensor loss_sum;  // several micro-batches: summed on the device, read once
-  double logged = 0;
-  for (std::size_t i = 0; i < micros.size(); ++i) {
-    auto t = Clock::now();
-    ctx.micro = micros[i].to(options_.device());
-    ctx.micro_index = static_cast<std::int64_t>(i);
-    report.time.data_ms += ms_since(t);
-
-    t = Clock::now();
-    {
-      ScopedPeak forward_peak(probe_);
-      {
-        detail::ForwardScope scope(policies_, ctx);
-        torch::Tensor loss = loss_of(ctx.micro);
-        FRUGAL_CHECK(loss.defined() && loss.numel() == 1,
-                     "frugal: the loss must be a scalar, got a tensor of shape ",
-                     loss.defined() ? loss.sizes() : torch::IntArrayRef{});
-        FRUGAL_CHECK(loss.requires_grad(),
-                     "frugal: the loss does not require grad (is the module frozen, or was the "
-                     "forward run under no_grad?)");
-        if (loss.dim() != 0) {
-          loss = loss.reshape({});
-        }
-        // The weight makes the sum over micro-batches the gradient of the batch's mean
-        // loss; within an accumulation window, the division by the window's count waits
-        // for its end. A micro-batch that counts nothing (all padding) weighs nothing:
-        // its mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
-        const bool counts_nothing = mean && counts[i] == 0;
-        const double share = mean ? static_cast<double>(counts[i]) : 1.0;
-        const double weight = windowed ? share : share / static_cast<double>(total);
-        if (counts_nothing) {
-          loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
-        } else if (micros.size() == 1) {
-          logged = loss.item<double>() * share;  // one read, as a plain loop does
-        } else {
-          const auto detached = loss.detach().to(torch::kDouble) * share;
-          loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
-        }
-        ctx.loss = weight == 1.0 || counts_nothing ? loss : loss * weight;
-      }  // AfterForward hooks see ctx.loss
-      report.forward_peak = std::max(report.forward_peak, forward_peak.end());
-    }
-    report.time.forward_ms += ms_since(t);
-
-    t = Clock::now();
-    if (completes_step && !ctx.trial && i + 1 == micros.size() && in_backward_guard) {
-      // A policy updates parameters during this backward, where no later check can stop a
-      // NaN or inf from reaching them: a non-finite window skips its last backward, and
-      // the optimizer phase skips the step.
-      const double seen = loss_sum.defined() ? loss_sum.item<double>() : logged;
-      if (window_non_finite_ || !std::isfinite(seen)) {
-        window_non_finite_ = true;
-        ctx.loss = torch::Tensor();
-        ctx.micro = Batch();
-        report.time.backward_ms += ms_since(t);
-        break;
-      }
-    }
-    for (auto& policy : policies_) {
-      policy->before_backward(ctx);
-    }
-    {
-      ScopedPeak backward_peak(probe_);
-      const bool armed = grad_ready_ && completes_step && i + 1 == micros.size();
-      if (armed) {
-        grad_ready_->clear();
-      }
-      backward_ctx_ = &ctx;
-      detail::ArmedScope arm(armed ? grad_ready_.get() : nullptr, aside, ready_scale);
-      ctx.loss.backward();
-      ctx.loss = torch::Tensor();
-      report.backward_peak = std::max(report.backward_peak, backward_peak.end());
-    }
-    for (auto& policy : policies_) {
-      policy->after_backward(ctx);
-    }
-    ctx.micro = Batch();
-    report.time.backward_ms += ms_since(t);
+bool Trainer::flush() {
+  parts_->halt.check();
+  if (!parts_->window.open()) {
+    return false;
   }
-  if (loss_sum.defined()) {
-    logged = loss_sum.item<double>();
-  }
-  report.loss = logged / static_cast<double>(total);
-  window_non_finite_ = window_non_finite_ || (!ctx.trial && !std::isfinite(report.loss));
+  StepReport report;
+  Batch none;
+  StepContext ctx(*this, none, report);
+  optimizer_phase(ctx, parts_->window.count(), /*ends_batch=*/false);
+  return true;
 }
 
 void Trainer::finish_report(StepReport& report) {
@@ -365,7 +219,7 @@ void Trainer::finish_report(StepReport& report) {
   report.lr = groups.empty() ? 0.0 : groups.front().options().get_lr();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = detail::measure_ledger(probe_, *module_tensors_, &optimizer_);
+    report.ledger = detail::measure_ledger(probe_, *parts_->module_tensors, &optimizer_);
   }
 }
 

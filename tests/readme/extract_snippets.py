@@ -1,12 +1,13 @@
-"""Writes every ```cpp block of README.md into one C++ file, so that the build compiles
-(and links) each of them: a README snippet that does not compile fails the build.
+"""Writes every ```cpp block of README.md and of the docs/ pages into one C++ file, so that
+the build compiles (and links) each of them: a snippet that does not compile fails the build.
 
 Each block becomes the body of a function of its own, after the names the README takes
 as given (readme_given.h: `model`, `trainer`, `images`, ...), which the block may shadow
 with its own. Its #include lines go to the top of the file.
 
-    python extract_snippets.py README.md out.cpp
+    python extract_snippets.py out.cpp README.md docs/*.md
 """
+import os
 import re
 import sys
 
@@ -15,12 +16,14 @@ GIVEN = ["images", "labels", "test_images", "test_labels", "x", "loss", "params"
          "block", "optimizer", "adam", "trainer", "loss_fn", "tokens", "next_tokens", "padding_mask"]
 
 
-def main(readme, out):
-    text = open(readme, encoding="utf-8").read()
+def main(out, pages):
     blocks = []
-    for match in re.finditer(r"^```cpp\n(.*?)^```", text, flags=re.S | re.M):
-        line = text.count("\n", 0, match.start()) + 2
-        blocks.append((line, match.group(1)))
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        name = os.path.join(os.path.basename(os.path.dirname(page)), os.path.basename(page))
+        for match in re.finditer(r"^```cpp\n(.*?)^```", text, flags=re.S | re.M):
+            line = text.count("\n", 0, match.start()) + 2
+            blocks.append((f"{name.lstrip('./')}, line {line}", match.group(1)))
     includes, bodies = [], []
     for n, (line, code) in enumerate(blocks):
         kept = []
@@ -30,11 +33,12 @@ def main(readme, out):
             else:
                 kept.append("    " + row if row else "")
         given = "\n".join(f"  [[maybe_unused]] auto& {g} = given.{g};" for g in GIVEN)
-        bodies.append(f"// README.md, line {line}\n"
+        bodies.append(f"// {line}\n"
                       f"void snippet_{n}(readme::Given& given) {{\n{given}\n  {{\n"
                       + "\n".join(kept) + "\n  }\n}\n")
     with open(out, "w", encoding="utf-8") as f:
-        f.write("// Generated from README.md by tests/readme/extract_snippets.py. Do not edit.\n")
+        f.write("// Generated from README.md and docs/ by tests/readme/extract_snippets.py. "
+                "Do not edit.\n")
         for inc in sorted(set(includes)):
             f.write(inc + "\n")
         f.write('#include "readme_given.h"\n\n')
@@ -45,4 +49,4 @@ def main(readme, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

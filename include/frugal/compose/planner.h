@@ -107,11 +107,6 @@ struct MemoryPlan {
 ///       frugal::CheckpointSelect().types({"ResidualBlock"})));
 ///   auto plan = planner.plan(frugal::MiB(512), worst_case_batch);
 ///   fmt::print("{}\n", plan.table());
-namespace detail {
-/// The planner's choice among `options` (see MemoryPlanner), or null when none fits.
-const PlanOption* choose_plan(const std::vector<PlanOption>& options, double time_tolerance);
-}  // namespace detail
-
 class MemoryPlanner {
  public:
   explicit MemoryPlanner(Trainer& trainer, PlannerOptions options = {});

@@ -42,9 +42,9 @@ struct MemorySnapshot {
   std::string to_json() const;
 };
 
-namespace detail {
+/// What the probes of one device and scope share (their peaks and open regions); defined
+/// inside the library.
 struct ProbeState;
-}
 
 /// Returns the allocator's cached blocks: to the system on the CPU (frugal's counting
 /// allocator), to the device on CUDA (the caching allocator's empty_cache).
@@ -84,7 +84,7 @@ class MemoryProbe {
   friend class ScopedPeak;
   torch::Device device_;
   MemoryScope scope_;
-  std::shared_ptr<detail::ProbeState> state_;
+  std::shared_ptr<ProbeState> state_;
 };
 
 /// The peak of a region, measured without disturbing the peak that another region or the
@@ -109,7 +109,7 @@ class ScopedPeak {
   std::int64_t end();
 
  private:
-  std::shared_ptr<detail::ProbeState> state_;
+  std::shared_ptr<ProbeState> state_;
   std::uint64_t id_;
   bool open_ = true;
   std::int64_t final_peak_ = 0;

@@ -6,7 +6,6 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/pimpl.h>
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -44,34 +43,19 @@ class CheckpointImpl : public torch::nn::Module {
 
 TORCH_MODULE(Checkpoint);
 
-namespace detail {
-
-/// A module a CheckpointPolicy chose, reached through frugal::nn::call.
-struct CallChoice {
-  CheckpointOptions options;
-  std::atomic<bool> enabled{true};
-  std::atomic<std::int64_t> calls{0};  // calls while gradients were recorded
-};
-
-/// The registry of chosen modules (thread-safe): a policy adds its choices and removes
-/// them when it goes.
-void add_call_choice(const torch::nn::Module* module, std::shared_ptr<CallChoice> choice);
-void remove_call_choice(const torch::nn::Module* module);
-
-/// How `module` is to be checkpointed (counting the call), or null when no policy chose
-/// it or its checkpointing is off.
+/// How a policy chose to checkpoint `module` (counting the call), or null when none chose
+/// it or its checkpointing is off: what frugal::nn::call asks.
 std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module);
 
+/// The shared pointer of a module holder, or the shared pointer itself.
 template <typename T>
-auto module_ptr(const std::shared_ptr<T>& p) {
+auto module_pointer(const std::shared_ptr<T>& p) {
   return p;
 }
 template <typename T>
-auto module_ptr(const torch::nn::ModuleHolder<T>& holder) {
+auto module_pointer(const torch::nn::ModuleHolder<T>& holder) {
   return holder.ptr();
 }
-
-}  // namespace detail
 
 /// Calls `block->forward(args...)`, checkpointed when a CheckpointPolicy chose `block` and
 /// gradients are being recorded (Tensor arguments are the checkpoint's inputs, other
@@ -88,10 +72,10 @@ auto module_ptr(const torch::nn::ModuleHolder<T>& holder) {
 ///   }
 template <typename Block, typename... Args>
 auto call(const Block& block, const Args&... args) {
-  auto ptr = detail::module_ptr(block);
+  auto ptr = module_pointer(block);
   std::shared_ptr<const CheckpointOptions> chosen;
   if (at::GradMode::is_enabled()) {
-    chosen = detail::checkpoint_choice(*ptr);
+    chosen = checkpoint_choice(*ptr);
   }
   if (chosen == nullptr) {
     return ptr->forward(args...);

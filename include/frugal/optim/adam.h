@@ -16,7 +16,7 @@ namespace frugal::optim {
 ///
 /// Example:
 ///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-class Adam : public detail::InPlace<torch::optim::Adam, torch::optim::AdamOptions> {
+class Adam : public InPlace<torch::optim::Adam, torch::optim::AdamOptions> {
  public:
   using InPlace::InPlace;  // (params or groups, AdamOptions = {}, InPlaceOptions = {})
 
@@ -32,7 +32,7 @@ class Adam : public detail::InPlace<torch::optim::Adam, torch::optim::AdamOption
 /// Example:
 ///   frugal::optim::AdamW adamw(model->parameters(),
 ///                              torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-class AdamW : public detail::InPlace<torch::optim::AdamW, torch::optim::AdamWOptions> {
+class AdamW : public InPlace<torch::optim::AdamW, torch::optim::AdamWOptions> {
  public:
   using InPlace::InPlace;  // (params or groups, AdamWOptions = {}, InPlaceOptions = {})
 

@@ -31,7 +31,7 @@ struct QuantizedStateOptions {
 
 /// One parameter's state in Adam8bit and AdamW8bit. Quantized (`block` > 0): `exp_avg` and
 /// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed dynamic map and
-/// the unsigned one without zero (`signed_map`, `unsigned_map`: detail::moment_map, shared
+/// the unsigned one without zero (`signed_map`, `unsigned_map`: the 8-bit moment maps, shared
 /// by every state on a device), with
 /// one float32 scale per block of `block` elements. Not quantized (`block` 0): float32
 /// tensors shaped like the parameter, as torch's Adam keeps them.
@@ -69,8 +69,6 @@ class QuantizedStateOptimizer {
   /// two code books (2 x 511 float32 per device); 8 bytes an element for float32 states.
   virtual std::int64_t pending_state_bytes(bool quantized) = 0;
 };
-
-namespace detail {
 
 /// Adam (coupled L2 weight decay, with AdamOptions) or AdamW (decoupled, with
 /// AdamWOptions) on 8-bit states; see Adam8bit.
@@ -110,22 +108,20 @@ class Adam8bitBase : public torch::optim::Optimizer,
   std::int64_t chunk_multiple() const override { return quantized_.block(); }
 
  private:
-  struct Books {
-    CodeBook signed_book, unsigned_book;
-  };
+  struct Books;  // the two moments' code books on one device
   const Books& books(torch::Device device) const;
   // Checks that loaded states fit these parameters, then moves them to their devices.
   void adopt_loaded();
 
   QuantizedStateOptions quantized_;
   bool enabled_ = true;
-  mutable std::map<std::pair<c10::DeviceType, c10::DeviceIndex>, Books> books_;
+  mutable std::map<std::pair<c10::DeviceType, c10::DeviceIndex>, std::shared_ptr<const Books>>
+      books_;
 };
 
 extern template class Adam8bitBase<torch::optim::AdamOptions>;
 extern template class Adam8bitBase<torch::optim::AdamWOptions>;
 
-}  // namespace detail
 
 /// Adam whose moments are stored in 8 bits, block-wise quantized with the dynamic map of
 /// Dettmers et al. (2021): 2 bytes a parameter (plus 8 bytes a block of 256) instead of 8.
@@ -139,7 +135,7 @@ extern template class Adam8bitBase<torch::optim::AdamWOptions>;
 ///
 /// Example:
 ///   frugal::optim::Adam8bit adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-class Adam8bit : public detail::Adam8bitBase<torch::optim::AdamOptions> {
+class Adam8bit : public Adam8bitBase<torch::optim::AdamOptions> {
  public:
   using Adam8bitBase::Adam8bitBase;  // (params or groups, AdamOptions, QuantizedStateOptions,
                                      //  InPlaceOptions)
@@ -150,7 +146,7 @@ class Adam8bit : public detail::Adam8bitBase<torch::optim::AdamOptions> {
 /// Example:
 ///   frugal::optim::AdamW8bit adamw(model->parameters(),
 ///                                  torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-class AdamW8bit : public detail::Adam8bitBase<torch::optim::AdamWOptions> {
+class AdamW8bit : public Adam8bitBase<torch::optim::AdamWOptions> {
  public:
   using Adam8bitBase::Adam8bitBase;
 };

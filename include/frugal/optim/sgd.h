@@ -13,7 +13,7 @@ namespace frugal::optim {
 ///
 /// Example:
 ///   frugal::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-class SGD : public detail::InPlace<torch::optim::SGD, torch::optim::SGDOptions> {
+class SGD : public InPlace<torch::optim::SGD, torch::optim::SGDOptions> {
  public:
   using InPlace::InPlace;  // (params or groups, SGDOptions, InPlaceOptions = {})
 

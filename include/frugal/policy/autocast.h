@@ -1,4 +1,4 @@
-// Autocast as an RAII guard and as a policy of the step engine.
+// Autocast as a policy of the step engine: every forward under an AutocastGuard.
 #pragma once
 
 #include <torch/types.h>
@@ -6,33 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "frugal/autocast_guard.h"
 #include "frugal/train/policy.h"
 
 namespace frugal {
-
-/// Runs eligible ops in a lower precision (bf16 or fp16) for its lifetime, on one device
-/// type. Nested guards restore the outer state (enabled flag and dtype) on exit, and the
-/// autocast cache of weight casts is cleared only when the outermost region exits.
-/// Throws when the device type cannot autocast to `dtype` with this LibTorch (fp16 on the
-/// CPU needs LibTorch 2.4 or later).
-///
-/// Example:
-///   {
-///     frugal::AutocastGuard bf16(torch::kCPU, torch::kBFloat16);
-///     auto y = model->forward(x);  // matmuls in bf16
-///   }
-class AutocastGuard {
- public:
-  AutocastGuard(torch::DeviceType device_type, torch::Dtype dtype, bool enabled = true);
-  ~AutocastGuard();
-  AutocastGuard(const AutocastGuard&) = delete;
-  AutocastGuard& operator=(const AutocastGuard&) = delete;
-
- private:
-  torch::DeviceType type_;
-  bool previous_enabled_;
-  torch::Dtype previous_dtype_;
-};
 
 /// Wraps every forward pass of the step in an AutocastGuard. Parameters and their
 /// gradients stay in their own dtype (float32); activations are bf16/fp16.

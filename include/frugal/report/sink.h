@@ -1,4 +1,4 @@
-// Where reports go: a console line, or one JSON object a line in a file.
+// The sinks frugal has: a console line, or one JSON object a line in a file.
 #pragma once
 
 #include <cstdint>
@@ -7,17 +7,10 @@
 #include <map>
 #include <string>
 
+#include "frugal/train/sink.h"
 #include "frugal/train/step_report.h"
 
 namespace frugal {
-
-/// Receives every report of a Trainer it was added to.
-class ReportSink {
- public:
-  virtual ~ReportSink() = default;
-  virtual void write(const StepReport& report) = 0;
-  virtual void write(const EvalReport& report) = 0;
-};
 
 /// One line a report, to a stream (stdout by default), every `every`-th step.
 ///

@@ -10,8 +10,21 @@
 
 #include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
+#include "frugal/train/step_report.h"
 
 namespace frugal {
+
+/// How Trainer::evaluate runs.
+///
+/// Example:
+///   trainer.evaluate(test_set, frugal::EvaluateOptions().batch_size(256));
+struct EvaluateOptions {
+  /// Samples a chunk (default: the eval_batch option, else the micro-batch, else all).
+  TORCH_ARG(c10::optional<std::int64_t>, batch_size) = c10::nullopt;
+  /// Applied to the report before the sinks receive it and it is returned: for a caller that
+  /// combines reports (distributed::evaluate sums the ranks').
+  TORCH_ARG(std::function<void(EvalReport&)>, combine);
+};
 
 /// How the loss function reduces over a micro-batch.
 enum class LossReduction {

@@ -21,12 +21,6 @@
 namespace frugal {
 
 class ReportSink;
-namespace detail {
-class GradReady;
-class ModuleTensors;
-class OptimizerStepGuard;
-}
-
 
 /// The trainer's counters and sizes, as a saved training state carries them.
 struct TrainerCounters {
@@ -124,15 +118,12 @@ class Trainer : public PolicyPort {
   /// they are (step(), trial() and flush() refuse until then, or until a new Trainer).
   void accept_partial_update();
   /// Why the trainer refuses to step, or empty.
-  const std::string& halted() const { return halted_; }
+  const std::string& halted() const;
   /// Loss (and accuracy, for class targets) under no_grad in eval mode, in batches of
   /// `batch_size` (default: the eval_batch option). The module's mode is restored after.
+  /// The report goes to the sinks.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
-  /// evaluate() without writing the report to the sinks: for a caller that combines
-  /// reports (distributed::evaluate sums the ranks') and writes the result with write_to_sinks.
-  EvalReport evaluate_unreported(const Batch& data,
-                                 c10::optional<std::int64_t> batch_size = c10::nullopt);
-  void write_to_sinks(const EvalReport& report);
+  EvalReport evaluate(const Batch& data, const EvaluateOptions& options);
 
   /// Adds a policy after the others. Refused (with an error naming both and the rule) where
   /// its traits cannot meet those of one already added or of the optimizer, e.g. a policy
@@ -160,7 +151,7 @@ class Trainer : public PolicyPort {
   void set_unscale(Unscale unscale) override;
   void unscale_gradients() override;
   /// True between the first batch of an accumulation window and the step that ends it.
-  bool window_open() const { return window_batches_ > 0; }
+  bool window_open() const;
   TrainerCounters counters() const;
   /// Puts back counters read from a saved state (frugal::load_training_state, which puts
   /// back everything else first) and lifts a halt; refused inside an accumulation window.
@@ -171,36 +162,28 @@ class Trainer : public PolicyPort {
           BatchForwardFn forward, OutputLossFn loss, BatchLossFn batch_loss,
           TrainerOptions options);
 
-  struct Split {
-    std::vector<Batch> micros;
-    std::vector<std::int64_t> counts;
-    std::int64_t total = 0;
-  };
-  Split split(const Batch& batch) const;
-  void run_batch(StepContext& ctx, bool isolate, Split parts);
-  std::vector<torch::Tensor> take_grads();
-  void put_back_grads(std::vector<torch::Tensor> aside, bool add);
+  // The phases of a step (src/train: micro_batches.cpp, optimizer_phase.cpp).
+  class LossLog;
+  void run_batch(StepContext& ctx, bool isolate);
+  void run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside);
   torch::Tensor loss_of(const Batch& micro) const;
-  bool guards_non_finite() const;
-  bool grads_finite() const;
-  std::int64_t count_of(const Batch& micro) const;
-  std::vector<std::int64_t> plan(std::int64_t samples) const;
-  void run_micro_batches(StepContext& ctx, const std::vector<Batch>& micros,
-                         const std::vector<std::int64_t>& counts, std::int64_t total,
-                         std::vector<torch::Tensor>* aside);
-  void grad_ready(const torch::Tensor& param);
-  PartialStepError partial_error(const char* where, const std::vector<torch::Tensor>& changed,
-                                 const std::exception& error);
-  void check_not_halted() const;
+  torch::Tensor weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
+                      LossLog& log) const;
+  bool skips_last_backward(const StepContext& ctx, const LossLog& log);
+  void backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
+                double ready_scale);
   // Divides the window's gradients by `window_count`, steps, and from then on counts the
   // step (and the batch that ends it, if any), whatever the hooks after it do.
   void optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch);
-  void divide_grads(std::int64_t window_count);
-  [[noreturn]] void optimizer_failed(StepContext& ctx, detail::OptimizerStepGuard& guard,
+  // `changed`: the parameters the failed optimizer step wrote (the rest were put back).
+  [[noreturn]] void optimizer_failed(StepContext& ctx, const std::vector<torch::Tensor>& changed,
                                      const std::exception* error);
   void drop_window();
-  void zero_grads();
   void finish_report(StepReport& report);
+  EvalReport evaluate_chunks(const Batch& data, c10::optional<std::int64_t> batch_size);
+  void grad_ready(const torch::Tensor& param);
+  PartialStepError partial_error(const char* where, const std::vector<torch::Tensor>& changed,
+                                 const std::exception& error);
 
   std::shared_ptr<torch::nn::Module> module_;
   BatchForwardFn forward_;
@@ -209,7 +192,6 @@ class Trainer : public PolicyPort {
   BatchLossFn batch_loss_;
   TrainerOptions options_;
   MemoryProbe probe_;
-  std::unique_ptr<detail::ModuleTensors> module_tensors_;  // what the ledger counts as weights
   std::vector<std::shared_ptr<Policy>> policies_;
   std::vector<Traits> policy_traits_;         // each policy's, read when it was added
   std::vector<Policy*> grad_ready_policies_;  // those that declared Trait::GradReady
@@ -217,18 +199,18 @@ class Trainer : public PolicyPort {
   Traits optimizer_traits_;  // a sharded optimizer's
   Unscale unscale_;          // a policy's that scales the loss
   std::vector<std::shared_ptr<ReportSink>> sinks_;
-  std::unique_ptr<detail::GradReady> grad_ready_;  // while a policy wants gradient-ready calls
-  StepContext* backward_ctx_ = nullptr;            // the step whose backward is running
+  // The parts the engine owns (src/train/parts.h), each a class with its own test: the
+  // micro-batch plan, the gradient window, the non-finite guard, the halt after a partial
+  // update; and the module's tensors the ledger counts, the gradient-ready hooks.
+  struct Parts;
+  std::unique_ptr<Parts> parts_;
+  StepContext* backward_ctx_ = nullptr;  // the step whose backward is running
 
   std::int64_t micro_batch_ = 0;
   std::int64_t eval_batch_ = 0;
   std::int64_t steps_ = 0;
   std::int64_t skipped_ = 0;
   std::int64_t batches_ = 0;
-  std::int64_t window_batches_ = 0;
-  std::int64_t window_count_ = 0;
-  bool window_non_finite_ = false;  // a loss of the open window was NaN or infinite
-  std::string halted_;  // set by a partial update, until accept_partial_update()
 };
 
 }  // namespace frugal

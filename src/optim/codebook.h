@@ -1,0 +1,75 @@
+// The quantization tables and in-place kernels under the block-wise codes and the 8-bit states.
+#pragma once
+
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace frugal::optim {
+
+/// Quantization tables on one device: the map, and the midpoints between its neighbours
+/// that rounding to the nearest value searches; both views of one 511-float storage.
+struct CodeBook {
+  /// `map`: 256 sorted values, e.g. a dynamic_map, on the device the codes live on.
+  explicit CodeBook(const torch::Tensor& map);
+  torch::Tensor values;      ///< float32 [256]
+  torch::Tensor boundaries;  ///< float32 [255]
+};
+
+/// In place, without allocating a tensor: `out` (float32, `n` elements, contiguous) gets
+/// the values of `codes` (uint8, n) scaled by `scales` (one per block of `block`; the
+/// first element of `codes` starts a block). `index` is int32 scratch of n elements.
+void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
+                     const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
+                     const torch::Tensor& index);
+
+/// In place, without allocating a tensor: quantizes `x` (float32, n, contiguous) into
+/// `codes` and `scales` as dequantize_into reads them. `work` (float32, n) and `index`
+/// (int32, n) are scratch; `x` is left as it was.
+void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
+                   const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
+                   const torch::Tensor& work, const torch::Tensor& index);
+
+/// Rounding to the nearest code in O(1) on the host, as quantize_into rounds: a table
+/// over the float32 bit pattern (sign, exponent from 2^-23 up, the mantissa's top 8
+/// bits) gives each bucket's lowest code and the one rounding boundary inside it, if any.
+class NearestCode {
+ public:
+  explicit NearestCode(const torch::Tensor& map);  ///< 256 sorted float32 values
+  /// The code of the map value nearest to `y` (in [-1, 1]; NaN gives some code).
+  std::uint8_t operator()(float y) const {
+    return static_cast<std::uint8_t>(code(y, base_.data(), bound_.data()));
+  }
+  const float* values() const { return values_.data(); }
+  const std::int32_t* bases() const { return base_.data(); }
+  const float* bounds() const { return bound_.data(); }
+
+  /// The rounding itself, from the tables; branch-free and in int32, so that loops of it
+  /// vectorize.
+  static std::int32_t code(float y, const std::int32_t* base, const float* bound) {
+    const auto bits = __builtin_bit_cast(std::int32_t, y);  // (std::bit_cast in C++20)
+    std::int32_t k = ((bits & 0x7FFFFFFF) >> kShift) - kFirstKey;
+    k = std::min(std::max(k, 0), kBuckets - 1);
+    const std::int32_t i = k + ((bits >> 31) & kBuckets);
+    return base[i] + (y > bound[i] ? 1 : 0);
+  }
+
+ private:
+  static constexpr int kShift = 23 - 8;               // keep 8 mantissa bits
+  static constexpr std::int32_t kFirstKey = 104 << 8;  // 2^-23
+  static constexpr std::int32_t kBuckets = 32 << 8;    // 2^-23 up to 2^9: a power of 2
+  std::vector<float> values_, bound_;
+  std::vector<std::int32_t> base_;
+};
+
+/// The codes of Adam's first moment (signed: dynamic_map(true)) or second moment (unsigned,
+/// without zero: dynamic_map(false, false)), built once per process.
+const NearestCode& nearest_code(bool is_signed);
+/// The map of Adam's first or second moment, as nearest_code rounds to it.
+torch::Tensor moment_map(bool is_signed);
+
+
+}  // namespace frugal::optim

@@ -1,0 +1,60 @@
+// The accumulation window's gradients: the one place they are divided by the window's count.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace frugal::detail {
+
+/// The gradients of an accumulation window of `accumulate` batches over an optimizer's
+/// parameters: how many batches and how much count (samples or tokens) it holds, whether a
+/// loss in it was not finite, and what is done to its gradients (taken aside and put back,
+/// divided by the window's count, zeroed or released).
+class GradientWindow {
+ public:
+  GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate, bool set_to_none);
+
+  /// Between the first batch of a window and the step that ends it.
+  bool open() const { return batches_ > 0; }
+  std::int64_t batches() const { return batches_; }
+  std::int64_t count() const { return count_; }
+  /// Whether the next batch (of `count` more) completes the window.
+  bool completes_with_next() const { return batches_ + 1 == accumulate_; }
+  /// A batch of `count` that did not complete the window joins it.
+  void add(std::int64_t count);
+  /// Forgets the window (its gradients are the caller's to release).
+  void drop();
+
+  bool non_finite() const { return non_finite_; }
+  void mark_non_finite() { non_finite_ = true; }
+
+  /// What the window's summed gradients are multiplied by at its end, when it holds
+  /// `count` in all: 1/count over several batches; 1 for a window of one batch, whose
+  /// micro-batch losses carry their share already.
+  double scale(std::int64_t count) const;
+  /// Multiplies every gradient by scale(count), except those `scaled` says are already.
+  void divide(std::int64_t count, const std::function<bool(const torch::Tensor&)>& scaled);
+
+  /// Takes every gradient off the parameters (in the optimizer's order; undefined where a
+  /// parameter had none), leaving them without.
+  std::vector<torch::Tensor> take();
+  /// Puts taken gradients back: added to the gradients the parameters have now (`add`),
+  /// or in their place.
+  void put_back(std::vector<torch::Tensor> taken, bool add);
+  /// Releases the gradients (set_to_none) or zeroes them in place.
+  void zero();
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+  std::int64_t accumulate_;
+  bool set_to_none_;
+  std::int64_t batches_ = 0;
+  std::int64_t count_ = 0;
+  bool non_finite_ = false;  // a loss of the open window was NaN or infinite
+};
+
+}  // namespace frugal::detail

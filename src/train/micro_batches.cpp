@@ -1,0 +1,226 @@
+// A batch's forward and backward passes, one micro-batch after another, and their retries.
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "forward_scope.h"
+#include "internal.h"
+#include "parts.h"
+#include "frugal/error.h"
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+
+using detail::Clock;
+using detail::ms_since;
+
+// The batch's logged loss: one read for one micro-batch, as a plain loop does; for several,
+// summed on the device and read once.
+class Trainer::LossLog {
+ public:
+  explicit LossLog(bool single) : single_(single) {}
+  void add(const torch::Tensor& loss, double share) {
+    if (single_) {
+      value_ = loss.item<double>() * share;
+      return;
+    }
+    const auto detached = loss.detach().to(torch::kDouble) * share;
+    sum_ = sum_.defined() ? sum_ + detached : detached;
+  }
+  double value() const { return sum_.defined() ? sum_.item<double>() : value_; }
+
+ private:
+  bool single_;
+  double value_ = 0;
+  torch::Tensor sum_;
+};
+
+namespace {
+
+torch::Tensor checked_loss(torch::Tensor loss) {
+  FRUGAL_CHECK(loss.defined() && loss.numel() == 1,
+               "frugal: the loss must be a scalar, got a tensor of shape ",
+               loss.defined() ? loss.sizes() : torch::IntArrayRef{});
+  FRUGAL_CHECK(loss.requires_grad(),
+               "frugal: the loss does not require grad (is the module frozen, or was the "
+               "forward run under no_grad?)");
+  return loss.dim() != 0 ? loss.reshape({}) : loss;
+}
+
+}  // namespace
+
+torch::Tensor Trainer::loss_of(const Batch& micro) const {
+  return checked_loss(batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro), micro));
+}
+
+void Trainer::run_batch(StepContext& ctx, bool isolate) {
+  auto& report = ctx.report;
+  auto& window = parts_->window;
+  auto& split = parts_->split;
+  // Gradients of earlier batches of the window wait aside, so that a failed attempt
+  // cannot spoil them; they are added back when the batch succeeds.
+  std::vector<torch::Tensor> aside;
+  if (isolate) {
+    aside = window.take();
+  }
+  auto give_up = [&] {
+    if (isolate) {
+      window.put_back(std::move(aside), /*add=*/false);
+    }
+  };
+  for (bool first = true;; first = false) {
+    const auto data_start = Clock::now();
+    if (!first) {
+      split = parts_->plan.split(ctx.batch, micro_batch_);  // with the size a policy chose
+    }
+    report.count = split.total;
+    report.micro_batches = static_cast<std::int64_t>(split.micros.size());
+    report.micro_batch = split.micros.front().size();
+    ctx.micro_count = report.micro_batches;
+    report.time.data_ms += ms_since(data_start);
+    try {
+      run_micro_batches(ctx, &aside);
+      break;
+    } catch (const std::exception& error) {
+      // Drop everything the failed attempt made: its graph, outputs and gradients.
+      ctx.loss = torch::Tensor();
+      ctx.micro = Batch();
+      split = {};
+      for (auto& p : module_->parameters()) {
+        p.mutable_grad().reset();
+      }
+      // Gradients handed out in backward may have changed parameters, or gone to other
+      // processes: no retry then, and the window (part of it handed out) is dropped.
+      auto& ready = parts_->grad_ready;
+      if (ready && ready->delivered_count() > 0) {
+        ready->clear();
+        give_up();
+        if (!ctx.updated_in_backward.empty()) {
+          throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
+        }
+        drop_window();
+        throw;
+      }
+      // A policy may ask for the batch to run again; one that gives up says why.
+      bool retry = false;
+      try {
+        retry = std::any_of(policies_.begin(), policies_.end(), [&](const auto& policy) {
+          return policy->on_step_error(ctx, error);
+        });
+      } catch (...) {
+        give_up();
+        throw;
+      }
+      if (!retry) {
+        give_up();
+        throw;
+      }
+      ++report.oom_retries;
+    }
+  }
+  if (isolate) {
+    window.put_back(std::move(aside), /*add=*/true);
+  }
+}
+
+void Trainer::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside) {
+  auto& report = ctx.report;
+  const auto& split = parts_->split;
+  const auto& window = parts_->window;
+  // Gradient-ready calls go out in the backward that completes the optimizer step, with
+  // the window's division done there rather than before the optimizer step.
+  const bool completes_step = ctx.trial || window.completes_with_next();
+  ctx.window_count = ctx.trial ? split.total : window.count() + split.total;
+  const double ready_scale = ctx.trial ? 1.0 : window.scale(ctx.window_count);
+  LossLog log(split.micros.size() == 1);
+  for (std::size_t i = 0; i < split.micros.size(); ++i) {
+    auto t = Clock::now();
+    ctx.micro = split.micros[i].to(options_.device());
+    ctx.micro_index = static_cast<std::int64_t>(i);
+    report.time.data_ms += ms_since(t);
+
+    t = Clock::now();
+    {
+      ScopedPeak forward_peak(probe_);
+      {
+        detail::ForwardScope scope(policies_, ctx);
+        ctx.loss = weigh(loss_of(ctx.micro), split.counts[i], split.total, log);
+      }  // AfterForward hooks see ctx.loss
+      report.forward_peak = std::max(report.forward_peak, forward_peak.end());
+    }
+    report.time.forward_ms += ms_since(t);
+
+    t = Clock::now();
+    const bool last = i + 1 == split.micros.size();
+    if (completes_step && last && skips_last_backward(ctx, log)) {
+      ctx.loss = torch::Tensor();
+      ctx.micro = Batch();
+      report.time.backward_ms += ms_since(t);
+      break;
+    }
+    backward(ctx, completes_step && last, aside, ready_scale);
+    report.time.backward_ms += ms_since(t);
+  }
+  report.loss = log.value() / static_cast<double>(split.total);
+  if (!ctx.trial && !std::isfinite(report.loss)) {
+    parts_->window.mark_non_finite();
+  }
+}
+
+torch::Tensor Trainer::weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
+                             LossLog& log) const {
+  // The weight makes the sum over micro-batches the gradient of the batch's mean loss;
+  // within an accumulation window, the division by the window's count waits for its end
+  // (GradientWindow). A micro-batch that counts nothing (all padding) weighs nothing: its
+  // mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
+  const bool mean = options_.reduction() == LossReduction::Mean;
+  if (mean && count == 0) {
+    return loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
+  }
+  const double share = mean ? static_cast<double>(count) : 1.0;
+  log.add(loss, share);
+  const double weight =
+      options_.accumulate() > 1 ? share : share / static_cast<double>(total);
+  return weight == 1.0 ? loss : loss * weight;
+}
+
+bool Trainer::skips_last_backward(const StepContext& ctx, const LossLog& log) {
+  // A policy that updates parameters during backward leaves no later check to stop a NaN
+  // or inf from reaching them: a non-finite window skips its last backward, and the
+  // optimizer phase skips the step.
+  if (ctx.trial || !parts_->guard.enabled() || !traits_.has(Trait::UpdatesInBackward)) {
+    return false;
+  }
+  if (!parts_->window.non_finite() && std::isfinite(log.value())) {
+    return false;
+  }
+  parts_->window.mark_non_finite();
+  return true;
+}
+
+void Trainer::backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
+                       double ready_scale) {
+  for (auto& policy : policies_) {
+    policy->before_backward(ctx);
+  }
+  {
+    ScopedPeak backward_peak(probe_);
+    auto* ready = completes_step ? parts_->grad_ready.get() : nullptr;
+    if (ready != nullptr) {
+      ready->clear();
+    }
+    backward_ctx_ = &ctx;
+    detail::ArmedScope arm(ready, aside, ready_scale);
+    ctx.loss.backward();
+    ctx.loss = torch::Tensor();
+    ctx.report.backward_peak = std::max(ctx.report.backward_peak, backward_peak.end());
+  }
+  for (auto& policy : policies_) {
+    policy->after_backward(ctx);
+  }
+  ctx.micro = Batch();
+}
+
+}  // namespace frugal

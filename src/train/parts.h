@@ -1,0 +1,33 @@
+// The parts the trainer owns, which its public header only names.
+#pragma once
+
+#include <memory>
+
+#include "../memory/module_tensors.h"
+#include "grad_ready.h"
+#include "gradient_window.h"
+#include "micro_batch_plan.h"
+#include "non_finite_guard.h"
+#include "step_halt.h"
+#include "frugal/train/trainer.h"
+
+namespace frugal {
+
+struct Trainer::Parts {
+  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+        const TrainerOptions& options)
+      : module_tensors(std::make_unique<detail::ModuleTensors>(module)),
+        plan(options.micro_batches(), options.count()),
+        window(optimizer, options.accumulate(), options.set_to_none()),
+        guard(options.skip_non_finite(), options.check_gradients()) {}
+
+  std::unique_ptr<detail::ModuleTensors> module_tensors;  // what the ledger counts as weights
+  std::unique_ptr<detail::GradReady> grad_ready;  // while a policy wants gradient-ready calls
+  detail::MicroBatchPlan plan;
+  detail::MicroBatchPlan::Split split;  // the batch in flight, cut by the plan
+  detail::GradientWindow window;
+  detail::NonFiniteGuard guard;
+  detail::StepHalt halt;
+};
+
+}  // namespace frugal
