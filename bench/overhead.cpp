@@ -130,7 +130,7 @@ std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, const std::stri
                                                   frugal::TrainerOptions().ledger(i != 2));
     if (i == 3) {
       l.trainer->add_policy(
-          std::make_shared<frugal::ClipGradPolicy>(frugal::ClipGradOptions().max_norm(1.0)));
+          std::make_shared<frugal::ClipGrad>(frugal::ClipGradOptions().max_norm(1.0)));
       l.trainer->add_policy(std::make_shared<frugal::LrSchedule>(frugal::LrScheduleOptions()
                                                                      .decay(frugal::LrDecay::Cosine)
                                                                      .warmup_steps(10)

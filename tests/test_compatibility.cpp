@@ -104,13 +104,13 @@ TEST(Compatibility, ARankKeepingItsShareOfTheGradientsRefusesAPolicyThatReadsThe
   };
   for (const int stage : {1, 2}) {
     frugal::distributed::ZeroOptimizer zero(model->parameters(), group, make,
-                                            frugal::distributed::ZeroOptions().stage(stage));
+                                            frugal::distributed::ZeroOptimizerOptions().stage(stage));
     frugal::Trainer trainer(model, zero, torch::nn::functional::mse_loss);
     trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
     std::string message;
     try {
       trainer.add_policy(
-          std::make_shared<frugal::ClipGradPolicy>(frugal::ClipGradOptions().max_norm(1.0)));
+          std::make_shared<frugal::ClipGrad>(frugal::ClipGradOptions().max_norm(1.0)));
     } catch (const frugal::Error& e) {
       message = e.what();
     }
@@ -129,7 +129,7 @@ TEST(Compatibility, FrugalsPoliciesDeclareWhatTheEngineArrangesForThem) {
   auto scaler = std::make_shared<frugal::GradScaler>();
   EXPECT_EQ(frugal::GradScalerPolicy(scaler).traits(),
             Trait::AllGradients | Trait::OwnsNonFinite);
-  EXPECT_EQ(frugal::ClipGradPolicy(frugal::ClipGradOptions().max_norm(1.0)).traits(),
+  EXPECT_EQ(frugal::ClipGrad(frugal::ClipGradOptions().max_norm(1.0)).traits(),
             Traits(Trait::AllGradients));
   EXPECT_EQ(frugal::OomRecovery().traits(), Traits(Trait::Retries));
   EXPECT_EQ(frugal::StepInBackward().traits(), Trait::GradReady | Trait::UpdatesInBackward);

@@ -91,7 +91,7 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
           return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
         },
         // Stage 2 also gathers in pieces of 64 bytes: many pieces, uneven at the end.
-        frugal::distributed::ZeroOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
+        frugal::distributed::ZeroOptimizerOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
   } else {
     optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
                                                      torch::optim::AdamOptions(1e-2));

@@ -38,7 +38,7 @@ int dp_fit(const std::vector<std::string>& args) {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (args.at(0) == "zero2") {
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
-        model->parameters(), group, adam, frugal::distributed::ZeroOptions().stage(2));
+        model->parameters(), group, adam, frugal::distributed::ZeroOptimizerOptions().stage(2));
   } else {
     optimizer = adam(model->parameters());
   }

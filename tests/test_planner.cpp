@@ -48,8 +48,8 @@ frugal::Batch sample() {
   return {torch::randn({1024, 128}), torch::randint(0, 10, {1024}, torch::kLong)};
 }
 
-frugal::PlannerOptions planner_options() {
-  return frugal::PlannerOptions().checkpoint(frugal::CheckpointSelect().types({"ResidualBlock"}));
+frugal::MemoryPlannerOptions planner_options() {
+  return frugal::MemoryPlannerOptions().checkpoint(frugal::CheckpointSelect().types({"ResidualBlock"}));
 }
 
 // Plans for `budget`, then trains three real steps; returns the plan and the real peak.
@@ -120,7 +120,7 @@ struct OptionRun {
   std::int64_t peak = 0;
   std::int64_t optimizer_bytes = 0;  ///< the ledger's after the steps
 };
-OptionRun plan_between(Optimizer kind, const frugal::PlannerOptions& options,
+OptionRun plan_between(Optimizer kind, const frugal::MemoryPlannerOptions& options,
                        bool (*uses)(const frugal::PlanOption&)) {
   const auto batch = small_batch();
   frugal::MemoryPlan survey;
@@ -150,7 +150,7 @@ OptionRun plan_between(Optimizer kind, const frugal::PlannerOptions& options,
 }
 
 TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
-  const auto options = frugal::PlannerOptions().step_in_backward(true);
+  const auto options = frugal::MemoryPlannerOptions().step_in_backward(true);
   const auto run = plan_between(Optimizer::FrugalSgd, options,
                                 [](const frugal::PlanOption& o) { return o.step_in_backward; });
   EXPECT_TRUE(run.plan.chosen.step_in_backward) << run.plan.table();
@@ -164,7 +164,7 @@ TEST(Planner, ChoosesTheStepInBackwardWhenTheGradientsSetThePeak) {
 
 TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
   // Adam's two float32 moments (8 bytes a parameter) set the peak.
-  const auto options = frugal::PlannerOptions().quantized_states(true);
+  const auto options = frugal::MemoryPlannerOptions().quantized_states(true);
   const auto run = plan_between(Optimizer::Adam8bit, options,
                                 [](const frugal::PlanOption& o) { return o.quantized_states; });
   EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
@@ -214,7 +214,7 @@ TEST(PlannerChoice, EquallyFastPlansAreChosenByAFixedOrderWhateverTheNoise) {
     for (auto& o : noisy) {
       o.predicted_ms *= 1 + 0.08 * (2 * torch::rand({1}).item<double>() - 1);
     }
-    const auto* chosen = frugal::detail::choose_plan(noisy, frugal::PlannerOptions().time_tolerance());
+    const auto* chosen = frugal::detail::choose_plan(noisy, frugal::MemoryPlannerOptions().time_tolerance());
     ASSERT_NE(chosen, nullptr);
     EXPECT_EQ(chosen->micro_batches, 1) << "trial " << trial;  // the simplest
     EXPECT_FALSE(chosen->checkpoint);

@@ -166,7 +166,7 @@ TEST(StepInBackward, RefusesWhatNeedsAllGradientsOrALibTorchOptimizer) {
   auto scaler = std::make_shared<frugal::GradScaler>();
   const std::vector<std::shared_ptr<frugal::Policy>> needing_all = {
       std::make_shared<frugal::GradScalerPolicy>(scaler),
-      std::make_shared<frugal::ClipGradPolicy>(frugal::ClipGradOptions().max_norm(1.0))};
+      std::make_shared<frugal::ClipGrad>(frugal::ClipGradOptions().max_norm(1.0))};
   for (const auto& other : needing_all) {
     for (const bool sib_first : {true, false}) {
       frugal::Trainer trainer(model, adam, mse);

@@ -84,7 +84,7 @@ int run(Args args) {
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group,
         [&args](std::vector<torch::Tensor> shard) { return make_optimizer(args, std::move(shard)); },
-        frugal::distributed::ZeroOptions().stage(args.zero));
+        frugal::distributed::ZeroOptimizerOptions().stage(args.zero));
   } else {
     optimizer = make_optimizer(args, model->parameters());
   }

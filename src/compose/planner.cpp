@@ -144,7 +144,7 @@ const PlanOption* choose_plan(const std::vector<PlanOption>& options, double tim
 
 }  // namespace detail
 
-MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
+MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
     : trainer_(trainer), options_(std::move(options)) {
   FRUGAL_CHECK(options_.time_tolerance() >= 0, "frugal: the planner's time_tolerance must be "
                ">= 0, got ", options_.time_tolerance());
@@ -171,9 +171,9 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, PlannerOptions options)
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   if (options_.quantized_states()) {
-    FRUGAL_CHECK(quantized_ != nullptr, "frugal: PlannerOptions::quantized_states needs one of "
+    FRUGAL_CHECK(quantized_ != nullptr, "frugal: MemoryPlannerOptions::quantized_states needs one of "
                  "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
-    FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: PlannerOptions::quantized_states "
+    FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: MemoryPlannerOptions::quantized_states "
                  "needs an optimizer without state: the states' format is chosen before the "
                  "first step");
   }

@@ -69,10 +69,10 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
 }
 
 ZeroOptimizer::ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group,
-                             Factory make, ZeroOptions options)
+                             Factory make, ZeroOptimizerOptions options)
     : ZeroOptimizer(build(std::move(params), *group, make), group, options) {}
 
-ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptions options)
+ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options)
     : torch::optim::Optimizer(
           {torch::optim::OptimizerParamGroup(parts.layout->params,
                                              parts.inner->param_groups()[0].options().clone())},

@@ -6,16 +6,16 @@
 
 namespace frugal {
 
-ClipGradPolicy::ClipGradPolicy(ClipGradOptions options) : options_(options) {
+ClipGrad::ClipGrad(ClipGradOptions options) : options_(options) {
   FRUGAL_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
                options_.max_norm());
   FRUGAL_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
                options_.max_value());
   FRUGAL_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
-               "frugal: ClipGradPolicy needs max_norm or max_value > 0");
+               "frugal: ClipGrad needs max_norm or max_value > 0");
 }
 
-void ClipGradPolicy::before_optimizer_step(StepContext& ctx) {
+void ClipGrad::before_optimizer_step(StepContext& ctx) {
   ctx.port.unscale_gradients();
   std::vector<torch::Tensor> params;
   for (auto& group : ctx.optimizer.param_groups()) {

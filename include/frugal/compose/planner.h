@@ -16,7 +16,7 @@
 
 namespace frugal {
 
-struct PlannerOptions {
+struct MemoryPlannerOptions {
   /// The predicted peak must stay below budget * (1 - margin).
   TORCH_ARG(double, margin) = 0.1;
   /// Blocks that may be checkpointed (all or none); no rule: checkpointing is not an option.
@@ -93,23 +93,23 @@ struct MemoryPlan {
 /// the budget. Keep OomRecovery as the backstop for what the sample did not foresee.
 ///
 /// With frugal's 8-bit optimizers (Adam8bit, AdamW8bit) the state to come is counted from
-/// their format, and with PlannerOptions::quantized_states each configuration is also
+/// their format, and with MemoryPlannerOptions::quantized_states each configuration is also
 /// predicted with 8-bit states (the trials do not depend on the states' format).
 ///
-/// Cheapest: the least predicted time; plans within PlannerOptions::time_tolerance (25%)
+/// Cheapest: the least predicted time; plans within MemoryPlannerOptions::time_tolerance (25%)
 /// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit states and autocast change the numerics, so they
 /// are chosen only when nothing fits without them: float32 states first, then 8-bit
 /// states, then autocast, then both. The chosen plan is applied to the trainer (its micro-batch and
 /// the planner's policies, added to the trainer once) and measured.
 ///
 /// Example:
-///   frugal::MemoryPlanner planner(trainer, frugal::PlannerOptions().checkpoint(
+///   frugal::MemoryPlanner planner(trainer, frugal::MemoryPlannerOptions().checkpoint(
 ///       frugal::CheckpointSelect().types({"ResidualBlock"})));
 ///   auto plan = planner.plan(frugal::MiB(512), worst_case_batch);
 ///   fmt::print("{}\n", plan.table());
 class MemoryPlanner {
  public:
-  explicit MemoryPlanner(Trainer& trainer, PlannerOptions options = {});
+  explicit MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options = {});
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
@@ -119,12 +119,15 @@ class MemoryPlanner {
   std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
   Trainer& trainer_;
-  PlannerOptions options_;
+  MemoryPlannerOptions options_;
   std::shared_ptr<CheckpointPolicy> checkpoint_;
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
   bool quantized_at_start_ = false;
 };
+
+/// The options' earlier name.
+using PlannerOptions = MemoryPlannerOptions;
 
 }  // namespace frugal

@@ -43,7 +43,7 @@ struct DataParallelOptions {
 /// only the part this rank owns (in the optimizer's range) and is freed; the parameters get
 /// no gradient, so policies that read every gradient are refused beside it.
 ///
-/// Add it before policies that read every gradient (GradScalerPolicy, ClipGradPolicy) and
+/// Add it before policies that read every gradient (GradScalerPolicy, ClipGrad) and
 /// before OomRecovery; refused after them. Retries of a failed forward or backward (OomRecovery)
 /// stay on their rank, as nothing travels before the backward that completes the step; a
 /// failure after its gradients began to travel is raised, not retried. A step that failed on

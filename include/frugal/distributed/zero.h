@@ -15,7 +15,7 @@
 
 namespace frugal::distributed {
 
-struct ZeroOptions {
+struct ZeroOptimizerOptions {
   /// 1: the optimizer state is sharded; every rank holds every (averaged) gradient.
   /// 2: the gradients too: DataParallel keeps each bucket's part this rank owns and frees
   /// the rest as soon as the bucket has been averaged.
@@ -53,7 +53,7 @@ struct ZeroOptions {
 ///       [](std::vector<torch::Tensor> shard) {
 ///         return std::make_unique<frugal::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
 ///       },
-///       frugal::distributed::ZeroOptions().stage(2));
+///       frugal::distributed::ZeroOptimizerOptions().stage(2));
 ///   frugal::Trainer trainer(model, *zero, loss_fn);
 ///   trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
 class ZeroOptimizer : public torch::optim::Optimizer,
@@ -63,7 +63,7 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   using Factory =
       std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> shard)>;
   ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group, Factory make,
-                ZeroOptions options = {});
+                ZeroOptimizerOptions options = {});
 
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -89,15 +89,18 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   struct Layout;
   struct Parts;
   static Parts build(std::vector<torch::Tensor> params, const Group& group, const Factory& make);
-  ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptions options);
+  ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options);
   void gather_owned_gradient();
 
   std::shared_ptr<Layout> layout_;
   std::shared_ptr<Group> group_;
-  ZeroOptions options_;
+  ZeroOptimizerOptions options_;
   std::int64_t shard_size_ = 0;
   torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
+
+/// The options' earlier name.
+using ZeroOptions = ZeroOptimizerOptions;
 
 }  // namespace frugal::distributed

@@ -25,11 +25,11 @@ struct ClipGradOptions {
 /// The last norm (before clipping) is kept in `last_norm()`.
 ///
 /// Example:
-///   trainer.add_policy(std::make_shared<frugal::ClipGradPolicy>(
+///   trainer.add_policy(std::make_shared<frugal::ClipGrad>(
 ///       frugal::ClipGradOptions().max_norm(1.0)));
-class ClipGradPolicy : public Policy {
+class ClipGrad : public Policy {
  public:
-  explicit ClipGradPolicy(ClipGradOptions options);
+  explicit ClipGrad(ClipGradOptions options);
   std::string name() const override { return "clip-grad"; }
   /// Acts on every gradient before any parameter changes.
   Traits traits() const override { return Trait::AllGradients; }
@@ -40,5 +40,8 @@ class ClipGradPolicy : public Policy {
   ClipGradOptions options_;
   double last_norm_ = 0.0;
 };
+
+/// The class's earlier name.
+using ClipGradPolicy = ClipGrad;
 
 }  // namespace frugal

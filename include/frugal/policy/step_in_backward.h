@@ -21,7 +21,7 @@ namespace frugal {
 /// parameter at a time; refused with an error at add_policy otherwise (LBFGS needs all
 /// gradients and a closure). Refused beside policies that need every gradient before any
 /// update: GradScaler (its inf/NaN check; mixed precision with float16), clipping
-/// (ClipGradPolicy). bfloat16 autocast, checkpointing, micro-batches and accumulation work.
+/// (ClipGrad). bfloat16 autocast, checkpointing, micro-batches and accumulation work.
 ///
 /// If backward fails after the first parameter was updated, the step cannot be retried or
 /// undone: the engine raises PartialStepError naming the updated parameters; OomRecovery

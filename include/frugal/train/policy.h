@@ -75,7 +75,12 @@ struct StepContext {
   bool non_finite = false;
 };
 
-/// A policy hooks phases of the step. Override what you need; the engine calls every
+/// A policy hooks phases of the step. Names: a policy is named for what it does to the step
+/// (ClipGrad, OomRecovery, StepInBackward, LrSchedule, LeakGuard, DataParallel), with
+/// `Policy` at the end only where the bare name is the mechanism it puts into the step
+/// (AutocastGuard / AutocastPolicy, Checkpoint / CheckpointPolicy, GradScaler /
+/// GradScalerPolicy, a hook / HookPolicy); its options are the class's name and `Options`,
+/// as LibTorch pairs Linear and LinearOptions. Override what you need; the engine calls every
 /// policy's hook in the order the policies were added, and the After* hooks of forward in
 /// reverse order, even when the forward threw, so a policy can pair them like a guard.
 ///

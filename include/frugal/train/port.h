@@ -47,7 +47,7 @@ class PolicyPort {
   virtual void set_unscale(Unscale unscale) = 0;
   /// Divides the loss scale out of the gradients if a policy scales them (and has not
   /// done so this step); nothing otherwise. A policy that needs the true gradients before
-  /// the optimizer step (ClipGradPolicy) calls it first.
+  /// the optimizer step (ClipGrad) calls it first.
   virtual void unscale_gradients() = 0;
 
  protected:
