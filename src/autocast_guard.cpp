@@ -9,9 +9,9 @@
 namespace frugal {
 
 void AutocastGuard::check_supported(torch::DeviceType type, torch::Dtype dtype) {
-  FRUGAL_CHECK(compat::autocast_supports(type, dtype), "frugal: autocast to ",
-               c10::toString(dtype), " on ", c10::DeviceTypeName(type),
-               " is not supported by LibTorch ", TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
+  FRUGAL_CHECK(compat::autocast_supports(type, dtype), "frugal: autocast to ", c10::toString(dtype),
+               " on ", c10::DeviceTypeName(type), " is not supported by LibTorch ",
+               TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR,
                type == torch::kCPU ? " (the CPU takes BFloat16; Half needs LibTorch 2.4+)" : "");
 }
 

@@ -45,8 +45,7 @@ inline bool autocast_enabled(c10::DeviceType type) {
 #if FRUGAL_TORCH_AT_LEAST(2, 4)
   return at::autocast::is_autocast_enabled(type);
 #else
-  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled()
-                                      : at::autocast::is_enabled();
+  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
 #endif
 }
 

@@ -1,11 +1,11 @@
 // CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
-#include "compat.h"
-
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <mutex>
+
+#include "compat.h"
 
 namespace frugal::compat {
 

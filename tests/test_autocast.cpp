@@ -2,8 +2,8 @@
 #include <torch/torch.h>
 
 #include "compat.h"
-#include "frugal/policy/autocast.h"
 #include "frugal/compose/mixed_precision.h"
+#include "frugal/policy/autocast.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 

@@ -6,8 +6,8 @@
 #include <iostream>
 
 #include "frugal/optim/blockwise.h"
-#include "optim/codebook.h"
 #include "helpers.h"
+#include "optim/codebook.h"
 
 namespace {
 

@@ -58,8 +58,7 @@ TEST(Compatibility, EveryRuleRefusesItsPairNamingBothPartiesAndTheRule) {
     const auto reversed = refusal_of({second}, first);
     EXPECT_EQ(reversed.empty(), !rule.either_order) << reversed;
     if (rule.either_order) {
-      EXPECT_NE(reversed.find("'first-party' and 'second-party'"), std::string::npos)
-          << reversed;
+      EXPECT_NE(reversed.find("'first-party' and 'second-party'"), std::string::npos) << reversed;
     }
   }
 }
@@ -103,8 +102,8 @@ TEST(Compatibility, ARankKeepingItsShareOfTheGradientsRefusesAPolicyThatReadsThe
     return std::make_unique<frugal::optim::SGD>(shard, torch::optim::SGDOptions(0.1));
   };
   for (const int stage : {1, 2}) {
-    frugal::distributed::ZeroOptimizer zero(model->parameters(), group, make,
-                                            frugal::distributed::ZeroOptimizerOptions().stage(stage));
+    frugal::distributed::ZeroOptimizer zero(
+        model->parameters(), group, make, frugal::distributed::ZeroOptimizerOptions().stage(stage));
     frugal::Trainer trainer(model, zero, torch::nn::functional::mse_loss);
     trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
     std::string message;
@@ -127,8 +126,7 @@ TEST(Compatibility, ARankKeepingItsShareOfTheGradientsRefusesAPolicyThatReadsThe
 
 TEST(Compatibility, FrugalsPoliciesDeclareWhatTheEngineArrangesForThem) {
   auto scaler = std::make_shared<frugal::GradScaler>();
-  EXPECT_EQ(frugal::GradScalerPolicy(scaler).traits(),
-            Trait::AllGradients | Trait::OwnsNonFinite);
+  EXPECT_EQ(frugal::GradScalerPolicy(scaler).traits(), Trait::AllGradients | Trait::OwnsNonFinite);
   EXPECT_EQ(frugal::ClipGrad(frugal::ClipGradOptions().max_norm(1.0)).traits(),
             Traits(Trait::AllGradients));
   EXPECT_EQ(frugal::OomRecovery().traits(), Traits(Trait::Retries));

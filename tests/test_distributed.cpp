@@ -10,7 +10,7 @@
 
 #include "children.h"
 #include "dist_launch.h"
-#include "resume_setup.h"
+#include "frugal/compose/mixed_precision.h"
 #include "frugal/distributed/data_parallel.h"
 #include "frugal/distributed/shard.h"
 #include "frugal/distributed/zero.h"
@@ -18,16 +18,16 @@
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/leak_guard.h"
-#include "frugal/compose/mixed_precision.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
+#include "resume_setup.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-using frugal::testing::launch;
 using frugal::distributed::DataParallel;
 using frugal::distributed::Group;
+using frugal::testing::launch;
 
 constexpr std::int64_t kDistSteps = 20;
 constexpr std::int64_t kGlobal = 64;
@@ -82,8 +82,8 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (mode == "sgd" || mode == "scaler" || mode == "bf16" || mode == "nan") {
-    optimizer = std::make_unique<torch::optim::SGD>(
-        model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
   } else if (mode == "zero1" || mode == "zero2") {
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group,
@@ -91,10 +91,12 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
           return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
         },
         // Stage 2 also gathers in pieces of 64 bytes: many pieces, uneven at the end.
-        frugal::distributed::ZeroOptimizerOptions().stage(mode == "zero1" ? 1 : 2).gather_bytes(mode == "zero1" ? 8 << 20 : 64));
+        frugal::distributed::ZeroOptimizerOptions()
+            .stage(mode == "zero1" ? 1 : 2)
+            .gather_bytes(mode == "zero1" ? 8 << 20 : 64));
   } else {
-    optimizer = std::make_unique<torch::optim::Adam>(model->parameters(),
-                                                     torch::optim::AdamOptions(1e-2));
+    optimizer =
+        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
   }
   auto options = frugal::TrainerOptions().device(device);
   if (mode == "micro") {
@@ -107,23 +109,23 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     });
     loss = [](const torch::Tensor& out, const torch::Tensor& y) {
       namespace F = torch::nn::functional;
-      return F::cross_entropy(out.reshape({-1, 4}), y.reshape({-1}),
-                              F::CrossEntropyFuncOptions().ignore_index(kIgnore).reduction(
-                                  torch::kSum));
+      return F::cross_entropy(
+          out.reshape({-1, 4}), y.reshape({-1}),
+          F::CrossEntropyFuncOptions().ignore_index(kIgnore).reduction(torch::kSum));
     };
   }
   frugal::Trainer trainer(model, *optimizer, loss, options);
   trainer.add_policy(std::make_shared<DataParallel>(group));
   if (mode == "scaler") {
-    trainer.add_policy(std::make_shared<frugal::GradScalerPolicy>(
-        std::make_shared<frugal::GradScaler>()));
+    trainer.add_policy(
+        std::make_shared<frugal::GradScalerPolicy>(std::make_shared<frugal::GradScaler>()));
   }
   if (mode == "bf16") {
     frugal::use_mixed_precision(trainer, torch::kBFloat16);
   }
   if (mode == "micro") {
-    trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
-        frugal::CheckpointSelect().names({"0", "2"})));
+    trainer.add_policy(
+        std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().names({"0", "2"})));
     trainer.add_policy(std::make_shared<frugal::LeakGuard>());
   }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
@@ -142,7 +144,8 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
     for (std::int64_t k = 0; k < parts; ++k) {
       const auto from = start + k * length / parts;
       const auto to = start + (k + 1) * length / parts;
-      const auto report = trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)});
+      const auto report =
+          trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)});
       losses.push_back(report.loss);
       optimizer_bytes = report.ledger.optimizer;
     }
@@ -169,8 +172,8 @@ int dp_train(const std::vector<std::string>& args) {
                                     .backend(nccl ? frugal::distributed::Backend::Nccl
                                                   : frugal::distributed::Backend::Gloo));
   const torch::Device device =
-      cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(
-                                             env.local_rank % torch::cuda::device_count()))
+      cuda ? torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank %
+                                                                       torch::cuda::device_count()))
            : torch::Device(torch::kCPU);
   for (const auto& mode : kModes) {
     auto result = train(mode, group, device);
@@ -184,7 +187,8 @@ const frugal::testing::RegisterChild register_train("dp-train", dp_train);
 int dp_fail(const std::vector<std::string>&) {
   torch::set_num_threads(1);
   const auto env = frugal::distributed::LaunchEnv::from_environment();
-  auto group = Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(30)));
+  auto group =
+      Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(30)));
   torch::nn::Linear model(8, 4);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   frugal::Trainer trainer(model, sgd, cross_entropy);
@@ -245,7 +249,8 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
         EXPECT_EQ(unsharded[0].item<std::int64_t>(), elements * 4) << "rank " << r;
         EXPECT_EQ(state, 2 * shard) << "rank " << r;  // Adam's two moments of the range
         EXPECT_LE(static_cast<double>(state),
-                  (world == 2 ? 0.55 : 0.4) * unsharded[1].item<double>()) << "rank " << r;
+                  (world == 2 ? 0.55 : 0.4) * unsharded[1].item<double>())
+            << "rank " << r;
         EXPECT_EQ(grads, mode == "zero1" ? elements * 4 : shard) << "rank " << r;
       }
     }
@@ -285,7 +290,8 @@ TEST(DataParallel, OneRankFailingFailsEveryRankWithAMessage) {
     std::stringstream text;
     text << in.rdbuf();
     EXPECT_NE(status[r], 0) << "rank " << r << " said: " << text.str();
-    EXPECT_NE(text.str().find(r == 1 ? "rank 1 fails on purpose" : "rank 0's all-reduce failed: another rank stopped"),
+    EXPECT_NE(text.str().find(r == 1 ? "rank 1 fails on purpose"
+                                     : "rank 0's all-reduce failed: another rank stopped"),
               std::string::npos)
         << text.str();
   }
@@ -321,29 +327,38 @@ std::string launch_error() {
 
 TEST(DistLaunchEnv, NamesTheMissingOrWrongVariable) {
   {
-    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", nullptr}, {"MASTER_ADDR", "127.0.0.1"},
+    ScopedEnv env({{"RANK", "0"},
+                   {"WORLD_SIZE", nullptr},
+                   {"MASTER_ADDR", "127.0.0.1"},
                    {"MASTER_PORT", "29500"}});
     EXPECT_NE(launch_error().find("WORLD_SIZE is not set"), std::string::npos) << launch_error();
   }
   {
-    ScopedEnv env({{"RANK", "5"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+    ScopedEnv env({{"RANK", "5"},
+                   {"WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "127.0.0.1"},
                    {"MASTER_PORT", "29500"}});
     EXPECT_NE(launch_error().find("RANK='5' is not an integer in [0, 1]"), std::string::npos)
         << launch_error();
   }
   {
-    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", nullptr},
-                   {"MASTER_PORT", "29500"}});
+    ScopedEnv env(
+        {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", nullptr}, {"MASTER_PORT", "29500"}});
     EXPECT_NE(launch_error().find("MASTER_ADDR is not set"), std::string::npos) << launch_error();
   }
   {
-    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+    ScopedEnv env({{"RANK", "1"},
+                   {"WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "127.0.0.1"},
                    {"MASTER_PORT", "http"}});
     EXPECT_NE(launch_error().find("MASTER_PORT='http'"), std::string::npos) << launch_error();
   }
   {
-    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
-                   {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+    ScopedEnv env({{"RANK", "1"},
+                   {"WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "10.0.0.1"},
+                   {"MASTER_PORT", "29400"},
+                   {"TORCHELASTIC_USE_AGENT_STORE", "True"},
                    {"TORCHELASTIC_RESTART_COUNT", "2"}});
     const auto env_read = frugal::distributed::LaunchEnv::from_environment();
     EXPECT_EQ(env_read.rank, 1);

@@ -7,12 +7,12 @@
 
 #include "children.h"
 #include "dist_launch.h"
-#include "resume_setup.h"
 #include "frugal/distributed/data_parallel.h"
 #include "frugal/distributed/ranks.h"
 #include "frugal/distributed/zero.h"
 #include "frugal/fit/fit.h"
 #include "frugal/train/trainer.h"
+#include "resume_setup.h"
 
 namespace {
 
@@ -42,10 +42,9 @@ int dp_fit(const std::vector<std::string>& args) {
   } else {
     optimizer = adam(model->parameters());
   }
-  frugal::Trainer trainer(
-      model, *optimizer, [](const torch::Tensor& out, const torch::Tensor& t) {
-        return torch::nn::functional::cross_entropy(out, t);
-      });
+  frugal::Trainer trainer(model, *optimizer, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(out, t);
+  });
   trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
   const bool saving = args.at(1) != "-";
   frugal::fit(trainer, frugal::TensorData({x, y}),
@@ -73,9 +72,10 @@ void expect_resumed_run_equals_straight_run(const std::string& mode) {
   const auto dir = frugal::testing::fresh_temp_dir("frugal-dist-resume-" + mode);
   const auto saves = (dir / "saves").string();
   const auto out = (dir / "w").string();
-  for (const auto& status : {frugal::testing::launch("dp-fit", 2, {mode, "-", "22", out + "-straight"}),
-                             frugal::testing::launch("dp-fit", 2, {mode, saves, "12", out + "-first"}),
-                             frugal::testing::launch("dp-fit", 2, {mode, saves, "22", out + "-second"})}) {
+  for (const auto& status :
+       {frugal::testing::launch("dp-fit", 2, {mode, "-", "22", out + "-straight"}),
+        frugal::testing::launch("dp-fit", 2, {mode, saves, "12", out + "-first"}),
+        frugal::testing::launch("dp-fit", 2, {mode, saves, "22", out + "-second"})}) {
     ASSERT_EQ(status, (std::vector<int>{0, 0}));
   }
   // ZeRO keeps one folder a rank (their optimizer states differ); plain data parallelism one.

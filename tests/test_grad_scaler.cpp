@@ -234,8 +234,7 @@ TEST(ClipGrad, ClipsTheTrueGradientsWhateverThePolicyOrder) {
     });
     auto scaler = std::make_shared<frugal::GradScaler>(
         frugal::GradScalerOptions().enabled(scaled).init_scale(1024.0));
-    auto clip = std::make_shared<frugal::ClipGrad>(
-        frugal::ClipGradOptions().max_norm(0.5));
+    auto clip = std::make_shared<frugal::ClipGrad>(frugal::ClipGradOptions().max_norm(0.5));
     if (clip_first) {
       trainer.add_policy(clip).add_policy(std::make_shared<frugal::GradScalerPolicy>(scaler));
     } else {

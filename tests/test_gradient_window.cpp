@@ -9,8 +9,10 @@ namespace {
 using frugal::detail::GradientWindow;
 
 struct WindowModel {
-  WindowModel() : a(torch::ones({3}, torch::requires_grad())), b(torch::ones({2}, torch::requires_grad())),
-                  sgd(std::vector<torch::Tensor>{a, b}, torch::optim::SGDOptions(0.1)) {}
+  WindowModel()
+      : a(torch::ones({3}, torch::requires_grad())),
+        b(torch::ones({2}, torch::requires_grad())),
+        sgd(std::vector<torch::Tensor>{a, b}, torch::optim::SGDOptions(0.1)) {}
   void backward(double factor) { ((a * factor).sum() + (b * 2 * factor).sum()).backward(); }
   torch::Tensor a, b;
   torch::optim::SGD sgd;
@@ -40,7 +42,10 @@ TEST(GradientWindow, DividesByTheWindowsCountOnlyOverSeveralBatches) {
   EXPECT_EQ(one.scale(8), 1.0);
   GradientWindow four(m.sgd, 4, true);
   EXPECT_EQ(four.scale(8), 1.0 / 8);
-  m.backward(4.0);  // gradients 4 and 8
+  // A micro-batch's weight: its share alone in a window, share / total in one batch.
+  EXPECT_EQ(four.weight(3.0, 8), 3.0);
+  EXPECT_EQ(one.weight(3.0, 8), 3.0 / 8);
+  m.backward(4.0);                                                         // gradients 4 and 8
   four.divide(8, [&](const torch::Tensor& p) { return p.is_same(m.b); });  // b scaled already
   EXPECT_TRUE(m.a.grad().equal(torch::full({3}, 0.5)));
   EXPECT_TRUE(m.b.grad().equal(torch::full({2}, 8.0)));

@@ -18,8 +18,8 @@ std::int64_t sum_of(const std::vector<std::int64_t>& v) {
 TEST(MicroBatchPlan, ASizeCutsTheBatchWithTheLastPartSmaller) {
   const MicroBatchPlan plan(c10::nullopt, nullptr);
   EXPECT_EQ(plan.sizes(10, 4), (std::vector<std::int64_t>{4, 4, 2}));
-  EXPECT_EQ(plan.sizes(10, 0), (std::vector<std::int64_t>{10}));   // no size: the whole batch
-  EXPECT_EQ(plan.sizes(3, 16), (std::vector<std::int64_t>{3}));    // a size above the batch
+  EXPECT_EQ(plan.sizes(10, 0), (std::vector<std::int64_t>{10}));  // no size: the whole batch
+  EXPECT_EQ(plan.sizes(3, 16), (std::vector<std::int64_t>{3}));   // a size above the batch
   for (std::int64_t samples = 1; samples <= 20; ++samples) {
     for (std::int64_t size = 1; size <= 7; ++size) {
       const auto sizes = plan.sizes(samples, size);

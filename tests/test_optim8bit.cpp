@@ -4,16 +4,16 @@
 #include <iostream>
 #include <sstream>
 
-#include "fashion_mnist/models.h"
 #include "compat.h"
+#include "fashion_mnist/models.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/blockwise.h"
-#include "optim/codebook.h"
 #include "helpers.h"
+#include "optim/codebook.h"
 
 namespace {
 

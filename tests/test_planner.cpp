@@ -3,11 +3,11 @@
 
 #include <iostream>
 
+#include "compose/choose_plan.h"
+#include "frugal/compose/planner.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/sgd.h"
-#include "frugal/compose/planner.h"
-#include "compose/choose_plan.h"
 #include "residual_mlp.h"
 
 namespace {
@@ -49,7 +49,8 @@ frugal::Batch sample() {
 }
 
 frugal::MemoryPlannerOptions planner_options() {
-  return frugal::MemoryPlannerOptions().checkpoint(frugal::CheckpointSelect().types({"ResidualBlock"}));
+  return frugal::MemoryPlannerOptions().checkpoint(
+      frugal::CheckpointSelect().types({"ResidualBlock"}));
 }
 
 // Plans for `budget`, then trains three real steps; returns the plan and the real peak.
@@ -214,7 +215,8 @@ TEST(PlannerChoice, EquallyFastPlansAreChosenByAFixedOrderWhateverTheNoise) {
     for (auto& o : noisy) {
       o.predicted_ms *= 1 + 0.08 * (2 * torch::rand({1}).item<double>() - 1);
     }
-    const auto* chosen = frugal::detail::choose_plan(noisy, frugal::MemoryPlannerOptions().time_tolerance());
+    const auto* chosen =
+        frugal::detail::choose_plan(noisy, frugal::MemoryPlannerOptions().time_tolerance());
     ASSERT_NE(chosen, nullptr);
     EXPECT_EQ(chosen->micro_batches, 1) << "trial " << trial;  // the simplest
     EXPECT_FALSE(chosen->checkpoint);

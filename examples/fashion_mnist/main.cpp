@@ -83,7 +83,9 @@ int run(Args args) {
   if (args.zero > 0) {  // each rank steps its 1/N of the parameters with the chosen optimizer
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group,
-        [&args](std::vector<torch::Tensor> shard) { return make_optimizer(args, std::move(shard)); },
+        [&args](std::vector<torch::Tensor> shard) {
+          return make_optimizer(args, std::move(shard));
+        },
         frugal::distributed::ZeroOptimizerOptions().stage(args.zero));
   } else {
     optimizer = make_optimizer(args, model->parameters());
@@ -147,16 +149,16 @@ int run(Args args) {
   auto seconds = [&start] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  auto fit_options = frugal::FitOptions()
-                         .epochs(args.epochs)
-                         .batch_size(args.batch)
-                         .max_steps(args.max_steps)
-                         .seed(args.seed)
-                         .save_dir(args.save_dir)
-                         .save_every(args.save_every)
-                         .resume(args.resume)
-                         .ranks(group ? std::make_shared<frugal::distributed::GroupRanks>(group)
-                                      : nullptr);
+  auto fit_options =
+      frugal::FitOptions()
+          .epochs(args.epochs)
+          .batch_size(args.batch)
+          .max_steps(args.max_steps)
+          .seed(args.seed)
+          .save_dir(args.save_dir)
+          .save_every(args.save_every)
+          .resume(args.resume)
+          .ranks(group ? std::make_shared<frugal::distributed::GroupRanks>(group) : nullptr);
   if (args.lr_schedule != "constant" || args.warmup_steps > 0) {
     const std::int64_t total = args.max_steps > 0 ? args.max_steps : per_epoch * args.epochs;
     trainer.add_policy(std::make_shared<frugal::LrSchedule>(lr_schedule(args, per_epoch, total)));

@@ -40,9 +40,7 @@ class Traits {
   constexpr Traits(Trait trait)  // NOLINT(google-explicit-constructor): a set of one
       : bits_(static_cast<std::uint32_t>(trait)) {}
 
-  constexpr bool has(Trait trait) const {
-    return (bits_ & static_cast<std::uint32_t>(trait)) != 0;
-  }
+  constexpr bool has(Trait trait) const { return (bits_ & static_cast<std::uint32_t>(trait)) != 0; }
   constexpr bool empty() const { return bits_ == 0; }
   constexpr Traits operator|(Traits other) const { return Traits(bits_ | other.bits_, 0); }
   constexpr Traits& operator|=(Traits other) { return *this = *this | other; }

@@ -1,7 +1,5 @@
 #include "frugal/compose/planner.h"
 
-#include "choose_plan.h"
-
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <torch/optim.h>
@@ -10,8 +8,9 @@
 #include <map>
 #include <tuple>
 
-#include "frugal/memory/format.h"
+#include "choose_plan.h"
 #include "frugal/error.h"
+#include "frugal/memory/format.h"
 
 namespace frugal {
 namespace {
@@ -95,8 +94,8 @@ std::string MemoryPlan::table() const {
       margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
   if (quantized_optimizer_bytes > 0) {
     out.insert(out.find("\n\n"), fmt::format("; with 8-bit states: {}, step peak {}",
-                                               format_bytes(quantized_optimizer_bytes),
-                                               format_bytes(quantized_step_peak)));
+                                             format_bytes(quantized_optimizer_bytes),
+                                             format_bytes(quantized_step_peak)));
   }
   for (const auto& o : options) {
     const bool is_chosen = same_plan(o, chosen);
@@ -146,8 +145,10 @@ const PlanOption* choose_plan(const std::vector<PlanOption>& options, double tim
 
 MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
     : trainer_(trainer), options_(std::move(options)) {
-  FRUGAL_CHECK(options_.time_tolerance() >= 0, "frugal: the planner's time_tolerance must be "
-               ">= 0, got ", options_.time_tolerance());
+  FRUGAL_CHECK(options_.time_tolerance() >= 0,
+               "frugal: the planner's time_tolerance must be "
+               ">= 0, got ",
+               options_.time_tolerance());
   FRUGAL_CHECK(options_.margin() >= 0 && options_.margin() < 1,
                "frugal: the planner's margin must be in [0, 1), got ", options_.margin());
   if (chooses_something(options_.checkpoint())) {
@@ -158,8 +159,8 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
     trainer_.add_policy(checkpoint_);
   }
   if (options_.autocast()) {
-    autocast_ = std::make_shared<AutocastPolicy>(trainer_.options().device().type(),
-                                                 *options_.autocast());
+    autocast_ =
+        std::make_shared<AutocastPolicy>(trainer_.options().device().type(), *options_.autocast());
     autocast_->set_enabled(false);
     trainer_.add_policy(autocast_);
   }
@@ -171,9 +172,11 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   if (options_.quantized_states()) {
-    FRUGAL_CHECK(quantized_ != nullptr, "frugal: MemoryPlannerOptions::quantized_states needs one of "
+    FRUGAL_CHECK(quantized_ != nullptr,
+                 "frugal: MemoryPlannerOptions::quantized_states needs one of "
                  "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
-    FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: MemoryPlannerOptions::quantized_states "
+    FRUGAL_CHECK(trainer_.optimizer().state().empty(),
+                 "frugal: MemoryPlannerOptions::quantized_states "
                  "needs an optimizer without state: the states' format is chosen before the "
                  "first step");
   }
@@ -217,9 +220,10 @@ std::int64_t MemoryPlanner::optimizer_step_peak(std::int64_t pending_state,
   } else {
     *description = temporaries == 0
                        ? std::string("LibTorch's optimizer (no temporaries)")
-                       : fmt::format("LibTorch's optimizer ({} temporaries the size of the largest "
-                                     "parameter, {}; frugal::optim's step needs a chunk)",
-                                     temporaries, format_bytes(temporaries * largest));
+                       : fmt::format(
+                             "LibTorch's optimizer ({} temporaries the size of the largest "
+                             "parameter, {}; frugal::optim's step needs a chunk)",
+                             temporaries, format_bytes(temporaries * largest));
   }
   return trainer_.probe().allocated() - grads_alive + pending_state + grads + scratch;
 }
@@ -249,7 +253,8 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   MemoryPlan plan;
   plan.budget = budget;
   plan.margin = options_.margin();
-  plan.optimizer_bytes = pending_optimizer_bytes(quantized_at_start_ && !options_.quantized_states());
+  plan.optimizer_bytes =
+      pending_optimizer_bytes(quantized_at_start_ && !options_.quantized_states());
   const double limit = static_cast<double>(budget) * (1 - options_.margin());
 
   std::vector<std::int64_t> sizes;
@@ -272,63 +277,63 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
   std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
   for (const bool in_backward : {false, true}) {
-  for (const bool checkpoint : {false, true}) {
-    for (const bool autocast : {false, true}) {
-      if ((checkpoint && !checkpoint_) || (autocast && !autocast_) ||
-          (in_backward && !in_backward_)) {
-        continue;
-      }
-      std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
-      for (const auto m : {batch, half, quarter}) {
-        if (measured.count(m) == 0) {
-          configure(m, checkpoint, autocast, in_backward);
-          const auto r = trainer_.trial(sample);
-          measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
+    for (const bool checkpoint : {false, true}) {
+      for (const bool autocast : {false, true}) {
+        if ((checkpoint && !checkpoint_) || (autocast && !autocast_) ||
+            (in_backward && !in_backward_)) {
+          continue;
         }
-      }
-      for (const auto m : sizes) {
-      for (const bool quantized : state_formats) {
-        PlanOption o;
-        o.quantized_states = quantized;
-        o.micro_batch = m;
-        o.micro_batches = (batch + m - 1) / m;
-        o.checkpoint = checkpoint;
-        o.autocast = autocast;
-        o.step_in_backward = in_backward;
-        double peak, ms;
-        if (measured.count(m) != 0 || half == quarter) {
-          std::tie(peak, ms) = measured.count(m) ? measured[m] : measured[quarter];
-        } else {
-          // Several micro-batches: activations linear in the micro-batch, time linear in
-          // the number of micro-batches (and never falling with it).
-          const auto [p2, t2] = measured[half];
-          const auto [p4, t4] = measured[quarter];
-          peak = p4 + (p2 - p4) * static_cast<double>(m - quarter) /
-                          static_cast<double>(half - quarter);
-          const double n2 = static_cast<double>((batch + half - 1) / half);
-          const double n4 = static_cast<double>((batch + quarter - 1) / quarter);
-          const double per_micro = std::max(0.0, (t4 - t2) / (n4 - n2));
-          ms = t4 + per_micro * (static_cast<double>(o.micro_batches) - n4);
+        std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
+        for (const auto m : {batch, half, quarter}) {
+          if (measured.count(m) == 0) {
+            configure(m, checkpoint, autocast, in_backward);
+            const auto r = trainer_.trial(sample);
+            measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
+          }
         }
-        // A policy never makes a step faster: a measured gain is noise.
-        if (m != batch) {
-          ms = std::max(ms, times[{batch, checkpoint, autocast}]);
+        for (const auto m : sizes) {
+          for (const bool quantized : state_formats) {
+            PlanOption o;
+            o.quantized_states = quantized;
+            o.micro_batch = m;
+            o.micro_batches = (batch + m - 1) / m;
+            o.checkpoint = checkpoint;
+            o.autocast = autocast;
+            o.step_in_backward = in_backward;
+            double peak, ms;
+            if (measured.count(m) != 0 || half == quarter) {
+              std::tie(peak, ms) = measured.count(m) ? measured[m] : measured[quarter];
+            } else {
+              // Several micro-batches: activations linear in the micro-batch, time linear in
+              // the number of micro-batches (and never falling with it).
+              const auto [p2, t2] = measured[half];
+              const auto [p4, t4] = measured[quarter];
+              peak = p4 + (p2 - p4) * static_cast<double>(m - quarter) /
+                              static_cast<double>(half - quarter);
+              const double n2 = static_cast<double>((batch + half - 1) / half);
+              const double n4 = static_cast<double>((batch + quarter - 1) / quarter);
+              const double per_micro = std::max(0.0, (t4 - t2) / (n4 - n2));
+              ms = t4 + per_micro * (static_cast<double>(o.micro_batches) - n4);
+            }
+            // A policy never makes a step faster: a measured gain is noise.
+            if (m != batch) {
+              ms = std::max(ms, times[{batch, checkpoint, autocast}]);
+            }
+            if (checkpoint) {
+              ms = std::max(ms, times[{m, false, autocast}]);
+            }
+            times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
+            const auto state = quantized ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
+            const auto step_peak = quantized ? plan.quantized_step_peak : plan.optimizer_step_peak;
+            o.predicted_peak =
+                std::max(static_cast<std::int64_t>(peak) + state, in_backward ? 0 : step_peak);
+            o.predicted_ms = ms;
+            o.fits = static_cast<double>(o.predicted_peak) <= limit;
+            plan.options.push_back(o);
+          }
         }
-        if (checkpoint) {
-          ms = std::max(ms, times[{m, false, autocast}]);
-        }
-        times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
-        const auto state = quantized ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
-        const auto step_peak = quantized ? plan.quantized_step_peak : plan.optimizer_step_peak;
-        o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + state,
-                                    in_backward ? 0 : step_peak);
-        o.predicted_ms = ms;
-        o.fits = static_cast<double>(o.predicted_peak) <= limit;
-        plan.options.push_back(o);
-      }
       }
     }
-  }
   }
 
   const PlanOption* best = detail::choose_plan(plan.options, options_.time_tolerance());
@@ -338,15 +343,17 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
     configure(batch, false, false, false, quantized_at_start_);
     FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
-                 format_bytes(static_cast<std::int64_t>(limit)), " with the margin); the "
-                 "smallest predicted peak is ", format_bytes(smallest->predicted_peak), " with ",
-                 smallest->describe());
+                 format_bytes(static_cast<std::int64_t>(limit)),
+                 " with the margin); the "
+                 "smallest predicted peak is ",
+                 format_bytes(smallest->predicted_peak), " with ", smallest->describe());
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
             best->quantized_states);
-  plan.measured_peak = trainer_.trial(sample).peak +
-                       (best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
+  plan.measured_peak =
+      trainer_.trial(sample).peak +
+      (best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
   return plan;
 }
 

@@ -2,10 +2,10 @@
 // ProcessGroup on 1.13), and the NCCL backend's maker, in a file of its own.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
 
 #include <chrono>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "compat.h"
 

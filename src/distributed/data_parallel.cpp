@@ -39,7 +39,8 @@ void broadcast_all(Group& group, const std::vector<torch::Tensor>& tensors) {
 DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions options)
     : group_(std::move(group)), options_(options) {
   FRUGAL_CHECK(group_ != nullptr, "frugal: DataParallel needs a process group, got a null one");
-  FRUGAL_CHECK(options_.bucket_bytes() > 0, "frugal: DataParallel's bucket_bytes must be positive, got ",
+  FRUGAL_CHECK(options_.bucket_bytes() > 0,
+               "frugal: DataParallel's bucket_bytes must be positive, got ",
                options_.bucket_bytes());
 }
 
@@ -152,8 +153,8 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   if (weight_ == 0) {
     // The first bucket of the step: the ranks agree on the global count first.
     global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
-    FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
-                 " ranks is ", global_count_);
+    FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(), " ranks is ",
+                 global_count_);
     weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
   }
   torch::NoGradGuard no_grad;
@@ -237,7 +238,8 @@ void DataParallel::on_step_end(StepContext& ctx) {
   }
   if (options_.global_loss()) {
     const double count = static_cast<double>(ctx.report.count);
-    auto sums = torch::tensor({ctx.report.loss * count, count}, torch::kDouble).to(group_->device());
+    auto sums =
+        torch::tensor({ctx.report.loss * count, count}, torch::kDouble).to(group_->device());
     group_->all_reduce(sums).wait();
     sums = sums.cpu();
     ctx.report.loss = sums[0].item<double>() / sums[1].item<double>();

@@ -2,15 +2,15 @@
 #include "frugal/distributed/group.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/cuda.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <limits>
 #include <thread>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backend.h"
 #include "frugal/error.h"
@@ -37,8 +37,8 @@ int integer(const char* name, int low, int high, const int* fallback = nullptr) 
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
   FRUGAL_CHECK(errno == 0 && end != text && *end == '\0' && value >= low && value <= high,
-               "frugal: the environment variable ", name, "='", text,
-               "' is not an integer in [", low, ", ", high, "]");
+               "frugal: the environment variable ", name, "='", text, "' is not an integer in [",
+               low, ", ", high, "]");
   return static_cast<int>(value);
 }
 
@@ -52,9 +52,13 @@ void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds ti
   try {
     work->wait();
   } catch (const std::exception& e) {
-    FRUGAL_CHECK(false, "frugal: rank ", rank, "'s ", what, " failed: another rank stopped, or "
-                 "did not come within the group's timeout (", timeout.count(), " ms). The "
-                 "backend said: ", c10::GetExceptionString(e));
+    FRUGAL_CHECK(false, "frugal: rank ", rank, "'s ", what,
+                 " failed: another rank stopped, or "
+                 "did not come within the group's timeout (",
+                 timeout.count(),
+                 " ms). The "
+                 "backend said: ",
+                 c10::GetExceptionString(e));
   }
   if (!release) {
     return;
@@ -87,7 +91,8 @@ LaunchEnv LaunchEnv::from_environment() {
   env.local_rank = integer("LOCAL_RANK", 0, env.world_size - 1, &zero);
   const char* addr = variable("MASTER_ADDR");
   FRUGAL_CHECK(addr != nullptr, "frugal: the environment variable MASTER_ADDR is not set (rank ",
-               env.rank, " of ", env.world_size, "); torchrun sets it, or set it to rank 0's "
+               env.rank, " of ", env.world_size,
+               "); torchrun sets it, or set it to rank 0's "
                "host name or address");
   env.master_addr = addr;
   env.master_port = integer("MASTER_PORT", 1, 65535);
@@ -123,7 +128,8 @@ torch::Device Group::device() const { return impl_->device; }
 namespace detail {
 c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, int,
                                           std::chrono::milliseconds) {
-  FRUGAL_CHECK(false, "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
+  FRUGAL_CHECK(false,
+               "frugal: this build has no NCCL (its LibTorch has no CUDA, or nccl.h was "
                "not found when frugal was built); use the Gloo backend");
 }
 }  // namespace detail
@@ -136,8 +142,8 @@ std::shared_ptr<Group> Group::single() {
 }
 
 std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
-  FRUGAL_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
-               "frugal: rank ", env.rank, " is not in a world of ", env.world_size);
+  FRUGAL_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size, "frugal: rank ",
+               env.rank, " is not in a world of ", env.world_size);
   if (env.world_size == 1) {
     return single();
   }
@@ -153,10 +159,12 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   const char* old_client_hint = "";
 #if !FRUGAL_TORCH_AT_LEAST(2, 0)
   if (env.use_agent_store) {
-    old_client_hint = " (with torchrun 2.x, LibTorch 1.13 programs need "
-                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment)";
-    TORCH_WARN_ONCE("frugal: joining torchrun's agent store from LibTorch 1.13; if this "
-                    "hangs, the torchrun is 2.x: run it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1");
+    old_client_hint =
+        " (with torchrun 2.x, LibTorch 1.13 programs need "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment)";
+    TORCH_WARN_ONCE(
+        "frugal: joining torchrun's agent store from LibTorch 1.13; if this "
+        "hangs, the torchrun is 2.x: run it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1");
   }
 #endif
   c10::intrusive_ptr<c10d::Store> store;
@@ -174,8 +182,10 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->timeout = options.timeout();
   if (options.backend() == Backend::Nccl) {
-    FRUGAL_CHECK(torch::cuda::is_available(), "frugal: the NCCL backend needs CUDA, which is not "
-                 "available here (rank ", env.rank, ")");
+    FRUGAL_CHECK(torch::cuda::is_available(),
+                 "frugal: the NCCL backend needs CUDA, which is not "
+                 "available here (rank ",
+                 env.rank, ")");
     const int device = env.local_rank % static_cast<int>(torch::cuda::device_count());
     impl->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
     impl->pg = detail::make_nccl(store, env.rank, env.world_size, device, options.timeout());
@@ -188,16 +198,15 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
     interface = variable("GLOO_SOCKET_IFNAME");
   }
   if (!interface.empty()) {
-    gloo_options->devices.push_back(
-        c10d::ProcessGroupGloo::createDeviceForInterface(interface));
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(interface));
   } else if (is_loopback(env.master_addr)) {
     gloo_options->devices.push_back(
         c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
   } else {
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
-  impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size,
-                                                           gloo_options);
+  impl->pg =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
   return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
 }
 

@@ -1,5 +1,6 @@
 // The NCCL backend (CUDA builds of LibTorch 2.x that ship nccl.h).
 #include <c10/cuda/CUDAFunctions.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include "backend.h"

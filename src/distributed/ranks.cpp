@@ -42,7 +42,8 @@ bool GroupRanks::writes_saves(const torch::optim::Optimizer& optimizer) const {
 void GroupRanks::check_resumed(std::int64_t steps) const {
   const auto mine = static_cast<double>(steps);
   FRUGAL_CHECK(group_->sum(mine) == mine * group_->size(), "frugal: rank ", group_->rank(),
-               " resumed at step ", steps, " but not every rank did; the ranks' saves differ "
+               " resumed at step ", steps,
+               " but not every rank did; the ranks' saves differ "
                "(remove the newer ones)");
 }
 

@@ -3,8 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
+#include "frugal/train/trainer.h"
 
 namespace frugal::distributed {
 
@@ -28,13 +28,13 @@ namespace {
 // samples, the samples summed.
 void sum_over_ranks(EvalReport& report, Group& group) {
   const bool classes = report.accuracy >= 0;
-  auto sums = torch::tensor({report.loss * static_cast<double>(report.count),
-                             static_cast<double>(report.count),
-                             classes ? report.accuracy * static_cast<double>(report.scored) : 0.0,
-                             static_cast<double>(report.scored),
-                             static_cast<double>(report.samples)},
-                            torch::kDouble)
-                  .to(group.device());
+  auto sums =
+      torch::tensor(
+          {report.loss * static_cast<double>(report.count), static_cast<double>(report.count),
+           classes ? report.accuracy * static_cast<double>(report.scored) : 0.0,
+           static_cast<double>(report.scored), static_cast<double>(report.samples)},
+          torch::kDouble)
+          .to(group.device());
   group.all_reduce(sums).wait();
   sums = sums.cpu();
   const auto* s = sums.data_ptr<double>();

@@ -5,8 +5,8 @@
 
 #include <unordered_map>
 
-#include "frugal/state/archive.h"
 #include "frugal/error.h"
+#include "frugal/state/archive.h"
 
 namespace frugal::distributed {
 
@@ -62,7 +62,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
                     .requires_grad_(true);
   parts.inner = make({parts.shard});
   FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
-                  parts.inner->param_groups()[0].params().size() == 1,
+                   parts.inner->param_groups()[0].params().size() == 1,
                "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
                "it is given");
   return parts;
@@ -72,7 +72,8 @@ ZeroOptimizer::ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<
                              Factory make, ZeroOptimizerOptions options)
     : ZeroOptimizer(build(std::move(params), *group, make), group, options) {}
 
-ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options)
+ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
+                             ZeroOptimizerOptions options)
     : torch::optim::Optimizer(
           {torch::optim::OptimizerParamGroup(parts.layout->params,
                                              parts.inner->param_groups()[0].options().clone())},
@@ -93,7 +94,8 @@ Traits ZeroOptimizer::traits() const {
 
 void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
   const auto it = layout_->index.find(param.unsafeGetTensorImpl());
-  FRUGAL_CHECK(it != layout_->index.end(), "frugal: ZeroOptimizer got the gradient of a "
+  FRUGAL_CHECK(it != layout_->index.end(),
+               "frugal: ZeroOptimizer got the gradient of a "
                "parameter it does not hold");
   torch::NoGradGuard no_grad;
   auto& owned = shard_.mutable_grad();

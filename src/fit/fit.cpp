@@ -7,8 +7,8 @@
 #include <csignal>
 #include <optional>
 
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
+#include "frugal/train/trainer.h"
 
 namespace frugal {
 namespace {

@@ -6,14 +6,14 @@
 
 #include <array>
 #include <cstdlib>
-#include <string>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "compat.h"
-#include "frugal/memory/format.h"
 #include "frugal/error.h"
+#include "frugal/memory/format.h"
 
 namespace frugal {
 namespace {

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "compat.h"
+#include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
-#include "frugal/error.h"
 
 namespace frugal {
 namespace detail {
@@ -99,8 +99,10 @@ torch::Device resolve(torch::Device device) {
 
 }  // namespace
 }  // namespace detail
-using namespace detail;  // the helpers above, for the state below
 
+using detail::Peaks;
+using detail::read_device;
+using detail::reset_device_peak;
 
 // The allocator can only reset its peak, so whoever resets first folds the peak reached
 // so far into every open region and into the probe user's peak. A region's peak is then the

@@ -2,11 +2,12 @@
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
-#include "call_choice.h"
-#include "frugal/error.h"
 
 #include <mutex>
 #include <unordered_map>
+
+#include "call_choice.h"
+#include "frugal/error.h"
 
 namespace frugal::nn {
 namespace detail {

@@ -149,9 +149,9 @@ const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(
   auto it = books_.find(key);
   if (it == books_.end()) {
     it = books_
-             .emplace(key, std::make_shared<const Books>(
-                               Books{CodeBook(moment_map(true).to(device)),
-                                     CodeBook(moment_map(false).to(device))}))
+             .emplace(key,
+                      std::make_shared<const Books>(Books{CodeBook(moment_map(true).to(device)),
+                                                          CodeBook(moment_map(false).to(device))}))
              .first;
   }
   return *it->second;
@@ -211,9 +211,9 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   s.step(s.step() + 1);
   const auto step =
       detail::adam_chunk_step(o, s.step(), std::is_same_v<Options, AdamWOptions>, u.fresh);
-  const Books* b =
-      s.quantized() ? books_.at({u.param.device().type(), u.param.device().index()}).get()
-                    : nullptr;
+  const Books* b = s.quantized()
+                       ? books_.at({u.param.device().type(), u.param.device().index()}).get()
+                       : nullptr;
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
   const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
@@ -231,9 +231,9 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     a.decoupled = step.decoupled;
     a.fresh = step.fresh;
     detail::adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
-                 s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
-                 s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(),
-                 u.numel(), s.block(), a);
+                         s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
+                         s.exp_avg_sq().data_ptr<std::uint8_t>(),
+                         s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(), a);
     return;
   }
   const bool cast = u.param.scalar_type() != torch::kFloat32;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
 #include "codebook.h"
 #include "frugal/error.h"
 
@@ -75,8 +76,8 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
   BlockwiseCodes q{torch::empty(x.sizes(), options.dtype(torch::kUInt8)),
                    torch::empty({(n + block - 1) / block}, options), block};
   const CodeBook book(map.to(x.device()));
-  quantize_into(flat, q.codes.view(-1), q.scales, book, block,
-                        torch::empty({n}, options), torch::empty({n}, options.dtype(torch::kInt32)));
+  quantize_into(flat, q.codes.view(-1), q.scales, book, block, torch::empty({n}, options),
+                torch::empty({n}, options.dtype(torch::kInt32)));
   return q;
 }
 
@@ -89,7 +90,7 @@ torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor&
   const CodeBook book(map.to(q.codes.device()));
   auto out = torch::empty(q.codes.sizes(), q.scales.options());
   dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
-                          torch::empty({n}, q.scales.options().dtype(torch::kInt32)));
+                  torch::empty({n}, q.scales.options().dtype(torch::kInt32)));
   return out;
 }
 

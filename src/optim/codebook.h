@@ -29,9 +29,9 @@ void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
 /// In place, without allocating a tensor: quantizes `x` (float32, n, contiguous) into
 /// `codes` and `scales` as dequantize_into reads them. `work` (float32, n) and `index`
 /// (int32, n) are scratch; `x` is left as it was.
-void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
-                   const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
-                   const torch::Tensor& work, const torch::Tensor& index);
+void quantize_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                   const CodeBook& book, std::int64_t block, const torch::Tensor& work,
+                   const torch::Tensor& index);
 
 /// Rounding to the nearest code in O(1) on the host, as quantize_into rounds: a table
 /// over the float32 bit pattern (sign, exponent from 2^-23 up, the mantissa's top 8
@@ -58,7 +58,7 @@ class NearestCode {
   }
 
  private:
-  static constexpr int kShift = 23 - 8;               // keep 8 mantissa bits
+  static constexpr int kShift = 23 - 8;                // keep 8 mantissa bits
   static constexpr std::int32_t kFirstKey = 104 << 8;  // 2^-23
   static constexpr std::int32_t kBuckets = 32 << 8;    // 2^-23 up to 2^9: a power of 2
   std::vector<float> values_, bound_;
@@ -70,6 +70,5 @@ class NearestCode {
 const NearestCode& nearest_code(bool is_signed);
 /// The map of Adam's first or second moment, as nearest_code rounds to it.
 torch::Tensor moment_map(bool is_signed);
-
 
 }  // namespace frugal::optim

@@ -1,7 +1,5 @@
 #include "frugal/policy/checkpoint_policy.h"
 
-#include "nn/call_choice.h"
-
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -11,6 +9,7 @@
 #include <typeinfo>
 
 #include "frugal/error.h"
+#include "nn/call_choice.h"
 
 namespace frugal {
 namespace {

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "frugal/state/archive.h"
 #include "frugal/error.h"
+#include "frugal/state/archive.h"
 
 namespace frugal {
 

@@ -3,12 +3,12 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/optim/in_place.h"
 #include "frugal/state/archive.h"
-#include "frugal/error.h"
 
 namespace frugal {
 namespace {
@@ -62,17 +62,17 @@ bool OomRecovery::on_eval_error(PolicyPort& port, std::int64_t batch_size,
   if (!is_oom(error)) {
     return false;
   }
-  TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1, "frugal: out of memory in evaluate() at "
-                   "batch size 1: ", memory_figures(port.probe()), ". The error was: ",
-                   error_message(error));
+  TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1,
+                   "frugal: out of memory in evaluate() at "
+                   "batch size 1: ",
+                   memory_figures(port.probe()), ". The error was: ", error_message(error));
   port.probe().empty_cache();
   port.set_eval_batch(batch_size / 2);
   ++recovered_;
   return true;
 }
 
-void OomRecovery::on_optimizer_error(StepContext& ctx,
-                                     const std::exception& error) {
+void OomRecovery::on_optimizer_error(StepContext& ctx, const std::exception& error) {
   if (!is_oom(error)) {
     return;
   }

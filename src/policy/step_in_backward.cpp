@@ -12,9 +12,11 @@ namespace frugal {
 void StepInBackward::on_add(PolicyPort& port) {
   FRUGAL_CHECK(optimizer_ == nullptr, "frugal: a StepInBackward policy belongs to one trainer");
   auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&port.optimizer());
-  FRUGAL_CHECK(in_place != nullptr, "frugal: StepInBackward updates one parameter at a time "
+  FRUGAL_CHECK(in_place != nullptr,
+               "frugal: StepInBackward updates one parameter at a time "
                "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
-               "trainer's optimizer is ", c10::demangle(typeid(port.optimizer()).name()));
+               "trainer's optimizer is ",
+               c10::demangle(typeid(port.optimizer()).name()));
   optimizer_ = in_place;
 }
 

@@ -10,10 +10,10 @@
 #include <unordered_map>
 
 #include "compat.h"
+#include "frugal/error.h"
 #include "frugal/state/archive.h"
 #include "frugal/train/trainer.h"
 #include "state_file.h"
-#include "frugal/error.h"
 
 namespace frugal {
 namespace {

@@ -8,13 +8,20 @@ namespace frugal {
 
 const char* trait_name(Trait trait) {
   switch (trait) {
-    case Trait::GradReady: return "grad-ready";
-    case Trait::AllGradients: return "all-gradients";
-    case Trait::Retries: return "retries";
-    case Trait::UpdatesInBackward: return "updates-in-backward";
-    case Trait::OwnsNonFinite: return "owns-non-finite";
-    case Trait::SharesGradients: return "shares-gradients";
-    case Trait::KeepsGradients: return "keeps-gradients";
+    case Trait::GradReady:
+      return "grad-ready";
+    case Trait::AllGradients:
+      return "all-gradients";
+    case Trait::Retries:
+      return "retries";
+    case Trait::UpdatesInBackward:
+      return "updates-in-backward";
+    case Trait::OwnsNonFinite:
+      return "owns-non-finite";
+    case Trait::SharesGradients:
+      return "shares-gradients";
+    case Trait::KeepsGradients:
+      return "keeps-gradients";
   }
   return "unknown";
 }
@@ -59,8 +66,7 @@ void check_compatible(const std::vector<Party>& present, const Party& added) {
       if (earlier.traits.has(rule.first) && added.traits.has(rule.second)) {
         refuse(rule, earlier, added);
       }
-      if (rule.either_order && added.traits.has(rule.first) &&
-          earlier.traits.has(rule.second)) {
+      if (rule.either_order && added.traits.has(rule.first) && earlier.traits.has(rule.second)) {
         refuse(rule, added, earlier);
       }
     }

@@ -3,12 +3,12 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include "frugal/train/sink.h"
-#include "frugal/train/trainer.h"
-#include "parts.h"
-#include "internal.h"
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
+#include "frugal/train/sink.h"
+#include "frugal/train/trainer.h"
+#include "internal.h"
+#include "parts.h"
 
 namespace frugal {
 namespace detail {

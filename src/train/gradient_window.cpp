@@ -19,6 +19,10 @@ void GradientWindow::drop() {
   non_finite_ = false;
 }
 
+double GradientWindow::weight(double share, std::int64_t total) const {
+  return accumulate_ > 1 ? share : share / static_cast<double>(total);
+}
+
 double GradientWindow::scale(std::int64_t count) const {
   return accumulate_ > 1 ? 1.0 / static_cast<double>(count) : 1.0;
 }

@@ -32,9 +32,13 @@ class GradientWindow {
   bool non_finite() const { return non_finite_; }
   void mark_non_finite() { non_finite_ = true; }
 
+  /// The weight of a micro-batch's loss whose share (its count, or 1 for a summed loss) is
+  /// `share` of a batch of `total`: over several batches the share alone, the division
+  /// waiting for the window's end (scale); in a window of one batch, share / total.
+  double weight(double share, std::int64_t total) const;
   /// What the window's summed gradients are multiplied by at its end, when it holds
   /// `count` in all: 1/count over several batches; 1 for a window of one batch, whose
-  /// micro-batch losses carry their share already.
+  /// micro-batch losses carry their share already (weight).
   double scale(std::int64_t count) const;
   /// Multiplies every gradient by scale(count), except those `scaled` says are already.
   void divide(std::int64_t count, const std::function<bool(const torch::Tensor&)>& scaled);

@@ -6,10 +6,10 @@
 #include <cmath>
 
 #include "forward_scope.h"
-#include "internal.h"
-#include "parts.h"
 #include "frugal/error.h"
 #include "frugal/train/trainer.h"
+#include "internal.h"
+#include "parts.h"
 
 namespace frugal {
 
@@ -106,9 +106,8 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
       // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
       try {
-        retry = std::any_of(policies_.begin(), policies_.end(), [&](const auto& policy) {
-          return policy->on_step_error(ctx, error);
-        });
+        retry = std::any_of(policies_.begin(), policies_.end(),
+                            [&](const auto& policy) { return policy->on_step_error(ctx, error); });
       } catch (...) {
         give_up();
         throw;
@@ -181,8 +180,7 @@ torch::Tensor Trainer::weigh(torch::Tensor loss, std::int64_t count, std::int64_
   }
   const double share = mean ? static_cast<double>(count) : 1.0;
   log.add(loss, share);
-  const double weight =
-      options_.accumulate() > 1 ? share : share / static_cast<double>(total);
+  const double weight = parts_->window.weight(share, total);
   return weight == 1.0 ? loss : loss * weight;
 }
 

@@ -4,8 +4,7 @@
 
 namespace frugal::detail {
 
-bool NonFiniteGuard::skips(bool loss_non_finite,
-                           const torch::optim::Optimizer& optimizer) const {
+bool NonFiniteGuard::skips(bool loss_non_finite, const torch::optim::Optimizer& optimizer) const {
   return enabled_ && (loss_non_finite || (check_gradients_ && !gradients_finite(optimizer)));
 }
 

@@ -7,11 +7,11 @@
 
 #include <algorithm>
 
-#include "internal.h"
-#include "step_guard.h"
-#include "frugal/train/trainer.h"
-#include "parts.h"
 #include "frugal/error.h"
+#include "frugal/train/trainer.h"
+#include "internal.h"
+#include "parts.h"
+#include "step_guard.h"
 
 namespace frugal {
 

@@ -4,12 +4,12 @@
 #include <memory>
 
 #include "../memory/module_tensors.h"
+#include "frugal/train/trainer.h"
 #include "grad_ready.h"
 #include "gradient_window.h"
 #include "micro_batch_plan.h"
 #include "non_finite_guard.h"
 #include "step_halt.h"
-#include "frugal/train/trainer.h"
 
 namespace frugal {
 

@@ -8,11 +8,11 @@
 
 #include "../memory/module_tensors.h"
 #include "compatibility.h"
-#include "grad_ready.h"
+#include "frugal/error.h"
 #include "frugal/optim/sharded.h"
 #include "frugal/train/trainer.h"
+#include "grad_ready.h"
 #include "parts.h"
-#include "frugal/error.h"
 
 namespace frugal {
 
@@ -75,7 +75,7 @@ PartialStepError Trainer::partial_error(const char* where,
     list += (list.empty() ? "" : ", ") + updated.back();
   }
   parts_->halt.halt(fmt::format("{} of step {} changed {} parameter(s) before failing", where,
-                        steps_ + 1, updated.size()));
+                                steps_ + 1, updated.size()));
   auto what = fmt::format(
       "frugal: {} failed after changing {} parameter(s): {}. Those (values or optimizer "
       "state) hold new values, the others and the trainer's counters are as before; the "

@@ -1,7 +1,7 @@
 #include "step_guard.h"
 
-#include "compat.h"
 #include "../memory/state_tensors.h"
+#include "compat.h"
 #include "frugal/memory/ledger.h"
 
 namespace frugal::detail {

@@ -19,7 +19,8 @@ class StepHalt {
   /// Throws while halted, saying why and what lifts it.
   void check() const {
     FRUGAL_CHECK(why_.empty(), "frugal: the trainer refuses to go on after a partial update (",
-                 why_, "); load a saved model and optimizer state, or call "
+                 why_,
+                 "); load a saved model and optimizer state, or call "
                  "accept_partial_update() to train on from the model as it is");
   }
 

@@ -7,12 +7,12 @@
 #include <algorithm>
 #include <cmath>
 
-#include "internal.h"
-#include "parts.h"
 #include "../memory/module_tensors.h"
+#include "frugal/error.h"
 #include "frugal/optim/sharded.h"
 #include "frugal/train/sink.h"
-#include "frugal/error.h"
+#include "internal.h"
+#include "parts.h"
 
 namespace frugal {
 

@@ -1,5 +1,5 @@
-// The C++ snippets of README.md and docs/, compiled and linked into this program (extract_snippets.py);
-// it says how many there are, and runs none of them.
+// The C++ snippets of README.md and docs/, compiled and linked into this program
+// (extract_snippets.py); it says how many there are, and runs none of them.
 #include <cstdio>
 
 namespace readme {

@@ -64,9 +64,9 @@ struct MemoryPlan {
   /// The same two with 8-bit optimizer states, where they are an option (else 0).
   std::int64_t quantized_optimizer_bytes = 0;
   std::int64_t quantized_step_peak = 0;
-  std::vector<PlanOption> options;   ///< everything considered, measured or interpolated
+  std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
   PlanOption chosen;
-  std::int64_t measured_peak = 0;    ///< the chosen plan's peak, measured (with the state)
+  std::int64_t measured_peak = 0;  ///< the chosen plan's peak, measured (with the state)
 
   /// A markdown table of the options with the chosen one marked, and the measured peak.
   std::string table() const;
@@ -97,10 +97,11 @@ struct MemoryPlan {
 /// predicted with 8-bit states (the trials do not depend on the states' format).
 ///
 /// Cheapest: the least predicted time; plans within MemoryPlannerOptions::time_tolerance (25%)
-/// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit states and autocast change the numerics, so they
-/// are chosen only when nothing fits without them: float32 states first, then 8-bit
-/// states, then autocast, then both. The chosen plan is applied to the trainer (its micro-batch and
-/// the planner's policies, added to the trainer once) and measured.
+/// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit
+/// states and autocast change the numerics, so they are chosen only when nothing fits without them:
+/// float32 states first, then 8-bit states, then autocast, then both. The chosen plan is applied to
+/// the trainer (its micro-batch and the planner's policies, added to the trainer once) and
+/// measured.
 ///
 /// Example:
 ///   frugal::MemoryPlanner planner(trainer, frugal::MemoryPlannerOptions().checkpoint(

@@ -52,7 +52,8 @@ struct DataParallelOptions {
 /// timeout) rather than hang.
 ///
 /// Example:
-///   auto group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
+///   auto group =
+///   frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
 ///   frugal::Trainer trainer(model, adam, loss_fn);
 ///   trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(group));
 ///   trainer.step(my_share_of_the_batch);
@@ -94,7 +95,7 @@ class DataParallel : public Policy {
   double weight_ = 0;                 // this rank's count / the global count
   std::int64_t global_count_ = 0;
   std::vector<torch::Tensor> flats_;
-  torch::Tensor flags_;  // per parameter: 1 where this rank had a gradient
+  torch::Tensor flags_;      // per parameter: 1 where this rank had a gradient
   torch::Tensor flags_cpu_;  // the ranks' sum, read once a step
   std::vector<Work> works_;
   optim::ShardedOptimizer* keeper_ = nullptr;  // gradients go to its shard, not the parameters

@@ -61,9 +61,10 @@ class Work {
 /// tensors). Collectives are issued in the same order on every rank.
 ///
 /// Example:
-///   auto group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
-///   auto total = torch::tensor({local_count});
-///   group->all_reduce(total).wait();  // the sum over all ranks
+///   auto group =
+///   frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment()); auto
+///   total = torch::tensor({local_count}); group->all_reduce(total).wait();  // the sum over all
+///   ranks
 class Group {
  public:
   /// Joins the group that `env` describes: a TCPStore client of the agent's store where

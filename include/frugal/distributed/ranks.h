@@ -17,7 +17,8 @@ namespace frugal::distributed {
 /// any of them caught a signal, and check that they all resumed at the same step.
 ///
 /// Example:
-///   auto group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
+///   auto group =
+///   frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
 ///   frugal::fit(trainer, data,
 ///               frugal::FitOptions().batch_size(64).ranks(std::make_shared<GroupRanks>(group)));
 class GroupRanks : public Ranks {

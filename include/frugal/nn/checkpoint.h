@@ -1,9 +1,9 @@
 // A module wrapper that checkpoints the module it holds.
 #pragma once
 
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
-#include <ATen/core/grad_mode.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>

@@ -122,7 +122,6 @@ class Adam8bitBase : public torch::optim::Optimizer,
 extern template class Adam8bitBase<torch::optim::AdamOptions>;
 extern template class Adam8bitBase<torch::optim::AdamWOptions>;
 
-
 /// Adam whose moments are stored in 8 bits, block-wise quantized with the dynamic map of
 /// Dettmers et al. (2021): 2 bytes a parameter (plus 8 bytes a block of 256) instead of 8.
 /// The second moment's map has no zero (see dynamic_map): without that, training the

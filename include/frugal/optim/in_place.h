@@ -110,7 +110,8 @@ class InPlaceOptimizer {
 };
 
 /// LibTorch's optimizer `Torch` with the in-place step: the constructors and overrides that
-/// frugal's SGD, Adam and AdamW share (the base to build another from). Each adds make_state, scratch_buffers and update.
+/// frugal's SGD, Adam and AdamW share (the base to build another from). Each adds make_state,
+/// scratch_buffers and update.
 template <typename Torch, typename Options>
 class InPlace : public Torch, public InPlaceOptimizer {
  public:
@@ -126,7 +127,6 @@ class InPlace : public Torch, public InPlaceOptimizer {
   }
   torch::optim::Optimizer& optimizer() override { return *this; }
 };
-
 
 /// Calls `fn(offset, length)` for consecutive chunks covering `u`'s parameter.
 template <typename Fn>

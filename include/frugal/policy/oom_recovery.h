@@ -34,8 +34,7 @@ class OomRecovery : public Policy {
   std::string name() const override { return "oom-recovery"; }
   bool on_step_error(StepContext& ctx, const std::exception& error) override;
   /// Out of memory in the optimizer step: says what the step held and what would fit.
-  void on_optimizer_error(StepContext& ctx,
-                          const std::exception& error) override;
+  void on_optimizer_error(StepContext& ctx, const std::exception& error) override;
   bool on_eval_error(PolicyPort& port, std::int64_t batch_size,
                      const std::exception& error) override;
   Traits traits() const override { return Trait::Retries; }

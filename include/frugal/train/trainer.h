@@ -195,9 +195,9 @@ class Trainer : public PolicyPort {
   std::vector<std::shared_ptr<Policy>> policies_;
   std::vector<Traits> policy_traits_;         // each policy's, read when it was added
   std::vector<Policy*> grad_ready_policies_;  // those that declared Trait::GradReady
-  Traits traits_;            // every policy's, together
-  Traits optimizer_traits_;  // a sharded optimizer's
-  Unscale unscale_;          // a policy's that scales the loss
+  Traits traits_;                             // every policy's, together
+  Traits optimizer_traits_;                   // a sharded optimizer's
+  Unscale unscale_;                           // a policy's that scales the loss
   std::vector<std::shared_ptr<ReportSink>> sinks_;
   // The parts the engine owns (src/train/parts.h), each a class with its own test: the
   // micro-batch plan, the gradient window, the non-finite guard, the halt after a partial
