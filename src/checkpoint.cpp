@@ -63,6 +63,31 @@ struct RngStates {
   }
 };
 
+// The values of the buffers a recompute would change a second time (BatchNorm's running
+// statistics), put back after it.
+class KeptBuffers {
+ public:
+  explicit KeptBuffers(const std::vector<torch::Tensor>& buffers) : buffers_(buffers) {
+    torch::NoGradGuard no_grad;
+    for (const auto& b : buffers_) {
+      values_.push_back(b.defined() ? b.clone() : torch::Tensor());
+    }
+  }
+  void put_back() {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < buffers_.size(); ++i) {
+      if (values_[i].defined()) {
+        buffers_[i].copy_(values_[i]);
+      }
+    }
+    values_.clear();
+  }
+
+ private:
+  const std::vector<torch::Tensor>& buffers_;
+  std::vector<torch::Tensor> values_;
+};
+
 // What the backward needs of the forward: the block, the RNG and autocast states it ran
 // under, and how many of the saved tensors are inputs (the rest are parameters).
 struct CheckpointState : torch::CustomClassHolder {
@@ -70,6 +95,7 @@ struct CheckpointState : torch::CustomClassHolder {
   bool preserve_rng = true;
   std::set<int> cuda_devices;
   RngStates rng;
+  std::vector<torch::Tensor> buffers;
   AutocastState cpu_autocast;
   AutocastState cuda_autocast;
   std::size_t inputs = 0;
@@ -119,15 +145,29 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                    "first backward freed its saved inputs (pass retain_graph=true to the first "
                    "backward to go through it again)");
     }
+    // The block's buffers as the recompute finds them, put back after the gradients are
+    // taken (BatchNorm's backward checks the running statistics it saved are unchanged).
+    KeptBuffers buffers(state->buffers);
+    try {
+      auto result = recompute_gradients(state.get(), saved, grad_outputs);
+      buffers.put_back();
+      return result;
+    } catch (...) {
+      buffers.put_back();
+      throw;
+    }
+  }
+
+  // Recomputes the block under the forward's RNG and autocast state (leaving the caller's
+  // RNG stream as it was) and returns the gradients of its inputs and parameters.
+  static variable_list recompute_gradients(CheckpointState* state, const variable_list& saved,
+                                           const variable_list& grad_outputs) {
     const std::vector<torch::Tensor> params(saved.begin() + state->inputs, saved.end());
     std::vector<torch::Tensor> detached;
     for (std::size_t i = 0; i < state->inputs; ++i) {
       const auto& x = saved[i];
       detached.push_back(x.detach().requires_grad_(x.requires_grad()));
     }
-
-    // Recompute under the forward's RNG and autocast state, leaving the caller's RNG
-    // stream as it was.
     variable_list outputs;
     {
       c10::optional<RngStates> caller;
@@ -214,8 +254,25 @@ std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<to
     return fn(full);
   };
   state->preserve_rng = options.preserve_rng_state();
+  state->buffers = options.buffers();
   return CheckpointFunction::apply(state, at::TensorList(present),
                                    at::TensorList(options.params()));
+}
+
+std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> buffers;
+  auto add = [&buffers](const torch::nn::Module& m) {
+    if (m.is_training()) {
+      for (const auto& b : m.buffers(/*recurse=*/false)) {
+        buffers.push_back(b);
+      }
+    }
+  };
+  add(module);
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    add(*child);
+  }
+  return buffers;
 }
 
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t segments,
@@ -238,16 +295,20 @@ torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t seg
   torch::Tensor x = input;
   for (; size > 0 && start < size * (segments - 1); start += size) {
     std::vector<torch::Tensor> params;
+    std::vector<torch::Tensor> buffers;
     for (std::int64_t i = start; i < start + size; ++i) {
-      const auto p = seq->ptr(static_cast<std::size_t>(i))->parameters();
+      const auto& module = *seq->ptr(static_cast<std::size_t>(i));
+      const auto p = module.parameters();
       params.insert(params.end(), p.begin(), p.end());
+      const auto b = training_buffers(module);
+      buffers.insert(buffers.end(), b.begin(), b.end());
     }
     const std::int64_t end = start + size;
     x = checkpoint_tensors(
             [run_range, start, end](const std::vector<torch::Tensor>& in) {
               return std::vector<torch::Tensor>{run_range(start, end, in.at(0))};
             },
-            {x}, CheckpointOptions(options).params(params))
+            {x}, CheckpointOptions(options).params(params).buffers(buffers))
             .at(0);
   }
   return run_range(start, n, x);

@@ -7,6 +7,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
@@ -17,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #define FRUGAL_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
@@ -165,5 +167,28 @@ inline std::nullptr_t no_backtrace() { return nullptr; }
 #else
 inline std::string no_backtrace() { return {}; }
 #endif
+
+/// Collects LibTorch warnings (TORCH_WARN) raised on this thread while it lives, instead of
+/// printing them; the handler's signature changed in 2.0.
+class WarningCapture : public c10::WarningHandler {
+ public:
+  WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+  }
+  ~WarningCapture() override { c10::WarningUtils::set_warning_handler(previous_); }
+  WarningCapture(const WarningCapture&) = delete;
+  WarningCapture& operator=(const WarningCapture&) = delete;
+#if FRUGAL_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningHandler* previous_;
+};
 
 }  // namespace frugal::compat

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <string>
 #include <vector>
 
 #include "frugal/memory/probe.h"
@@ -22,6 +23,17 @@ inline torch::nn::Sequential make_mlp(std::int64_t in, std::int64_t hidden, std:
   torch::manual_seed(seed);
   return torch::nn::Sequential(torch::nn::Linear(in, hidden), torch::nn::Tanh(),
                                torch::nn::Linear(hidden, out));
+}
+
+/// Expects `fn` to throw an exception whose message contains `part`.
+template <typename Fn>
+void expect_error_contains(Fn fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception; expected one saying: " << part;
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
 }
 
 inline std::vector<torch::Tensor> clone_all(const std::vector<torch::Tensor>& tensors) {

@@ -60,6 +60,38 @@ TEST(Evaluate, MatchesAPlainComputationInBatches) {
   EXPECT_DOUBLE_EQ(eval.accuracy, accuracy);
 }
 
+TEST(Evaluate, ADataLoaderOrAVectorOfBatchesGivesTheInMemoryReport) {
+  auto model = make_mlp(64, 32, 10);
+  torch::optim::SGD sgd(model->parameters(), 0.01);
+  frugal::Trainer trainer(model, sgd, F::cross_entropy, frugal::TrainerOptions().eval_batch(16));
+  const auto data = classification(100);
+  const auto whole = trainer.evaluate(data);
+  auto loader = torch::data::make_data_loader(
+      torch::data::datasets::TensorDataset(data.inputs)
+          .map(torch::data::transforms::Stack<torch::data::TensorExample>()),
+      torch::data::DataLoaderOptions().batch_size(30));
+  // The loader yields inputs only; a vector of batches carries the targets too.
+  std::vector<frugal::Batch> batches;
+  for (std::int64_t offset = 0; offset < 100; offset += 30) {
+    batches.push_back(data.slice(offset, std::min<std::int64_t>(30, 100 - offset)));
+  }
+  const auto parts = trainer.evaluate(batches);
+  EXPECT_EQ(parts.samples, 100);
+  EXPECT_EQ(parts.batches, 7);  // 16 + 14 in each of three batches of 30, then 10
+  EXPECT_NEAR(parts.loss, whole.loss, 1e-6);
+  EXPECT_EQ(parts.scored, whole.scored);
+  EXPECT_DOUBLE_EQ(parts.accuracy, whole.accuracy);
+  std::int64_t seen = 0;
+  frugal::Trainer inputs_only(model.ptr(), sgd, [&](const frugal::Batch& b) {
+    seen += b.size();
+    return model->forward(b.inputs).pow(2).mean();
+  });
+  const auto from_loader = inputs_only.evaluate(*loader);
+  EXPECT_EQ(from_loader.samples, 100);
+  EXPECT_EQ(seen, 100);
+  EXPECT_EQ(from_loader.accuracy, -1);  // a loss of the batch alone: no classes to score
+}
+
 TEST(Evaluate, KeepsAnEvalModeModuleInEvalMode) {
   auto model = make_mlp(64, 32, 10);
   model->eval();

@@ -26,6 +26,56 @@ TEST(FrontDoor, LibTorchLossFunctionsWithDefaultedOptionsAreAccepted) {
   EXPECT_GT(mse.step({x, torch::randn({8, 3})}).loss, 0);
 }
 
+// A model as LibTorch's MNIST example writes it: a struct derived from Module, held by
+// std::shared_ptr, whose forward returns log-probabilities for nll_loss.
+struct PlainNet : torch::nn::Module {
+  PlainNet() : fc(register_module("fc", torch::nn::Linear(4, 3))) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::log_softmax(fc(x), 1); }
+  torch::nn::Linear fc;
+};
+
+torch::Tensor absolute_error(const torch::Tensor& output, const torch::Tensor& targets) {
+  return (output - targets).abs().mean();
+}
+
+TEST(FrontDoor, ASharedPtrToAModuleStructTrainsWithAtenAndFunctionalLosses) {
+  torch::manual_seed(1);
+  auto net = std::make_shared<PlainNet>();
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  const auto x = torch::randn({6, 4});
+  const auto y = torch::randint(3, {6});
+  const double expected = torch::nll_loss(net->forward(x), y).item<double>();
+  frugal::Trainer aten(net, sgd, torch::nll_loss);
+  EXPECT_NEAR(aten.step({x, y}).loss, expected, 1e-6);
+  frugal::Trainer functional(net, sgd, F::nll_loss);
+  const double now = F::nll_loss(net->forward(x), y).item<double>();
+  EXPECT_NEAR(functional.step({x, y}).loss, now, 1e-6);
+  EXPECT_LT(now, expected);  // the first step trained the model the second one measured
+  frugal::Trainer lambda(net, sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
+    return torch::nll_loss(o, t, {}, at::Reduction::Sum) / o.size(0);
+  });
+  EXPECT_GT(lambda.step({x, y}).loss, 0);
+  const auto values = torch::randn({6, 3});
+  frugal::Trainer function(net, sgd, absolute_error);
+  EXPECT_NEAR(function.step({x, values}).loss,
+              absolute_error(net->forward(x), values).item<double>(), 1e-6);
+}
+
+TEST(FrontDoor, AtenLossesAreCalledWithTheirDefaults) {
+  const auto o = torch::randn({5, 3});
+  const auto t = torch::randn({5, 3});
+  EXPECT_TRUE(torch::equal(frugal::make_loss(torch::mse_loss)(o, t), torch::mse_loss(o, t)));
+  EXPECT_TRUE(
+      torch::equal(frugal::make_loss(torch::smooth_l1_loss)(o, t), torch::smooth_l1_loss(o, t)));
+  const auto labels = torch::randint(3, {5});
+  EXPECT_TRUE(torch::equal(frugal::make_loss(torch::cross_entropy_loss)(o, labels),
+                           F::cross_entropy(o, labels)));
+  // A function whose trailing parameters frugal does not know: asked for a lambda.
+  using Custom = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, double);
+  Custom custom = [](const torch::Tensor& a, const torch::Tensor& b, double) { return a - b; };
+  frugal::testing::expect_error_contains([&] { frugal::make_loss(custom); }, "pass a lambda");
+}
+
 // A model that takes two tensors: the values and a mask of those to use.
 struct MaskedImpl : torch::nn::Module {
   MaskedImpl() : fc(register_module("fc", torch::nn::Linear(6, 2))) {}

@@ -24,13 +24,20 @@ struct CheckpointOptions {
   /// Tensors the block uses besides its inputs, usually its module's parameters. They get
   /// gradients even when no input requires grad.
   TORCH_ARG(std::vector<torch::Tensor>, params) = {};
+  /// Tensors the block changes in place during its forward, as BatchNorm's running
+  /// statistics and batch counter: copied aside before the recompute and put back after it,
+  /// so they change once per forward, as without checkpointing. frugal::nn::call,
+  /// nn::Checkpoint and checkpoint_sequential name the block's buffers themselves (those
+  /// of its modules in training mode).
+  TORCH_ARG(std::vector<torch::Tensor>, buffers) = {};
 };
 
 /// The function of a checkpointed block over tensors.
 using TensorsFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
 /// Runs `fn(inputs)` without keeping its activations and recomputes it during backward,
-/// under the autocast state and (by default) the RNG state that forward saw. Inputs may
+/// under the autocast state and (by default) the RNG state that forward saw, leaving the
+/// options' buffers as the recompute found them. Inputs may
 /// be undefined or not require grad; outputs are the block's tensors.
 ///
 /// Errors: a second backward through a checkpoint whose saved inputs were freed; backward
@@ -182,6 +189,11 @@ template <typename Fn, typename... Args,
 auto checkpoint(Fn fn, const Args&... args) {
   return checkpoint(std::move(fn), CheckpointOptions(), args...);
 }
+
+/// The buffers of `module` and its descendants that are in training mode: what a
+/// recompute of it would change a second time (BatchNorm's running statistics), for
+/// CheckpointOptions::buffers.
+std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module);
 
 /// Runs a Sequential in `segments` parts, PyTorch's rule: segments-1 checkpointed chunks of
 /// size(seq) / segments modules each, then the rest run plainly. Under no_grad the whole

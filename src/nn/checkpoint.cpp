@@ -77,7 +77,10 @@ torch::Tensor CheckpointImpl::forward(const torch::Tensor& input) {
              [module](const std::vector<torch::Tensor>& in) mutable {
                return std::vector<torch::Tensor>{module.forward(in.at(0))};
              },
-             {input}, CheckpointOptions(options_).params(module_.ptr()->parameters()))
+             {input},
+             CheckpointOptions(options_)
+                 .params(module_.ptr()->parameters())
+                 .buffers(training_buffers(*module_.ptr())))
       .at(0);
 }
 

@@ -3,6 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
 #include "frugal/train/sink.h"
@@ -59,6 +62,48 @@ EvalReport Trainer::evaluate(const Batch& data, const EvaluateOptions& options) 
     sink->write(report);
   }
   return report;
+}
+
+EvalReport Trainer::evaluate_each(const std::function<c10::optional<Batch>()>& next,
+                                  const EvaluateOptions& options) {
+  FRUGAL_CHECK(next != nullptr, "frugal: evaluate_each needs a source of batches");
+  EvalReport all;
+  std::int64_t hits = 0;  // argmax hits, as each part's accuracy x its scored targets
+  bool classes = true;
+  double time_ms = 0;
+  while (auto batch = next()) {
+    const auto part = evaluate_chunks(*batch, options.batch_size());
+    const auto count = all.count + part.count;
+    all.loss = count > 0 ? (all.loss * static_cast<double>(all.count) +
+                            part.loss * static_cast<double>(part.count)) /
+                               static_cast<double>(count)
+                         : 0.0;
+    classes = classes && part.accuracy >= 0;
+    hits += classes ? std::llround(part.accuracy * static_cast<double>(part.scored)) : 0;
+    all.count = count;
+    all.scored += part.scored;
+    all.samples += part.samples;
+    all.batches += part.batches;
+    all.oom_retries += part.oom_retries;
+    all.peak = std::max(all.peak, part.peak);
+    all.step = part.step;
+    all.batch_size = part.batch_size;
+    all.memory = part.memory;
+    all.ledger = part.ledger;
+    time_ms += part.time_ms;
+  }
+  FRUGAL_CHECK(all.batches > 0, "frugal: evaluate() got no batches");
+  all.accuracy =
+      classes && all.scored > 0 ? static_cast<double>(hits) / static_cast<double>(all.scored) : -1;
+  all.scored = classes ? all.scored : 0;
+  all.time_ms = time_ms;
+  if (options.combine()) {
+    options.combine()(all);
+  }
+  for (auto& sink : sinks_) {
+    sink->write(all);
+  }
+  return all;
 }
 
 EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_t> batch_size) {

@@ -78,6 +78,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
     report.count = split.total;
     report.micro_batches = static_cast<std::int64_t>(split.micros.size());
     report.micro_batch = split.micros.front().size();
+    parts_->batch_statistics.check(*module_, report.micro_batches, report.micro_batch);
     ctx.micro_count = report.micro_batches;
     report.time.data_ms += ms_since(data_start);
     try {

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "../memory/module_tensors.h"
+#include "batch_statistics.h"
 #include "frugal/train/trainer.h"
 #include "grad_ready.h"
 #include "gradient_window.h"
@@ -19,7 +20,8 @@ struct Trainer::Parts {
       : module_tensors(std::make_unique<detail::ModuleTensors>(module)),
         plan(options.micro_batches(), options.count()),
         window(optimizer, options.accumulate(), options.set_to_none()),
-        guard(options.skip_non_finite(), options.check_gradients()) {}
+        guard(options.skip_non_finite(), options.check_gradients()),
+        batch_statistics(options.batch_statistics()) {}
 
   std::unique_ptr<detail::ModuleTensors> module_tensors;  // what the ledger counts as weights
   std::unique_ptr<detail::GradReady> grad_ready;  // while a policy wants gradient-ready calls
@@ -28,6 +30,7 @@ struct Trainer::Parts {
   detail::GradientWindow window;
   detail::NonFiniteGuard guard;
   detail::StepHalt halt;
+  detail::BatchStatisticsCheck batch_statistics;
 };
 
 }  // namespace frugal

@@ -13,6 +13,7 @@
 #include "frugal/train/trainer.h"
 #include "grad_ready.h"
 #include "parts.h"
+#include "step_guard.h"
 
 namespace frugal {
 
@@ -63,16 +64,10 @@ void Trainer::unscale_gradients() {
 PartialStepError Trainer::partial_error(const char* where,
                                         const std::vector<torch::Tensor>& changed,
                                         const std::exception& error) {
-  std::unordered_map<const void*, std::string> names;
-  for (const auto& item : module_->named_parameters()) {
-    names[item.value().unsafeGetTensorImpl()] = item.key();
-  }
-  std::vector<std::string> updated;
+  auto updated = detail::parameter_names(*module_, changed);
   std::string list;
-  for (const auto& p : changed) {
-    const auto it = names.find(p.unsafeGetTensorImpl());
-    updated.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
-    list += (list.empty() ? "" : ", ") + updated.back();
+  for (const auto& name : updated) {
+    list += (list.empty() ? "" : ", ") + name;
   }
   parts_->halt.halt(fmt::format("{} of step {} changed {} parameter(s) before failing", where,
                                 steps_ + 1, updated.size()));

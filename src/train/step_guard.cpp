@@ -1,5 +1,7 @@
 #include "step_guard.h"
 
+#include <unordered_map>
+
 #include "../memory/state_tensors.h"
 #include "compat.h"
 #include "frugal/memory/ledger.h"
@@ -73,6 +75,20 @@ void OptimizerStepGuard::restore_unchanged() {
       state[key] = std::move(entry.state);
     }
   }
+}
+
+std::vector<std::string> parameter_names(const torch::nn::Module& module,
+                                         const std::vector<torch::Tensor>& params) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& item : module.named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  std::vector<std::string> out;
+  for (const auto& p : params) {
+    const auto it = names.find(p.unsafeGetTensorImpl());
+    out.push_back(it != names.end() ? it->second : "(a parameter outside the module)");
+  }
+  return out;
 }
 
 }  // namespace frugal::detail

@@ -2,11 +2,13 @@
 #pragma once
 
 #include <c10/util/SmallVector.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace frugal::detail {
@@ -41,5 +43,9 @@ class OptimizerStepGuard {
   torch::optim::Optimizer& optimizer_;
   std::vector<Entry> entries_;
 };
+
+/// The names in `module` of `params` ("(a parameter outside the module)" for the others).
+std::vector<std::string> parameter_names(const torch::nn::Module& module,
+                                         const std::vector<torch::Tensor>& params);
 
 }  // namespace frugal::detail

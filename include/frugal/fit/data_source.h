@@ -64,17 +64,7 @@ class TorchDataset : public DataSource {
     for (std::size_t i = 0; i < request.size(); ++i) {
       request[i] = static_cast<std::size_t>(data[i]);
     }
-    auto examples = dataset_.get_batch(request);
-    if constexpr (std::is_same_v<decltype(examples), torch::data::Example<>>) {
-      return {examples.data, examples.target};
-    } else {
-      std::vector<torch::Tensor> inputs, targets;
-      for (auto& example : examples) {
-        inputs.push_back(example.data);
-        targets.push_back(example.target);
-      }
-      return {torch::stack(inputs), torch::stack(targets)};
-    }
+    return to_batch(dataset_.get_batch(request));
   }
 
  private:

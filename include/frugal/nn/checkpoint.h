@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "frugal/checkpoint.h"
+#include "frugal/nn/module_pointer.h"
 
 namespace frugal::nn {
 
@@ -47,16 +48,6 @@ TORCH_MODULE(Checkpoint);
 /// it or its checkpointing is off: what frugal::nn::call asks.
 std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module);
 
-/// The shared pointer of a module holder, or the shared pointer itself.
-template <typename T>
-auto module_pointer(const std::shared_ptr<T>& p) {
-  return p;
-}
-template <typename T>
-auto module_pointer(const torch::nn::ModuleHolder<T>& holder) {
-  return holder.ptr();
-}
-
 /// Calls `block->forward(args...)`, checkpointed when a CheckpointPolicy chose `block` and
 /// gradients are being recorded (Tensor arguments are the checkpoint's inputs, other
 /// arguments pass through; the block's parameters always get gradients). A plain forward
@@ -80,8 +71,10 @@ auto call(const Block& block, const Args&... args) {
   if (chosen == nullptr) {
     return ptr->forward(args...);
   }
-  return checkpoint([ptr](const auto&... a) { return ptr->forward(a...); },
-                    CheckpointOptions(*chosen).params(ptr->parameters()), args...);
+  return checkpoint(
+      [ptr](const auto&... a) { return ptr->forward(a...); },
+      CheckpointOptions(*chosen).params(ptr->parameters()).buffers(training_buffers(*ptr)),
+      args...);
 }
 
 }  // namespace frugal::nn

@@ -2,10 +2,12 @@
 // dimension.
 #pragma once
 
+#include <torch/data/example.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -48,5 +50,29 @@ struct Batch {
   /// The batch on `device` (no copy of a tensor that is there already).
   Batch to(torch::Device device) const;
 };
+
+/// A batch as LibTorch's data API yields it: an Example (a Stack transform's), a
+/// TensorExample, or a vector of examples, stacked.
+inline Batch to_batch(const Batch& batch) { return batch; }
+template <typename Data, typename Target>
+Batch to_batch(const torch::data::Example<Data, Target>& example) {
+  if constexpr (std::is_same_v<Target, torch::data::example::NoTarget>) {
+    return {example.data, torch::Tensor()};
+  } else {
+    return {example.data, example.target};
+  }
+}
+template <typename Example>
+Batch to_batch(const std::vector<Example>& examples) {
+  std::vector<torch::Tensor> inputs, targets;
+  for (const auto& example : examples) {
+    const auto one = to_batch(example);
+    inputs.push_back(one.inputs);
+    if (one.targets.defined()) {
+      targets.push_back(one.targets);
+    }
+  }
+  return {torch::stack(inputs), targets.empty() ? torch::Tensor() : torch::stack(targets)};
+}
 
 }  // namespace frugal

@@ -32,6 +32,17 @@ enum class LossReduction {
   Sum,   ///< sum over the micro-batch: divided by the global count
 };
 
+/// What the trainer does when micro-batches would change what a layer computes from the
+/// batch (BatchNorm normalizes by the batch's mean and variance and updates its running
+/// statistics once per forward): each micro-batch is then normalized by its own statistics,
+/// so the gradient is not the whole batch's. GroupNorm and LayerNorm are exact under
+/// micro-batches; leaving micro_batch unset keeps BatchNorm exact.
+enum class BatchStatistics {
+  Warn,    ///< warn once per trainer, naming the layers, and go on
+  Accept,  ///< go on silently
+  Refuse,  ///< refuse the step, with an error naming the layers, before anything runs
+};
+
 /// Options of frugal::Trainer.
 ///
 /// Example:
@@ -47,6 +58,8 @@ struct TrainerOptions {
   TORCH_ARG(std::int64_t, accumulate) = 1;
   /// Release gradients after each optimizer step instead of filling them with zeros.
   TORCH_ARG(bool, set_to_none) = true;
+  /// Micro-batches over layers with batch statistics (BatchNorm); see BatchStatistics.
+  TORCH_ARG(BatchStatistics, batch_statistics) = BatchStatistics::Warn;
   /// How the loss function reduces; see LossReduction.
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
   /// The global count of a (micro-)batch, e.g. non-padding tokens. Unset: samples.

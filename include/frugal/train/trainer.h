@@ -5,14 +5,19 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "frugal/error.h"
 #include "frugal/memory/probe.h"
+#include "frugal/nn/module_pointer.h"
 #include "frugal/train/batch.h"
+#include "frugal/train/loss.h"
 #include "frugal/train/options.h"
 #include "frugal/train/policy.h"
 #include "frugal/train/port.h"
@@ -21,6 +26,28 @@
 namespace frugal {
 
 class ReportSink;
+
+namespace detail {
+
+template <typename P, typename = void>
+struct HasTensorForward : std::false_type {};
+template <typename P>
+struct HasTensorForward<
+    P, std::void_t<decltype(std::declval<P&>()->forward(std::declval<const torch::Tensor&>()))>>
+    : std::true_type {};
+
+// The model's forward(Tensor) as a function that keeps the model alive.
+template <typename Model>
+std::function<torch::Tensor(const torch::Tensor&)> tensor_forward(const Model& model) {
+  auto ptr = nn::module_pointer(model);
+  static_assert(HasTensorForward<decltype(ptr)>::value,
+                "frugal: this Trainer constructor calls the model's forward(Tensor); for a "
+                "forward of other arguments pass a function of the batch (the constructor "
+                "taking a BatchForwardFn)");
+  return [ptr](const torch::Tensor& x) { return torch::Tensor(ptr->forward(x)); };
+}
+
+}  // namespace detail
 
 /// The trainer's counters and sizes, as a saved training state carries them.
 struct TrainerCounters {
@@ -45,6 +72,10 @@ struct TrainerCounters {
 /// (AfterOptimizerStep, AfterZeroGrad, StepEnd) or from a sink comes with the step applied
 /// and counted in steps().
 ///
+/// Gradients already on the parameters when an accumulation window opens (left by a
+/// backward the program ran itself) are released first: a window accumulates from nothing.
+/// Several models or optimizers in one loop (a GAN) are frugal::Loop's.
+///
 /// Example:
 ///   torch::nn::Linear model(784, 10);
 ///   torch::optim::SGD sgd(model->parameters(), 0.1);
@@ -55,33 +86,24 @@ struct TrainerCounters {
 class Trainer : public PolicyPort {
  public:
   using ForwardFn = std::function<torch::Tensor(const torch::Tensor& inputs)>;
-  using LossFn = std::function<torch::Tensor(const torch::Tensor& output,
-                                             const torch::Tensor& targets)>;
+  using LossFn = frugal::LossFn;
   using BatchLossFn = std::function<torch::Tensor(const Batch& batch)>;
   /// A forward of a whole (micro-)batch, for models that take several tensors.
   using BatchForwardFn = std::function<torch::Tensor(const Batch& batch)>;
   /// A loss of the forward's output and the (micro-)batch it came from.
   using OutputLossFn = std::function<torch::Tensor(const torch::Tensor& output, const Batch& batch)>;
 
-  /// A module holder with a forward(Tensor), its optimizer and a loss of (output, targets).
-  template <typename ModuleHolder>
-  Trainer(ModuleHolder model, torch::optim::Optimizer& optimizer, LossFn loss,
-          TrainerOptions options = {})
-      : Trainer(model.ptr(),
-                [model](const torch::Tensor& x) mutable { return model->forward(x); },
-                optimizer, std::move(loss), std::move(options)) {}
-
-  /// A LibTorch loss function whose third parameter is its options with a default, as
-  /// torch::nn::functional::cross_entropy or mse_loss: called with default options.
-  template <typename ModuleHolder, typename LossOptions>
-  Trainer(ModuleHolder model, torch::optim::Optimizer& optimizer,
-          torch::Tensor (*loss)(const torch::Tensor&, const torch::Tensor&, const LossOptions&),
-          TrainerOptions options = {})
-      : Trainer(std::move(model), optimizer,
-                LossFn([loss](const torch::Tensor& output, const torch::Tensor& targets) {
-                  return loss(output, targets, LossOptions{});
-                }),
-                std::move(options)) {}
+  /// The model as a module holder (torch::nn::Linear, a TORCH_MODULE) or a std::shared_ptr
+  /// to a torch::nn::Module subclass (`std::make_shared<Net>()`) with a forward(Tensor); its
+  /// optimizer; any loss frugal::make_loss takes: a callable of (output, targets), a
+  /// torch::nn::functional loss (cross_entropy, nll_loss) or an ATen one (torch::nll_loss),
+  /// called with its defaults.
+  template <typename Model, typename Loss,
+            typename = std::enable_if_t<!std::is_invocable_v<Loss&, const Batch&> &&
+                                        !std::is_convertible_v<Model, std::string>>>
+  Trainer(Model model, torch::optim::Optimizer& optimizer, Loss&& loss, TrainerOptions options = {})
+      : Trainer(nn::module_pointer(model), detail::tensor_forward(model), optimizer,
+                make_loss(std::forward<Loss>(loss)), std::move(options)) {}
   Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
           torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options = {});
   /// Several tensors a sample: `forward` receives each micro-batch (inputs, targets and its
@@ -124,6 +146,32 @@ class Trainer : public PolicyPort {
   /// The report goes to the sinks.
   EvalReport evaluate(const Batch& data, c10::optional<std::int64_t> batch_size = c10::nullopt);
   EvalReport evaluate(const Batch& data, const EvaluateOptions& options);
+  /// The same over batches from an iterable: a torch::data DataLoader (`*loader`), a vector
+  /// of Batch; one report, the mean over all their samples. Only one batch (and its chunks)
+  /// is in memory at a time.
+  ///
+  /// Example:
+  ///   auto report = trainer.evaluate(*test_loader);
+  template <typename Batches,
+            typename = std::enable_if_t<!std::is_convertible_v<Batches&, const Batch&>>,
+            typename = decltype(std::begin(std::declval<Batches&>()))>
+  EvalReport evaluate(Batches& batches, const EvaluateOptions& options = {}) {
+    auto it = std::begin(batches);
+    const auto end = std::end(batches);
+    return evaluate_each(
+        [&]() -> c10::optional<Batch> {
+          if (it == end) {
+            return c10::nullopt;
+          }
+          auto batch = to_batch(*it);
+          ++it;
+          return batch;
+        },
+        options);
+  }
+  /// evaluate() over the batches `next` returns until it returns none.
+  EvalReport evaluate_each(const std::function<c10::optional<Batch>()>& next,
+                           const EvaluateOptions& options = {});
 
   /// Adds a policy after the others. Refused (with an error naming both and the rule) where
   /// its traits cannot meet those of one already added or of the optimizer, e.g. a policy

@@ -1,0 +1,182 @@
+// The user's own training loop, made exact and frugal: several models and optimizers, the
+// user's forward and loss, frugal's accumulation, loss scaling, guards and memory report.
+#pragma once
+
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "frugal/memory/ledger.h"
+#include "frugal/memory/probe.h"
+#include "frugal/nn/module_pointer.h"
+#include "frugal/train/batch.h"
+
+namespace frugal {
+
+class GradScaler;
+
+/// Options of frugal::Loop.
+///
+/// Example:
+///   auto options = frugal::LoopOptions().micro_batch(16).scaler(
+///       std::make_shared<frugal::GradScaler>());
+struct LoopOptions {
+  /// Loop::accumulate cuts a batch into micro-batches of at most this many samples (>= 1).
+  /// Unset: the whole batch at once.
+  TORCH_ARG(c10::optional<std::int64_t>, micro_batch) = c10::nullopt;
+  /// What a (micro-)batch counts for Loop::accumulate, e.g. non-padding tokens. Unset:
+  /// samples.
+  TORCH_ARG(std::function<std::int64_t(const Batch&)>, count) = nullptr;
+  /// Release a model's gradients after its step instead of filling them with zeros.
+  TORCH_ARG(bool, set_to_none) = true;
+  /// One loss scaler over every model's optimizer (PyTorch's GradScaler over several):
+  /// each loss is scaled before backward, each optimizer unscaled and checked at its step,
+  /// and the scale updated once per iteration, at Loop::end. Null: no scaling.
+  TORCH_ARG(std::shared_ptr<GradScaler>, scaler) = nullptr;
+  /// Without a scaler, skip a model's step when a loss backpropagated into it since its last
+  /// step was NaN or infinite (or, with check_gradients, any of its gradients is).
+  TORCH_ARG(bool, skip_non_finite) = true;
+  TORCH_ARG(bool, check_gradients) = false;
+  /// The device whose memory the reports measure.
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Whose bytes the reports count on the CPU (see MemoryScope).
+  TORCH_ARG(MemoryScope, memory_scope) = MemoryScope::Thread;
+  /// Measure the ledger (weights, gradients, optimizer state of every model) at Loop::end.
+  TORCH_ARG(bool, ledger) = true;
+};
+
+/// A model and its optimizer, as Loop::prepare registered them.
+class LoopModel {
+ public:
+  const std::string& name() const { return name_; }
+  torch::nn::Module& module() { return *module_; }
+  torch::optim::Optimizer& optimizer() { return optimizer_; }
+  std::int64_t steps() const { return steps_; }
+  std::int64_t skipped_steps() const { return skipped_; }
+  ~LoopModel();
+
+ private:
+  friend class Loop;
+  struct Parts;
+  LoopModel(std::string name, std::shared_ptr<torch::nn::Module> module,
+            torch::optim::Optimizer& optimizer, bool set_to_none);
+
+  std::string name_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::optim::Optimizer& optimizer_;
+  std::unique_ptr<Parts> parts_;
+  std::int64_t steps_ = 0;
+  std::int64_t skipped_ = 0;
+};
+
+/// What one iteration did to one model.
+struct LoopModelReport {
+  std::string name;
+  double loss = 0;  ///< sum of the losses backpropagated into it this iteration
+  std::int64_t backwards = 0;
+  bool stepped = false;    ///< its optimizer step ran
+  bool skipped = false;    ///< its step was skipped (inf/NaN)
+  std::int64_t steps = 0;  ///< steps so far
+};
+
+/// One iteration of a Loop, from the previous Loop::end to this one.
+struct LoopReport {
+  std::int64_t iteration = 0;  ///< iterations ended so far
+  std::vector<LoopModelReport> models;
+  double scale = 1;                       ///< the loss scale after the update (1 without a scaler)
+  std::map<std::string, double> metrics;  ///< what Loop::log recorded this iteration
+  MemorySnapshot memory;                  ///< at the end (after the steps released gradients)
+  std::int64_t peak = 0;                  ///< peak allocated bytes during the iteration
+  Ledger ledger;                          ///< every model's weights, gradients and optimizer state
+
+  const LoopModelReport& model(const std::string& name) const;
+  std::string summary() const;
+  std::string to_json() const;
+};
+
+/// A training loop the user writes, with frugal's pieces as verbs (Accelerate's shape):
+/// prepare each model with its optimizer, backpropagate each loss into the model it trains
+/// (only that model's parameters receive gradients, so a loss that flows through another
+/// model, as a GAN generator's through the discriminator, never leaks into that model's next
+/// step and costs it no gradient memory), step the models whose optimizers should step, and
+/// end the iteration for one report. Autocast (AutocastGuard), checkpointed blocks
+/// (nn::call, nn::Checkpoint), frugal's optimizers and BatchNorm work inside as they do
+/// anywhere.
+///
+/// A failed optimizer step leaves the model's parameters, optimizer state and gradients as
+/// they were, or raises PartialStepError when some parameters had already changed.
+///
+/// Example:
+///   frugal::Loop loop(frugal::LoopOptions().scaler(scaler));
+///   auto& d = loop.prepare(discriminator, d_adam, "discriminator");
+///   auto& g = loop.prepare(generator, g_adam, "generator");
+///   for (auto& real : batches) {
+///     auto fake = generator->forward(torch::randn({n, 64}));
+///     loop.backward(bce(discriminator->forward(real), ones), d);
+///     loop.backward(bce(discriminator->forward(fake.detach()), zeros), d);
+///     loop.step(d);
+///     loop.backward(bce(discriminator->forward(fake), ones), g);
+///     loop.step(g);
+///     fmt::print("{}\n", loop.end().summary());
+///   }
+class Loop {
+ public:
+  /// The loss of one micro-batch (reduced by its mean over the micro-batch).
+  using MicroLossFn = std::function<torch::Tensor(const Batch& micro)>;
+
+  explicit Loop(LoopOptions options = {});
+  ~Loop();
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+
+  /// Registers a model (a module holder or a std::shared_ptr to a module) and the optimizer
+  /// that trains it, under a name the reports use. The returned handle lives as the Loop.
+  template <typename Model>
+  LoopModel& prepare(const Model& model, torch::optim::Optimizer& optimizer, std::string name) {
+    return prepare_module(nn::module_pointer(model), optimizer, std::move(name));
+  }
+
+  /// Backpropagates `loss` (a scalar) into `model`'s trainable parameters only, scaled by the
+  /// scaler if there is one; gradients add up until the model's step.
+  void backward(const torch::Tensor& loss, LoopModel& model, bool retain_graph = false);
+  /// Exact gradient accumulation: cuts `batch` into micro-batches (LoopOptions::micro_batch),
+  /// calls `micro_loss` on each and backpropagates it into `model` weighted by its share of
+  /// the batch's count, so the gradient is the whole batch's mean loss's. Returns that mean.
+  double accumulate(const Batch& batch, LoopModel& model, const MicroLossFn& micro_loss);
+  /// Unscales (with a scaler), decides the skip on inf/NaN, steps the model's optimizer and
+  /// releases its gradients. Returns whether it stepped. At most once per iteration with a
+  /// scaler (its per-optimizer bookkeeping, as PyTorch's).
+  bool step(LoopModel& model);
+  /// Records a number for this iteration's report (accuracy, a discriminator's output).
+  void log(const std::string& name, double value);
+  /// Ends the iteration: updates the scale once, measures memory, and returns the report.
+  LoopReport end();
+
+  const LoopOptions& options() const { return options_; }
+  const MemoryProbe& probe() const { return probe_; }
+  std::int64_t iterations() const { return iterations_; }
+  const std::vector<std::unique_ptr<LoopModel>>& models() const { return models_; }
+
+ private:
+  LoopModel& prepare_module(std::shared_ptr<torch::nn::Module> module,
+                            torch::optim::Optimizer& optimizer, std::string name);
+  void check_own(const LoopModel& model, const char* verb) const;
+
+  LoopOptions options_;
+  MemoryProbe probe_;
+  std::vector<std::unique_ptr<LoopModel>> models_;
+  std::map<std::string, double> metrics_;
+  std::int64_t iterations_ = 0;
+  bool scaled_ = false;  // the scaler scaled a loss this iteration
+};
+
+}  // namespace frugal

@@ -1,0 +1,263 @@
+#include "frugal/loop/loop.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "../memory/module_tensors.h"
+#include "../train/gradient_window.h"
+#include "../train/micro_batch_plan.h"
+#include "../train/non_finite_guard.h"
+#include "../train/step_guard.h"
+#include "frugal/error.h"
+#include "frugal/memory/format.h"
+#include "frugal/policy/grad_scaler.h"
+
+namespace frugal {
+
+// A model's own pieces: the parameters its backward reaches, its gradient window (the
+// weights of micro-batch losses, releasing gradients), the tensors the ledger counts, and
+// what happened to it since its last step and in this iteration.
+struct LoopModel::Parts {
+  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool set_to_none)
+      : window(optimizer, /*accumulate=*/1, set_to_none), tensors(module) {
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (p.requires_grad()) {
+          trainable.push_back(p);
+        }
+      }
+    }
+  }
+  std::vector<torch::Tensor> trainable;
+  detail::GradientWindow window;
+  detail::ModuleTensors tensors;
+  bool pending = false;     // a backward reached it since its last step
+  bool non_finite = false;  // a loss of those was NaN or infinite
+  LoopModelReport iteration;
+};
+
+LoopModel::LoopModel(std::string name, std::shared_ptr<torch::nn::Module> module,
+                     torch::optim::Optimizer& optimizer, bool set_to_none)
+    : name_(std::move(name)),
+      module_(std::move(module)),
+      optimizer_(optimizer),
+      parts_(std::make_unique<Parts>(*module_, optimizer, set_to_none)) {
+  parts_->iteration.name = name_;
+}
+
+LoopModel::~LoopModel() = default;
+
+Loop::Loop(LoopOptions options)
+    : options_(std::move(options)), probe_(options_.device(), options_.memory_scope()) {
+  FRUGAL_CHECK(!options_.micro_batch() || *options_.micro_batch() >= 1,
+               "frugal: LoopOptions micro_batch must be >= 1, got ", *options_.micro_batch());
+  probe_.reset_peak();
+}
+
+Loop::~Loop() = default;
+
+LoopModel& Loop::prepare_module(std::shared_ptr<torch::nn::Module> module,
+                                torch::optim::Optimizer& optimizer, std::string name) {
+  FRUGAL_CHECK(module != nullptr, "frugal: Loop::prepare of '", name, "' needs a module");
+  FRUGAL_CHECK(!name.empty(), "frugal: Loop::prepare needs a name for the reports");
+  for (const auto& m : models_) {
+    FRUGAL_CHECK(m->name() != name, "frugal: Loop::prepare: the name '", name,
+                 "' is taken by another model");
+    FRUGAL_CHECK(&m->optimizer() != &optimizer, "frugal: Loop::prepare of '", name,
+                 "': its optimizer already trains '", m->name(), "'");
+  }
+  models_.push_back(std::unique_ptr<LoopModel>(
+      new LoopModel(std::move(name), std::move(module), optimizer, options_.set_to_none())));
+  FRUGAL_CHECK(!models_.back()->parts_->trainable.empty(), "frugal: Loop::prepare of '",
+               models_.back()->name(), "': its optimizer holds no parameter that requires grad");
+  return *models_.back();
+}
+
+void Loop::check_own(const LoopModel& model, const char* verb) const {
+  for (const auto& m : models_) {
+    if (m.get() == &model) {
+      return;
+    }
+  }
+  FRUGAL_CHECK(false, "frugal: Loop::", verb, " of '", model.name(),
+               "', a model another Loop prepared");
+}
+
+void Loop::backward(const torch::Tensor& loss, LoopModel& model, bool retain_graph) {
+  check_own(model, "backward");
+  FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::backward into '", model.name(),
+               "' needs a scalar loss, got a tensor of shape ",
+               loss.defined() ? loss.sizes() : torch::IntArrayRef{});
+  FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward into '", model.name(),
+               "': the loss does not require grad (was the forward run under no_grad?)");
+  const double value = loss.detach().item<double>();
+  auto& parts = *model.parts_;
+  auto root = loss.reshape({});
+  const auto& scaler = options_.scaler();
+  if (scaler && scaler->is_enabled()) {
+    root = scaler->scale(root);
+    scaled_ = true;
+  }
+  torch::autograd::backward({root}, {}, retain_graph, /*create_graph=*/false, parts.trainable);
+  parts.pending = true;
+  parts.non_finite = parts.non_finite || !std::isfinite(value);
+  parts.iteration.loss += value;
+  ++parts.iteration.backwards;
+}
+
+double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn& micro_loss) {
+  check_own(model, "accumulate");
+  FRUGAL_CHECK(micro_loss != nullptr, "frugal: Loop::accumulate into '", model.name(),
+               "' needs a loss function");
+  const detail::MicroBatchPlan plan(c10::nullopt, options_.count());
+  const auto split = plan.split(batch, options_.micro_batch().value_or(0));
+  const auto& window = model.parts_->window;
+  double mean = 0;
+  for (std::size_t i = 0; i < split.micros.size(); ++i) {
+    const auto loss = micro_loss(split.micros[i]);
+    FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
+                 model.name(), "': the micro-batch loss must be a scalar");
+    const double weight = window.weight(static_cast<double>(split.counts[i]), split.total);
+    mean += weight * loss.detach().item<double>();
+    backward(loss * weight, model);
+  }
+  // One loss of the batch in the report, not one per micro-batch.
+  auto& it = model.parts_->iteration;
+  it.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
+  return mean;
+}
+
+bool Loop::step(LoopModel& model) {
+  check_own(model, "step");
+  auto& parts = *model.parts_;
+  FRUGAL_CHECK(parts.pending, "frugal: Loop::step of '", model.name(),
+               "' before any backward into it since its last step");
+  auto& optimizer = model.optimizer();
+  const auto& scaler = options_.scaler();
+  const bool scaling = scaler && scaler->is_enabled();
+  bool go = false;
+  {
+    detail::OptimizerStepGuard guard(optimizer);
+    try {
+      go = scaling ? scaler->prepare_step(optimizer)
+                   : !detail::NonFiniteGuard(options_.skip_non_finite(), options_.check_gradients())
+                          .skips(parts.non_finite, optimizer);
+      if (go) {
+        optimizer.step();
+      }
+    } catch (const std::exception& error) {
+      const auto changed = guard.changed();
+      guard.restore_unchanged();
+      if (scaling) {
+        scaler->discard_step(optimizer);
+      }
+      if (changed.empty()) {
+        throw;
+      }
+      const auto names = detail::parameter_names(model.module(), changed);
+      std::string list;
+      for (const auto& name : names) {
+        list += (list.empty() ? "" : ", ") + name;
+      }
+      throw PartialStepError(
+          fmt::format("frugal: the optimizer step of '{}' failed after changing {} "
+                      "parameter(s): {}. Those hold new values, the others and the model's "
+                      "gradients are as before. The error was: {}",
+                      model.name(), names.size(), list, error_message(error)),
+          names);
+    }
+  }
+  ++(go ? model.steps_ : model.skipped_);
+  parts.window.zero();
+  parts.pending = false;
+  parts.non_finite = false;
+  parts.iteration.stepped = go;
+  parts.iteration.skipped = !go;
+  return go;
+}
+
+void Loop::log(const std::string& name, double value) { metrics_[name] = value; }
+
+LoopReport Loop::end() {
+  const auto& scaler = options_.scaler();
+  LoopReport report;
+  if (scaler && scaler->is_enabled()) {
+    if (scaled_) {
+      scaler->update();  // once, over every optimizer's findings
+    }
+    report.scale = scaler->get_scale();
+  }
+  scaled_ = false;
+  report.iteration = ++iterations_;
+  report.metrics = std::move(metrics_);
+  metrics_.clear();
+  report.memory = probe_.snapshot();
+  report.peak = probe_.peak();
+  for (auto& m : models_) {
+    auto& it = m->parts_->iteration;
+    it.steps = m->steps_;
+    report.models.push_back(it);
+    it = LoopModelReport{m->name()};
+    if (options_.ledger()) {
+      const auto ledger = detail::measure_ledger(probe_, m->parts_->tensors, &m->optimizer());
+      report.ledger.weights += ledger.weights;
+      report.ledger.gradients += ledger.gradients;
+      report.ledger.optimizer += ledger.optimizer;
+      report.ledger.allocated = ledger.allocated;
+    }
+  }
+  if (options_.ledger()) {
+    const auto& l = report.ledger;
+    report.ledger.other = l.allocated - l.weights - l.gradients - l.optimizer;
+  }
+  probe_.reset_peak();
+  return report;
+}
+
+const LoopModelReport& LoopReport::model(const std::string& name) const {
+  for (const auto& m : models) {
+    if (m.name == name) {
+      return m;
+    }
+  }
+  FRUGAL_CHECK(false, "frugal: the loop report has no model named '", name, "'");
+  return models.front();  // not reached
+}
+
+std::string LoopReport::summary() const {
+  std::string out = fmt::format("iteration {}", iteration);
+  for (const auto& m : models) {
+    out += fmt::format(" | {} loss {:.4f}{}", m.name, m.loss, m.skipped ? " (skipped)" : "");
+  }
+  for (const auto& [name, value] : metrics) {
+    out += fmt::format(" | {} {:.4f}", name, value);
+  }
+  return out +
+         fmt::format(" | allocated {} peak {}", format_bytes(memory.allocated), format_bytes(peak));
+}
+
+std::string LoopReport::to_json() const {
+  nlohmann::json models_json = nlohmann::json::array();
+  for (const auto& m : models) {
+    models_json.push_back({{"name", m.name},
+                           {"loss", m.loss},
+                           {"backwards", m.backwards},
+                           {"stepped", m.stepped},
+                           {"skipped", m.skipped},
+                           {"steps", m.steps}});
+  }
+  nlohmann::json j = {{"iteration", iteration},
+                      {"models", models_json},
+                      {"scale", scale},
+                      {"metrics", metrics},
+                      {"allocated_bytes", memory.allocated},
+                      {"peak_bytes", peak},
+                      {"ledger", nlohmann::json::parse(ledger.to_json())}};
+  return j.dump();
+}
+
+}  // namespace frugal

@@ -1,0 +1,30 @@
+// Layers whose output depends on the whole batch, which micro-batches would change.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "frugal/train/options.h"
+
+namespace frugal::detail {
+
+/// The names (in `module`'s tree) of its layers in training mode that normalize by batch
+/// statistics: LibTorch's BatchNorm1d, 2d and 3d.
+std::vector<std::string> batch_statistics_layers(const torch::nn::Module& module);
+
+/// Applies the BatchStatistics choice the first time a batch runs as `micro_batches` > 1
+/// micro-batches: warns once, refuses (throws, naming the layers), or accepts.
+class BatchStatisticsCheck {
+ public:
+  explicit BatchStatisticsCheck(BatchStatistics choice) : choice_(choice) {}
+  void check(const torch::nn::Module& module, std::int64_t micro_batches, std::int64_t size);
+
+ private:
+  BatchStatistics choice_;
+  bool warned_ = false;
+};
+
+}  // namespace frugal::detail
