@@ -3,6 +3,7 @@
   frugal::Loop gives the hand-written LibTorch loop's losses bit for bit for 200 iterations,
   with one generator forward per iteration and the same BatchNorm batch counters;
   with the discriminator's blocks checkpointed, still bit for bit with the same counters;
+  saved at iteration 100 and resumed in a new process, the rest bit for bit;
   bf16 autocast trains; fp16 with one loss scaler over both optimizers reports its scale;
   8-bit Adam states hold fewer optimizer bytes than Adam's, as the probe's ledger says;
   a bad command line ends with a clear message and a non-zero status.
@@ -49,6 +50,11 @@ check(len(rows) == ITERATIONS and all(r["ledger"]["grads_bytes"] == 0 for r in r
 checkpointed, ck_counters, ck_rows = run("checkpoint", "--checkpoint")
 check(checkpointed == hand, "with the discriminator's blocks checkpointed: still bit for bit")
 check(ck_counters == hand_counters, f"and the same BatchNorm counters {ck_counters}")
+
+half, _, _ = run("first-half", "--save", os.path.join(WORK, "gan.frugal"), iterations=ITERATIONS // 2)
+rest, _, _ = run("second-half", "--resume", os.path.join(WORK, "gan.frugal"))
+check(half == hand[:ITERATIONS // 2] and rest == hand[ITERATIONS // 2:],
+      "saved at the half and resumed in a new process: the rest of the losses bit for bit")
 
 bf16, _, _ = run("bf16", "--precision", "bf16", iterations=20)
 check(len(bf16) == 20 and all(math.isfinite(float(d)) and math.isfinite(float(g)) for d, g in bf16),

@@ -31,6 +31,8 @@ struct Args {
   bool checkpoint = false;
   bool hand = false;
   std::string report;
+  std::string save;
+  std::string resume;
   std::int64_t log_every = 20;
   int threads = 0;
 };
@@ -147,9 +149,16 @@ int run(const Args& args) {
     report = std::make_unique<std::ofstream>(args.report);
     FRUGAL_CHECK(report->good(), "gan: cannot write the report to '", args.report, "'");
   }
+  std::int64_t first = 1;
+  if (!args.resume.empty()) {
+    FRUGAL_CHECK(!args.hand, "gan: --resume is frugal::Loop's; not with --hand");
+    frugal::load_training_state(loop, args.resume);
+    first = loop.iterations() + 1;
+    fmt::print("resumed from {} at iteration {}\n", args.resume, loop.iterations());
+  }
   std::int64_t generator_forwards = 0;
   const auto n = images.size(0) / args.batch;
-  for (std::int64_t i = 1; i <= args.iterations; ++i) {
+  for (std::int64_t i = first; i <= args.iterations; ++i) {
     const auto real = images.narrow(0, ((i - 1) % n) * args.batch, args.batch);
     // Forwards under autocast (bf16 or fp16 where it pays), backwards outside it.
     auto D = [&](const torch::Tensor& x) {
@@ -197,6 +206,11 @@ int run(const Args& args) {
       fmt::print("{}\n", format_line(line));
     }
   }
+  if (!args.save.empty()) {
+    FRUGAL_CHECK(!args.hand, "gan: --save is frugal::Loop's; not with --hand");
+    frugal::save_training_state(loop, args.save);  // both models, optimizers, scaler, RNG
+    fmt::print("saved {} at iteration {}\n", args.save, loop.iterations());
+  }
   auto tracked = [](torch::nn::Module& m) {
     std::int64_t total = 0;
     for (const auto& b : m.named_buffers()) {
@@ -236,6 +250,9 @@ int main(int argc, char** argv) {
   app.add_flag("--checkpoint", args.checkpoint, "recompute the discriminator's blocks in backward");
   app.add_flag("--hand", args.hand, "run the plain LibTorch loop instead of frugal::Loop");
   app.add_option("--report", args.report, "write one JSON line per iteration here");
+  app.add_option("--save", args.save, "save the whole state (both models, optimizers, scaler, "
+                                      "generators) here at the end");
+  app.add_option("--resume", args.resume, "resume from a state --save wrote, up to --iterations");
   app.add_option("--log-every", args.log_every, "print every N iterations")
       ->check(CLI::PositiveNumber);
   app.add_option("--threads", args.threads, "LibTorch threads (0: its default)");

@@ -182,6 +182,31 @@ bool Loop::step(LoopModel& model) {
 
 void Loop::log(const std::string& name, double value) { metrics_[name] = value; }
 
+bool Loop::pending() const {
+  for (const auto& m : models_) {
+    if (m->parts_->pending) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void Loop::restore_counters(std::int64_t iterations,
+                            const std::vector<std::pair<std::int64_t, std::int64_t>>& steps) {
+  FRUGAL_CHECK(steps.size() == models_.size(), "frugal: Loop::restore_counters got ",
+               steps.size(), " models' counters for ", models_.size(), " models");
+  FRUGAL_CHECK(iterations >= 0, "frugal: invalid loop iterations ", iterations);
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    FRUGAL_CHECK(steps[i].first >= 0 && steps[i].second >= 0, "frugal: invalid counters of '",
+                 models_[i]->name(), "': steps ", steps[i].first, ", skipped ", steps[i].second);
+  }
+  iterations_ = iterations;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    models_[i]->steps_ = steps[i].first;
+    models_[i]->skipped_ = steps[i].second;
+  }
+}
+
 LoopReport Loop::end() {
   const auto& scaler = options_.scaler();
   LoopReport report;

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "frugal/memory/ledger.h"
@@ -160,6 +161,13 @@ class Loop {
   void log(const std::string& name, double value);
   /// Ends the iteration: updates the scale once, measures memory, and returns the report.
   LoopReport end();
+
+  /// Whether a model has gradients waiting for its step (a saved state does not hold them).
+  bool pending() const;
+  /// Puts back the counters a saved state holds (frugal::load_training_state, which puts
+  /// back everything else): iterations, and each model's steps and skipped steps.
+  void restore_counters(std::int64_t iterations,
+                        const std::vector<std::pair<std::int64_t, std::int64_t>>& steps);
 
   const LoopOptions& options() const { return options_; }
   const MemoryProbe& probe() const { return probe_; }

@@ -8,6 +8,7 @@
 namespace frugal {
 
 class Trainer;
+class Loop;
 
 /// What the caller keeps beside the trainer's state: the data position, the epoch, any
 /// bytes. Saved and loaded with it, verbatim.
@@ -39,5 +40,17 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
 /// is an error that names what differs, and the trainer, module, optimizer and generators
 /// are then as before. Loading also lifts a halt left by a PartialStepError.
 UserState load_training_state(Trainer& trainer, const std::string& path);
+
+/// The same for a frugal::Loop: every prepared model's parameters and buffers, its
+/// optimizer's state and its step counters, the loss scaler's state, the loop's iteration
+/// count, the generators and `user`, in one file written as above. Refused while a model has
+/// gradients waiting for its step.
+///
+/// Example:
+///   frugal::save_training_state(loop, "gan.frugal", {{{"iteration", i}}, {}});
+void save_training_state(Loop& loop, const std::string& path, const UserState& user = {});
+/// Loads a file written from a Loop whose models (by name, in order), optimizers and scaler
+/// are built as they were; all or nothing, errors naming what differs.
+UserState load_training_state(Loop& loop, const std::string& path);
 
 }  // namespace frugal
