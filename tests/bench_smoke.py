@@ -77,6 +77,8 @@ def runs(tmp):
         "bench_engine": ([b("bench_engine"), "--rounds", "1", "--steps", "2", "--batch", "4",
                           "--threads", "1"],
                          ["hand_ms", "engine_ms", "ratio", "loop_ms", "loop_ratio"], True, False),
+        "bench_rss": ([b("bench_rss"), "--steps", "3", "--batch", "8", "--workers", "0",
+                       "--threads", "1"], ["ratio", "plain_kib", "frugal_kib"], True, False),
         "bench_checkpoint": ([b("bench_checkpoint"), "--rounds", "1", "--steps", "1", "--blocks",
                               "2", "--width", "16", "--hidden", "32", "--batch", "4",
                               "--threads", "1"], ["time_ratio"], True, False),

@@ -57,6 +57,36 @@ TEST_F(CachingAllocatorTest, EmptyCacheLeavesReservedEqualToAllocated) {
   EXPECT_EQ(s.reserved, s.allocated);
 }
 
+TEST_F(CachingAllocatorTest, FreedBlocksPastTheCacheLimitGoBackToTheSystem) {
+  frugal::empty_cache();
+  CountingAllocator::set_cache_limit(3 << 20);  // room for three of the 1 MiB blocks
+  const auto before = CountingAllocator::stats();
+  EXPECT_EQ(before.cache_limit, 3 << 20);
+  {
+    std::vector<torch::Tensor> blocks;
+    for (int i = 0; i < 5; ++i) {
+      blocks.push_back(torch::empty({1 << 18}));  // 1 MiB each, a size class of its own
+    }
+  }
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.cached - before.cached, 3 << 20);
+  EXPECT_EQ(after.returned - before.returned, 2);
+  EXPECT_EQ(after.reserved, after.allocated + after.cached);
+  CountingAllocator::set_cache_limit(0);  // the default rule: max(16 MiB, live / 32)
+  EXPECT_EQ(CountingAllocator::stats().cache_limit,
+            std::max<std::int64_t>(16 << 20, CountingAllocator::stats().allocated / 32));
+  frugal::testing::expect_error_contains([] { CountingAllocator::set_cache_limit(-1); },
+                                         "cache limit must be >= 0 bytes, got -1");
+}
+
+TEST_F(CachingAllocatorTest, TheSizeClassesRoundingIsReported) {
+  const auto before = CountingAllocator::stats();
+  auto t = torch::empty({250}, torch::kByte);  // 250 bytes in the smallest class, 512
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.allocated - before.allocated, 250);
+  EXPECT_EQ(after.rounding - before.rounding, 512 - 250);
+}
+
 TEST_F(CachingAllocatorTest, ACapAboveLiveTensorsButBelowTheCacheSucceedsByReleasingIt) {
   frugal::empty_cache();
   { auto cached = torch::empty({1 << 20}); }  // 4 MiB now cached

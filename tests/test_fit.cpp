@@ -1,5 +1,8 @@
 // The fit loop and learning-rate schedules.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -86,6 +89,39 @@ TEST(Fit, TorchDatasetsGiveTheRunOfTheSameTensors) {
   auto stacked = PairDataset(all).map(torch::data::transforms::Stack<>());
   EXPECT_TRUE(
       torch::equal(fit_weights(frugal::TorchDataset<decltype(stacked)>(stacked)), expected));
+}
+
+TEST(Fit, ADataLoaderOrAVectorOfBatchesGivesTheRunOfTheSameBatches) {
+  const auto all = frugal::testing::resume_data();
+  auto in_order = [&](auto& train) {
+    auto s = make_resume_setup("checkpoint");
+    frugal::fit(*s->trainer, train, frugal::FitOptions().epochs(2).batch_size(48).shuffle(false));
+    return flat_state(*s->model);
+  };
+  frugal::TensorData tensors(all);
+  const auto expected = in_order(tensors);
+  auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+      PairDataset(all).map(torch::data::transforms::Stack<>()), 48);
+  EXPECT_TRUE(torch::equal(in_order(*loader), expected));
+  std::vector<frugal::Batch> batches;
+  for (std::int64_t start = 0; start < all.size(); start += 48) {
+    batches.push_back(all.slice(start, std::min<std::int64_t>(48, all.size() - start)));
+  }
+  EXPECT_TRUE(torch::equal(in_order(batches), expected));
+  // Stopped inside the second epoch and resumed: the loader's batches of that epoch already
+  // done are skipped, and the run ends where one never stopped does.
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("frugal-fit-loader-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto options = frugal::FitOptions().epochs(2).shuffle(false).save_dir(dir.string());
+  auto first = make_resume_setup("checkpoint");
+  const auto stopped = frugal::fit(*first->trainer, *loader, options.max_steps(9));
+  EXPECT_EQ(stopped.position.epoch, 2);
+  auto second = make_resume_setup("checkpoint");
+  const auto resumed = frugal::fit(*second->trainer, *loader, options.max_steps(0).resume(true));
+  EXPECT_FALSE(resumed.resumed_from.empty());
+  EXPECT_TRUE(torch::equal(flat_state(*second->model), expected));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Fit, EvaluatesEveryNStepsAndStopsAtMaxSteps) {

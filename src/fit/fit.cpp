@@ -47,7 +47,7 @@ class SignalWatch {
   struct sigaction old_term_ {};
 };
 
-void check_options(const FitOptions& o, const DataSource& train) {
+void check_options(const FitOptions& o) {
   FRUGAL_CHECK(o.epochs() >= 1, "frugal: fit epochs must be >= 1, got ", o.epochs());
   FRUGAL_CHECK(o.batch_size() >= 1, "frugal: fit batch_size must be >= 1, got ", o.batch_size());
   FRUGAL_CHECK(o.max_steps() >= 0, "frugal: fit max_steps must be >= 0, got ", o.max_steps());
@@ -55,7 +55,55 @@ void check_options(const FitOptions& o, const DataSource& train) {
   FRUGAL_CHECK(o.save_every() >= 0, "frugal: fit save_every must be >= 0, got ", o.save_every());
   FRUGAL_CHECK(!o.save_dir().empty() || (!o.resume() && o.save_every() == 0),
                "frugal: fit resume and save_every need a save_dir");
-  FRUGAL_CHECK(train.size() >= 1, "frugal: fit needs training data, got 0 samples");
+}
+
+// A DataSource's batches: each epoch in the order of the next permutation of a generator
+// seeded with the options' seed (replayed for the epochs a resumed run has done), each batch
+// shared among the ranks.
+class IndexedBatches : public FitBatches {
+ public:
+  IndexedBatches(const DataSource& data, const FitOptions& options, const Ranks& ranks)
+      : data_(data),
+        options_(options),
+        ranks_(ranks),
+        n_(data.size()),
+        generator_(torch::make_generator<torch::CPUGeneratorImpl>(options.seed())) {}
+  std::int64_t per_epoch() const override { return (n_ - 1) / options_.batch_size() + 1; }
+  void begin(std::int64_t epoch, std::int64_t done) override {
+    for (; options_.shuffle() && drawn_ + 1 < epoch; ++drawn_) {
+      torch::randperm(n_, generator_);  // the orders of the epochs already done
+    }
+    order_ = options_.shuffle() ? torch::randperm(n_, generator_) : torch::arange(n_, torch::kLong);
+    drawn_ = epoch;
+    batch_ = done;
+  }
+  c10::optional<Batch> next() override {
+    if (batch_ >= per_epoch()) {
+      return c10::nullopt;
+    }
+    const std::int64_t bs = options_.batch_size();
+    const std::int64_t start = batch_++ * bs;
+    const auto indices = ranks_.share(order_.narrow(0, start, std::min(bs, n_ - start)));
+    if (!indices.defined()) {
+      return Batch{};  // too small to give every process a sample
+    }
+    return data_.get(indices);
+  }
+
+ private:
+  const DataSource& data_;
+  const FitOptions& options_;
+  const Ranks& ranks_;
+  std::int64_t n_;
+  torch::Generator generator_;
+  std::int64_t drawn_ = 0;  // permutations drawn
+  torch::Tensor order_;
+  std::int64_t batch_ = 0;
+};
+
+const Ranks& ranks_of(const FitOptions& options) {
+  static const Ranks one_process;
+  return options.ranks() ? *options.ranks() : one_process;
 }
 
 constexpr const char* kEpoch = "fit/epoch";
@@ -73,7 +121,9 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
                saves.resumed_from(), "' was not saved by fit (no position in it)");
   pos.epoch = user->values.at(kEpoch);
   pos.batch = user->values.at(kBatch);
-  FRUGAL_CHECK(pos.epoch >= 1 && pos.batch >= 0 && pos.batch <= pos.batches_per_epoch, "frugal: '",
+  FRUGAL_CHECK(pos.epoch >= 1 && pos.batch >= 0 &&
+                   (pos.batches_per_epoch < 0 || pos.batch <= pos.batches_per_epoch),
+               "frugal: '",
                saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
                ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
   result.resumed_from = saves.resumed_from();
@@ -92,18 +142,22 @@ EvalReport Ranks::evaluate(Trainer& trainer, const Batch& data) const {
 
 FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& options,
               const Batch& eval) {
-  check_options(options, train);
+  check_options(options);
+  FRUGAL_CHECK(train.size() >= 1, "frugal: fit needs training data, got 0 samples");
+  IndexedBatches batches(train, options, ranks_of(options));
+  return fit(trainer, static_cast<FitBatches&>(batches), options, eval);
+}
+
+FitResult fit(Trainer& trainer, FitBatches& train, const FitOptions& options,
+              const Batch& eval) {
+  check_options(options);
   const FitOptions::LogFn log = options.log() ? options.log() : [](const std::string& line) {
     fmt::print(stderr, "frugal: {}\n", line);
   };
-  const std::int64_t n = train.size();
-  const std::int64_t bs = options.batch_size();
   FitResult result;
   auto& pos = result.position;
-  pos.batches_per_epoch = (n - 1) / bs + 1;
-
-  static const Ranks one_process;
-  const Ranks& ranks = options.ranks() ? *options.ranks() : one_process;
+  pos.batches_per_epoch = train.per_epoch();
+  const Ranks& ranks = ranks_of(options);
   const bool writes = ranks.writes_saves(trainer.optimizer());
   std::optional<SaveDir> saves;
   if (!options.save_dir().empty()) {
@@ -142,10 +196,6 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   };
 
   SignalWatch signals(options.handle_signals());
-  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(options.seed());
-  for (std::int64_t e = 1; options.shuffle() && e < pos.epoch; ++e) {
-    torch::randperm(n, generator);  // the orders of the epochs already done
-  }
   bool stop = reached_max();
   for (; pos.epoch <= options.epochs() && !stop; ++pos.epoch, pos.batch = 0) {
     pos.end_of_epoch = false;
@@ -153,16 +203,19 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
     if (options.on_epoch_begin()) {
       options.on_epoch_begin()(pos);
     }
-    const auto order =
-        options.shuffle() ? torch::randperm(n, generator) : torch::arange(n, torch::kLong);
-    while (pos.batch < pos.batches_per_epoch) {
-      const std::int64_t start = pos.batch * bs;
-      const auto indices = ranks.share(order.narrow(0, start, std::min(bs, n - start)));
-      if (!indices.defined()) {
+    train.begin(pos.epoch, pos.batch);
+    bool finished = false;  // the epoch's batches ran out (not stopped inside it)
+    while (true) {
+      auto batch = train.next();
+      if (!batch) {
+        finished = true;
+        break;
+      }
+      if (!batch->inputs.defined()) {
         ++pos.batch;  // too small to give every process a sample
         continue;
       }
-      const auto report = trainer.step(train.get(indices));
+      const auto report = trainer.step(*batch);
       ++pos.batch;
       pos.step = trainer.steps();
       if (options.on_step()) {
@@ -193,10 +246,15 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
         break;
       }
     }
+    FRUGAL_CHECK(pos.batch > 0 || !finished, "frugal: fit got no batches in epoch ", pos.epoch);
+    if (finished && pos.batches_per_epoch < 0) {
+      pos.batches_per_epoch = pos.batch;  // known now: the epoch has ended
+    }
     if (trainer.flush()) {
       pos.step = trainer.steps();
     }
-    pos.end_of_epoch = pos.batch == pos.batches_per_epoch;
+    pos.end_of_epoch =
+        finished || (pos.batches_per_epoch >= 0 && pos.batch == pos.batches_per_epoch);
     if (options.eval_every() == 0 && eval.inputs.defined()) {
       evaluate();
     }

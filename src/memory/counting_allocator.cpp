@@ -56,7 +56,18 @@ struct Counters {
   std::atomic<std::int64_t> ooms{0};
   std::atomic<std::int64_t> last_refused{0};
   std::atomic<std::int64_t> cap{0};
+  std::atomic<std::int64_t> capacity{0};     // size classes of live blocks
+  std::atomic<std::int64_t> cache_limit{0};  // 0: the default rule
+  std::atomic<std::int64_t> returned{0};     // freed blocks given back past the limit
 };
+
+// How many bytes of freed blocks the cache keeps: a fixed limit if one was set, else
+// max(16 MiB, 1/32 of the live bytes), so that a steady training loop reuses its
+// blocks while the cache cannot hold much more memory than the program uses.
+std::int64_t cache_limit_of(const Counters& c) {
+  const auto fixed = c.cache_limit.load();
+  return fixed > 0 ? fixed : std::max<std::int64_t>(std::int64_t{16} << 20, c.allocated.load() / 32);
+}
 
 // Never destroyed: tensors that outlive main (LibTorch's static ones) are freed through
 // the allocator after static destructors have run.
@@ -208,6 +219,7 @@ class Counting final : public compat::AllocatorBase {
       raise(owner->peak, owner->allocated.fetch_add(bytes, std::memory_order_relaxed) + bytes);
     }
     *static_cast<Header*>(base) = Header{bytes, capacity, owner};
+    c.capacity.fetch_add(capacity);
     raise(c.peak, now);
     raise(c.reserved_peak, now + c.cached.load());
     c.live.fetch_add(1);
@@ -246,10 +258,19 @@ void Counting::release(void* data) {
   void* base = static_cast<char*>(data) - kHeader;
   const Header header = *static_cast<Header*>(base);
   auto& c = counters();
+  c.capacity.fetch_sub(header.capacity);
   // Cached before it stops counting as allocated: reserved never dips below what is held.
-  c.cached.fetch_add(header.capacity);
-  counting().cache.put(base, header.capacity);
+  // Past the cache's limit the block goes back to the system instead.
+  const bool keep = c.cached.load() + header.capacity <= cache_limit_of(c);
+  if (keep) {
+    c.cached.fetch_add(header.capacity);
+    counting().cache.put(base, header.capacity);
+  }
   const std::int64_t now = c.allocated.fetch_sub(header.requested) - header.requested;
+  if (!keep) {
+    c.returned.fetch_add(1);
+    counting().inner_free(base);
+  }
   raise(c.reserved_peak, now + c.cached.load());
   c.live.fetch_sub(1);
   if (header.owner != nullptr) {
@@ -299,6 +320,9 @@ CpuAllocatorStats CountingAllocator::stats() {
   s.ooms = c.ooms.load();
   s.last_refused = c.last_refused.load();
   s.cap = c.cap.load();
+  s.rounding = c.capacity.load() - s.allocated;
+  s.cache_limit = cache_limit_of(c);
+  s.returned = c.returned.load();
   return s;
 }
 
@@ -327,6 +351,11 @@ void CountingAllocator::set_cap(std::int64_t bytes) {
 }
 
 std::int64_t CountingAllocator::cap() { return counters().cap.load(); }
+
+void CountingAllocator::set_cache_limit(std::int64_t bytes) {
+  FRUGAL_CHECK(bytes >= 0, "frugal: the CPU cache limit must be >= 0 bytes, got ", bytes);
+  counters().cache_limit.store(bytes);
+}
 
 namespace {
 

@@ -2,12 +2,17 @@
 // policy, saving every N steps and on SIGINT/SIGTERM, and resuming from a folder.
 #pragma once
 
+#include <c10/util/Optional.h>
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "frugal/fit/data_source.h"
 #include "frugal/fit/ranks.h"
@@ -89,6 +94,48 @@ struct FitResult {
   EvalReport eval;           ///< the last evaluation (samples == 0: none)
 };
 
+/// Where fit takes its batches from, epoch by epoch: fit makes one of a DataSource (shuffled
+/// by fit, shared among the ranks) or of any iterable of batches; a program may give its own.
+class FitBatches {
+ public:
+  virtual ~FitBatches() = default;
+  /// Batches an epoch has, or -1 where that is known only at the epoch's end.
+  virtual std::int64_t per_epoch() const = 0;
+  /// Starts epoch `epoch` (from 1) after its first `done` batches (a resumed run).
+  virtual void begin(std::int64_t epoch, std::int64_t done) = 0;
+  /// The epoch's next batch, or none at its end; a batch without inputs counts as a batch
+  /// but is not trained on (too small to share among the ranks).
+  virtual c10::optional<Batch> next() = 0;
+};
+
+/// The batches of an iterable (a torch::data DataLoader, a std::vector of Batch), one pass
+/// an epoch, each converted by frugal::to_batch.
+template <typename Batches>
+class IterableBatches : public FitBatches {
+ public:
+  explicit IterableBatches(Batches& batches) : batches_(batches) {}
+  std::int64_t per_epoch() const override { return -1; }
+  void begin(std::int64_t, std::int64_t done) override {
+    it_.reset();
+    it_.emplace(std::begin(batches_));
+    for (std::int64_t i = 0; i < done && *it_ != std::end(batches_); ++i) {
+      ++*it_;
+    }
+  }
+  c10::optional<Batch> next() override {
+    if (!it_ || *it_ == std::end(batches_)) {
+      return c10::nullopt;
+    }
+    auto batch = to_batch(**it_);
+    ++*it_;
+    return batch;
+  }
+
+ private:
+  Batches& batches_;
+  std::optional<decltype(std::begin(std::declval<Batches&>()))> it_;
+};
+
 /// Trains `trainer` on `train` under `options`, evaluating on `eval` when it has inputs.
 /// An epoch that ends inside an accumulation window steps it (Trainer::flush). Saves are
 /// made only between optimizer steps; a resumed run meets the same batches and gets the
@@ -102,5 +149,26 @@ struct FitResult {
 ///                             {test_images, test_labels});
 FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& options = {},
               const Batch& eval = {});
+/// The same over batches a FitBatches gives; options.batch_size and shuffle are its own.
+FitResult fit(Trainer& trainer, FitBatches& train, const FitOptions& options = {},
+              const Batch& eval = {});
+/// The same over an iterable of batches, a torch::data DataLoader (`*loader`) or a vector of
+/// Batch: one pass an epoch, in its order, its batch size. A resumed run skips the batches of
+/// its epoch already done, so the order must repeat (a sequential sampler, or one seeded per
+/// epoch). Under ranks, each process's iterable yields that process's share.
+///
+/// Example:
+///   auto loader = torch::data::make_data_loader(
+///       dataset.map(torch::data::transforms::Stack<>()), 64);
+///   frugal::fit(trainer, *loader, frugal::FitOptions().epochs(3));
+template <typename Batches,
+          typename = std::enable_if_t<!std::is_base_of_v<DataSource, Batches> &&
+                                      !std::is_base_of_v<FitBatches, Batches>>,
+          typename = decltype(std::begin(std::declval<Batches&>()))>
+FitResult fit(Trainer& trainer, Batches& train, const FitOptions& options = {},
+              const Batch& eval = {}) {
+  IterableBatches<Batches> batches(train);
+  return fit(trainer, static_cast<FitBatches&>(batches), options, eval);
+}
 
 }  // namespace frugal

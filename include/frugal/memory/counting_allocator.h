@@ -22,6 +22,11 @@ struct CpuAllocatorStats {
   std::int64_t ooms = 0;               ///< requests refused by the cap
   std::int64_t last_refused = 0;       ///< bytes of the last request the cap refused
   std::int64_t cap = 0;                ///< the cap in bytes, 0 for none
+  /// Bytes live blocks hold beyond their requests: the size classes' rounding (at most an
+  /// eighth of a block; `allocated` + `rounding` is what live tensors occupy).
+  std::int64_t rounding = 0;
+  std::int64_t cache_limit = 0;  ///< the most `cached` may hold now
+  std::int64_t returned = 0;     ///< freed blocks given back to the system past the limit
 };
 
 /// One thread's share of the counting allocator: the bytes of live blocks that thread
@@ -42,7 +47,10 @@ struct CpuThreadStats {
 /// least 512 bytes, eight per power of two), so a training loop's steady-state steps take
 /// nothing from the system: no mmap/munmap and no page faults for the large tensors glibc
 /// would otherwise map and unmap every step. `reserved` is allocated + cached;
-/// `empty_cache()` returns the cached blocks to the system. Free lists are sharded by size
+/// `empty_cache()` returns the cached blocks to the system. The cache is bounded, so a
+/// program linked with frugal holds about the memory it would hold without it: by default
+/// to max(16 MiB, 1/32 of the live bytes) (`set_cache_limit` sets another); a block
+/// freed past the limit goes back to the system. Free lists are sharded by size
 /// class, each shard with its own lock.
 ///
 /// With a cap, a request that would take allocated + cached past it first returns the
@@ -76,6 +84,9 @@ class CountingAllocator {
   /// Refuses allocations that would take allocated bytes past `bytes`; 0 removes the cap.
   static void set_cap(std::int64_t bytes);
   static std::int64_t cap();
+  /// Keeps at most `bytes` of freed blocks for reuse; 0 restores the default rule,
+  /// max(16 MiB, 1/32 of the live bytes).
+  static void set_cache_limit(std::int64_t bytes);
 };
 
 /// Installs the counter and a cap for a scope, restoring the previous cap on exit.
