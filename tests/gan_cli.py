@@ -6,6 +6,7 @@
   saved at iteration 100 and resumed in a new process, the rest bit for bit;
   bf16 autocast trains; fp16 with one loss scaler over both optimizers reports its scale;
   8-bit Adam states hold fewer optimizer bytes than Adam's, as the probe's ledger says;
+  two ranks under --distributed (started as torchrun starts them) end with the same weights;
   a bad command line ends with a clear message and a non-zero status.
 Usage: gan_cli.py PATH/TO/gan WORK_DIR
 """
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -70,6 +72,25 @@ _, _, adam = run("adam", iterations=3, width=32)
 _, _, adam8 = run("adam8bit", "--optimizer", "adam8bit", iterations=3, width=32)
 a, b = adam[-1]["ledger"]["optimizer_bytes"], adam8[-1]["ledger"]["optimizer_bytes"]
 check(0 < b < a / 2, f"8-bit Adam states hold {b} optimizer bytes against Adam's {a}")
+
+# Two ranks as torchrun starts them, each its half of every batch of 16.
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+ranks = []
+for rank in range(2):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ranks.append(subprocess.Popen(
+        [BINARY, "--iterations", "20", "--batch", "16", "--width", "8", "--latent", "16",
+         "--seed", "5", "--threads", "1", "--log-every", "1", "--distributed"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+outs = [r.communicate(timeout=300) for r in ranks]
+sums = [re.search(r"parameters checksum (\S+)", o[0]) for o in outs]
+check(all(r.returncode == 0 for r in ranks) and all(sums) and sums[0].group(1) == sums[1].group(1),
+      f"--distributed: two ranks end with the same weights ({[m.group(1) if m else None for m in sums]})")
+check(len(re.findall(r"d_loss", outs[0][0])) == 20 and "d_loss" not in outs[1][0],
+      "--distributed: rank 0 prints the iterations, rank 1 does not")
 
 bad = subprocess.run([BINARY, "--precision", "fp8"], capture_output=True, text=True)
 check(bad.returncode != 0 and "--precision" in bad.stderr + bad.stdout and "terminate" not in bad.stderr,

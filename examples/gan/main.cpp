@@ -30,6 +30,7 @@ struct Args {
   std::string optimizer = "adam";
   bool checkpoint = false;
   bool hand = false;
+  bool distributed = false;
   std::string report;
   std::string save;
   std::string resume;
@@ -141,11 +142,25 @@ int run(const Args& args) {
   const bool low = args.precision != "fp32";
   const auto dtype = args.precision == "fp16" ? torch::kHalf : torch::kBFloat16;
   auto scaler = args.precision == "fp16" ? std::make_shared<frugal::GradScaler>() : nullptr;
-  frugal::Loop loop(frugal::LoopOptions().scaler(scaler));
+  // Under torchrun each rank trains on its share of every batch; both models' gradients are
+  // averaged over the ranks before their steps. BatchNorm normalizes each rank's share by
+  // its own statistics, as under PyTorch's DDP without SyncBatchNorm.
+  std::shared_ptr<frugal::distributed::Group> group;
+  std::shared_ptr<frugal::GradientReducer> reducer;
+  if (args.distributed) {
+    FRUGAL_CHECK(!args.hand, "gan: --distributed is frugal::Loop's; not with --hand");
+    group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
+    FRUGAL_CHECK(args.batch % group->size() == 0, "gan: --batch ", args.batch,
+                 " does not split evenly over ", group->size(), " ranks");
+    reducer = std::make_shared<frugal::distributed::GradientAverage>(group);
+  }
+  const int rank = group ? group->rank() : 0;
+  const std::int64_t share = group ? args.batch / group->size() : args.batch;
+  frugal::Loop loop(frugal::LoopOptions().scaler(scaler).reducer(reducer));
   auto& dm = loop.prepare(d, *d_opt, "discriminator");
   auto& gm = loop.prepare(g, *g_opt, "generator");
   std::unique_ptr<std::ofstream> report;
-  if (!args.report.empty()) {
+  if (!args.report.empty() && rank == 0) {
     report = std::make_unique<std::ofstream>(args.report);
     FRUGAL_CHECK(report->good(), "gan: cannot write the report to '", args.report, "'");
   }
@@ -159,7 +174,9 @@ int run(const Args& args) {
   std::int64_t generator_forwards = 0;
   const auto n = images.size(0) / args.batch;
   for (std::int64_t i = first; i <= args.iterations; ++i) {
-    const auto real = images.narrow(0, ((i - 1) % n) * args.batch, args.batch);
+    // Every rank draws the whole batch's noise (one random stream for all) and keeps its share.
+    const auto real =
+        images.narrow(0, ((i - 1) % n) * args.batch, args.batch).narrow(0, rank * share, share);
     // Forwards under autocast (bf16 or fp16 where it pays), backwards outside it.
     auto D = [&](const torch::Tensor& x) {
       frugal::AutocastGuard autocast(torch::kCPU, dtype, low);
@@ -167,7 +184,7 @@ int run(const Args& args) {
     };
     auto fake = [&] {
       frugal::AutocastGuard autocast(torch::kCPU, dtype, low);
-      return g->forward(torch::randn({args.batch, args.latent}));
+      return g->forward(torch::randn({args.batch, args.latent}).narrow(0, rank * share, share));
     }();
     ++generator_forwards;
     Line line{i, 0, 0};
@@ -202,11 +219,11 @@ int run(const Args& args) {
         *report << r.to_json() << "\n";
       }
     }
-    if (i % args.log_every == 0 || i == args.iterations) {
+    if (rank == 0 && (i % args.log_every == 0 || i == args.iterations)) {
       fmt::print("{}\n", format_line(line));
     }
   }
-  if (!args.save.empty()) {
+  if (!args.save.empty() && rank == 0) {  // the ranks hold the same state
     FRUGAL_CHECK(!args.hand, "gan: --save is frugal::Loop's; not with --hand");
     frugal::save_training_state(loop, args.save);  // both models, optimizers, scaler, RNG
     fmt::print("saved {} at iteration {}\n", args.save, loop.iterations());
@@ -220,10 +237,17 @@ int run(const Args& args) {
     }
     return total;
   };
+  double checksum = 0;  // the same on every rank: the ranks hold the same weights
+  for (const auto& p : g->parameters()) {
+    checksum += p.detach().to(torch::kDouble).sum().item<double>();
+  }
+  for (const auto& p : d->parameters()) {
+    checksum += p.detach().to(torch::kDouble).sum().item<double>();
+  }
   fmt::print(
       "generator forwards {} generator batchnorm batches {} discriminator batchnorm "
-      "batches {}\n",
-      generator_forwards, tracked(*g), tracked(*d));
+      "batches {}\nrank {} parameters checksum {:.17g}\n",
+      generator_forwards, tracked(*g), tracked(*d), rank, checksum);
   return 0;
 }
 
@@ -249,6 +273,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"adam", "adam8bit"}));
   app.add_flag("--checkpoint", args.checkpoint, "recompute the discriminator's blocks in backward");
   app.add_flag("--hand", args.hand, "run the plain LibTorch loop instead of frugal::Loop");
+  app.add_flag("--distributed", args.distributed,
+               "data parallel over the ranks torchrun started (each its share of a batch)");
   app.add_option("--report", args.report, "write one JSON line per iteration here");
   app.add_option("--save", args.save, "save the whole state (both models, optimizers, scaler, "
                                       "generators) here at the end");

@@ -55,6 +55,7 @@ Loop::Loop(LoopOptions options)
     : options_(std::move(options)), probe_(options_.device(), options_.memory_scope()) {
   FRUGAL_CHECK(!options_.micro_batch() || *options_.micro_batch() >= 1,
                "frugal: LoopOptions micro_batch must be >= 1, got ", *options_.micro_batch());
+  micro_batch_ = options_.micro_batch().value_or(0);
   probe_.reset_peak();
 }
 
@@ -114,21 +115,50 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
   FRUGAL_CHECK(micro_loss != nullptr, "frugal: Loop::accumulate into '", model.name(),
                "' needs a loss function");
   const detail::MicroBatchPlan plan(c10::nullopt, options_.count());
-  const auto split = plan.split(batch, options_.micro_batch().value_or(0));
-  const auto& window = model.parts_->window;
-  double mean = 0;
-  for (std::size_t i = 0; i < split.micros.size(); ++i) {
-    const auto loss = micro_loss(split.micros[i]);
-    FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
-                 model.name(), "': the micro-batch loss must be a scalar");
-    const double weight = window.weight(static_cast<double>(split.counts[i]), split.total);
-    mean += weight * loss.detach().item<double>();
-    backward(loss * weight, model);
+  auto& parts = *model.parts_;
+  // The gradients from before this call wait aside when a failure may run the batch again.
+  std::vector<torch::Tensor> aside;
+  if (options_.oom_recovery()) {
+    aside = parts.window.take();
   }
-  // One loss of the batch in the report, not one per micro-batch.
-  auto& it = model.parts_->iteration;
-  it.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
-  return mean;
+  const auto before = parts.iteration;
+  const bool pending = parts.pending;
+  const bool non_finite = parts.non_finite;
+  while (true) {
+    try {
+      const auto split = plan.split(batch, micro_batch_);
+      double mean = 0;
+      for (std::size_t i = 0; i < split.micros.size(); ++i) {
+        const auto loss = micro_loss(split.micros[i]);
+        FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
+                     model.name(), "': the micro-batch loss must be a scalar");
+        const double weight =
+            parts.window.weight(static_cast<double>(split.counts[i]), split.total);
+        mean += weight * loss.detach().item<double>();
+        backward(loss * weight, model);
+      }
+      if (options_.oom_recovery()) {
+        parts.window.put_back(std::move(aside), /*add=*/true);
+      }
+      // One loss of the batch in the report, not one per micro-batch.
+      parts.iteration.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
+      return mean;
+    } catch (const c10::OutOfMemoryError&) {
+      const std::int64_t size = micro_batch_ > 0 ? micro_batch_ : batch.size();
+      if (!options_.oom_recovery() || size <= 1) {
+        throw;
+      }
+      // This call's partial gradients go; the ones from before come back on success.
+      parts.window.zero();
+      const auto retries = parts.iteration.oom_retries;
+      parts.iteration = before;
+      parts.iteration.oom_retries = retries + 1;
+      parts.pending = pending;
+      parts.non_finite = non_finite;
+      probe_.empty_cache();
+      micro_batch_ = size / 2;
+    }
+  }
 }
 
 bool Loop::step(LoopModel& model) {
@@ -139,13 +169,25 @@ bool Loop::step(LoopModel& model) {
   auto& optimizer = model.optimizer();
   const auto& scaler = options_.scaler();
   const bool scaling = scaler && scaler->is_enabled();
+  const auto& reducer = options_.reducer();
+  if (reducer) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : parts.trainable) {
+      if (p.grad().defined()) {
+        grads.push_back(p.grad());
+      }
+    }
+    reducer->reduce(grads);  // an inf on one process reaches every process's scaler
+  }
+  // Without a scaler, the processes agree: one process's non-finite loss skips every one's.
+  const bool non_finite = reducer && !scaling ? reducer->any(parts.non_finite) : parts.non_finite;
   bool go = false;
   {
     detail::OptimizerStepGuard guard(optimizer);
     try {
       go = scaling ? scaler->prepare_step(optimizer)
                    : !detail::NonFiniteGuard(options_.skip_non_finite(), options_.check_gradients())
-                          .skips(parts.non_finite, optimizer);
+                          .skips(non_finite, optimizer);
       if (go) {
         optimizer.step();
       }
@@ -273,6 +315,7 @@ std::string LoopReport::to_json() const {
                            {"backwards", m.backwards},
                            {"stepped", m.stepped},
                            {"skipped", m.skipped},
+                           {"oom_retries", m.oom_retries},
                            {"steps", m.steps}});
   }
   nlohmann::json j = {{"iteration", iteration},

@@ -20,6 +20,7 @@
 #include "frugal/memory/probe.h"
 #include "frugal/nn/module_pointer.h"
 #include "frugal/train/batch.h"
+#include "frugal/train/reducer.h"
 
 namespace frugal {
 
@@ -37,12 +38,20 @@ struct LoopOptions {
   /// What a (micro-)batch counts for Loop::accumulate, e.g. non-padding tokens. Unset:
   /// samples.
   TORCH_ARG(std::function<std::int64_t(const Batch&)>, count) = nullptr;
+  /// On an out-of-memory error inside Loop::accumulate, halve the micro-batch (down to 1) and
+  /// run the batch again from its first micro-batch, the gradients before the call kept: the
+  /// effective batch and its gradient stay as they were. The smaller size stays.
+  TORCH_ARG(bool, oom_recovery) = false;
   /// Release a model's gradients after its step instead of filling them with zeros.
   TORCH_ARG(bool, set_to_none) = true;
   /// One loss scaler over every model's optimizer (PyTorch's GradScaler over several):
   /// each loss is scaled before backward, each optimizer unscaled and checked at its step,
   /// and the scale updated once per iteration, at Loop::end. Null: no scaling.
   TORCH_ARG(std::shared_ptr<GradScaler>, scaler) = nullptr;
+  /// Data parallelism: each model's gradients are made the mean over the processes before
+  /// its step, and the processes agree on every skip (distributed::GradientAverage). Each
+  /// process then backpropagates the loss of its equal share of the batch. Null: one process.
+  TORCH_ARG(std::shared_ptr<GradientReducer>, reducer) = nullptr;
   /// Without a scaler, skip a model's step when a loss backpropagated into it since its last
   /// step was NaN or infinite (or, with check_gradients, any of its gradients is).
   TORCH_ARG(bool, skip_non_finite) = true;
@@ -84,6 +93,7 @@ struct LoopModelReport {
   std::string name;
   double loss = 0;  ///< sum of the losses backpropagated into it this iteration
   std::int64_t backwards = 0;
+  std::int64_t oom_retries = 0;  ///< accumulate calls run again with a smaller micro-batch
   bool stepped = false;    ///< its optimizer step ran
   bool skipped = false;    ///< its step was skipped (inf/NaN)
   std::int64_t steps = 0;  ///< steps so far
@@ -169,6 +179,8 @@ class Loop {
   void restore_counters(std::int64_t iterations,
                         const std::vector<std::pair<std::int64_t, std::int64_t>>& steps);
 
+  /// The micro-batch size accumulate cuts batches into now (0: whole batches).
+  std::int64_t micro_batch() const { return micro_batch_; }
   const LoopOptions& options() const { return options_; }
   const MemoryProbe& probe() const { return probe_; }
   std::int64_t iterations() const { return iterations_; }
@@ -184,6 +196,7 @@ class Loop {
   std::vector<std::unique_ptr<LoopModel>> models_;
   std::map<std::string, double> metrics_;
   std::int64_t iterations_ = 0;
+  std::int64_t micro_batch_ = 0;
   bool scaled_ = false;  // the scaler scaled a loss this iteration
 };
 
