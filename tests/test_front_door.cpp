@@ -61,6 +61,32 @@ TEST(FrontDoor, ASharedPtrToAModuleStructTrainsWithAtenAndFunctionalLosses) {
               absolute_error(net->forward(x), values).item<double>(), 1e-6);
 }
 
+TEST(FrontDoor, StepReportsCarryMetricsCountedOnEachMicroBatchsOutput) {
+  torch::manual_seed(2);
+  auto model = make_mlp(4, 8, 3);
+  torch::optim::SGD sgd(model->parameters(), 0.0);  // the model stays: the counts compare
+  std::int64_t calls = 0;
+  frugal::Trainer trainer(model, sgd, F::cross_entropy,
+                          frugal::TrainerOptions().micro_batch(3).metrics(
+                              [&](const torch::Tensor& logits, const frugal::Batch& b) {
+                                ++calls;
+                                EXPECT_FALSE(logits.requires_grad());
+                                return std::map<std::string, double>{
+                                    {"correct", logits.argmax(1).eq(b.targets).sum().item<double>()},
+                                    {"seen", static_cast<double>(b.size())}};
+                              }));
+  const auto x = torch::randn({10, 4});
+  const auto y = torch::randint(3, {10});
+  const auto report = trainer.step({x, y});
+  torch::NoGradGuard no_grad;
+  const double correct = model->forward(x).argmax(1).eq(y).sum().item<double>();
+  EXPECT_EQ(calls, 4);  // 3 + 3 + 3 + 1
+  EXPECT_EQ(report.metrics.at("seen"), 10);
+  EXPECT_EQ(report.metrics.at("correct"), correct);
+  EXPECT_NE(report.to_json().find("\"metrics\":{\"correct\""), std::string::npos);
+  EXPECT_NE(report.summary().find("| seen 10"), std::string::npos) << report.summary();
+}
+
 TEST(FrontDoor, AtenLossesAreCalledWithTheirDefaults) {
   const auto o = torch::randn({5, 3});
   const auto t = torch::randn({5, 3});

@@ -52,7 +52,17 @@ torch::Tensor checked_loss(torch::Tensor loss) {
 }  // namespace
 
 torch::Tensor Trainer::loss_of(const Batch& micro) const {
-  return checked_loss(batch_loss_ ? batch_loss_(micro) : loss_(forward_(micro), micro));
+  if (batch_loss_) {
+    return checked_loss(batch_loss_(micro));
+  }
+  const auto output = forward_(micro);
+  if (options_.metrics()) {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, value] : options_.metrics()(output.detach(), micro)) {
+      parts_->metrics[name] += value;
+    }
+  }
+  return checked_loss(loss_(output, micro));
 }
 
 void Trainer::run_batch(StepContext& ctx, bool isolate) {
@@ -81,8 +91,10 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
     parts_->batch_statistics.check(*module_, report.micro_batches, report.micro_batch);
     ctx.micro_count = report.micro_batches;
     report.time.data_ms += ms_since(data_start);
+    parts_->metrics.clear();  // a retried attempt counts from nothing
     try {
       run_micro_batches(ctx, &aside);
+      report.metrics = parts_->metrics;
       break;
     } catch (const std::exception& error) {
       // Drop everything the failed attempt made: its graph, outputs and gradients.

@@ -1,7 +1,9 @@
 // The parts the trainer owns, which its public header only names.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <string>
 
 #include "../memory/module_tensors.h"
 #include "batch_statistics.h"
@@ -31,6 +33,7 @@ struct Trainer::Parts {
   detail::NonFiniteGuard guard;
   detail::StepHalt halt;
   detail::BatchStatisticsCheck batch_statistics;
+  std::map<std::string, double> metrics;  // the attempt in flight's, summed
 };
 
 }  // namespace frugal

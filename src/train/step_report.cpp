@@ -10,13 +10,17 @@
 namespace frugal {
 
 std::string StepReport::summary() const {
+  std::string counted;
+  for (const auto& [name, value] : metrics) {
+    counted += fmt::format(" | {} {}", name, value);
+  }
   return fmt::format(
       "step {:>5} loss {:.4f} | {} x {} | {:.1f} ms (fwd {:.1f} bwd {:.1f} opt {:.1f}) | "
-      "allocated {} peak {} | {}{}{}",
+      "allocated {} peak {} | {}{}{}{}",
       step, loss, micro_batches, micro_batch, time.total_ms, time.forward_ms, time.backward_ms,
       time.optimizer_ms, format_bytes(memory.allocated), format_bytes(peak), ledger.summary(),
       non_finite ? " | skipped (loss or gradients not finite)" : skipped ? " | skipped" : "",
-      oom_retries > 0 ? fmt::format(" | {} OOM retries", oom_retries) : std::string());
+      oom_retries > 0 ? fmt::format(" | {} OOM retries", oom_retries) : std::string(), counted);
 }
 
 std::string StepReport::to_json() const { return detail::to_json_object(*this).dump(); }
@@ -69,6 +73,9 @@ nlohmann::json to_json_object(const StepReport& r) {
                       {"forward_peak_bytes", r.forward_peak},
                       {"backward_peak_bytes", r.backward_peak}};
   j.update(memory_fields(r.memory, r.peak, r.ledger));
+  if (!r.metrics.empty()) {
+    j["metrics"] = r.metrics;
+  }
   return j;
 }
 

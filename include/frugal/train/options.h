@@ -7,6 +7,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 
 #include "frugal/memory/probe.h"
 #include "frugal/train/batch.h"
@@ -43,6 +45,11 @@ enum class BatchStatistics {
   Refuse,  ///< refuse the step, with an error naming the layers, before anything runs
 };
 
+/// Numbers of one micro-batch's output for the step's report (correct predictions, say):
+/// summed over the batch's micro-batches into StepReport::metrics.
+using MetricsFn = std::function<std::map<std::string, double>(const torch::Tensor& output,
+                                                              const Batch& micro)>;
+
 /// Options of frugal::Trainer.
 ///
 /// Example:
@@ -60,6 +67,16 @@ struct TrainerOptions {
   TORCH_ARG(bool, set_to_none) = true;
   /// Micro-batches over layers with batch statistics (BatchNorm); see BatchStatistics.
   TORCH_ARG(BatchStatistics, batch_statistics) = BatchStatistics::Warn;
+  /// Counted on each micro-batch's output (detached, under no_grad) and summed into the
+  /// step's StepReport::metrics, so the loss function need not count them. Only with a forward
+  /// (not with a loss of the batch alone).
+  ///
+  /// Example:
+  ///   .metrics([](const torch::Tensor& logits, const frugal::Batch& b) {
+  ///     return std::map<std::string, double>{
+  ///         {"correct", logits.argmax(1).eq(b.targets).sum().item<double>()}};
+  ///   })
+  TORCH_ARG(MetricsFn, metrics) = nullptr;
   /// How the loss function reduces; see LossReduction.
   TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
   /// The global count of a (micro-)batch, e.g. non-padding tokens. Unset: samples.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "frugal/memory/ledger.h"
@@ -43,6 +44,8 @@ struct StepReport {
   std::int64_t forward_peak = 0;   ///< highest peak of a forward pass
   std::int64_t backward_peak = 0;  ///< highest peak of a backward pass
   Ledger ledger;                   ///< where `memory.allocated` went
+  /// What TrainerOptions::metrics counted, summed over the batch's micro-batches.
+  std::map<std::string, double> metrics;
 
   std::string summary() const;
   std::string to_json() const;
