@@ -84,19 +84,23 @@ int main(int argc, char** argv) {
   const double hand = bench::median(times.at("hand-written"));
   const double engine = bench::median(times.at("frugal::Trainer"));
   const double user_loop = bench::median(times.at("frugal::Loop"));
-  fmt::print("Engine against a hand-written loop: Fashion-MNIST {}, batch {}, Adam, {} rounds x {} "
-             "steps, {}; the loops at loss {:.6f} / {:.6f} / {:.6f}\n\n",
-             model, batch, rounds, steps, bench::machine_line(), hand_loss, engine_loss,
-             loop_loss);
+  fmt::print(
+      "Engine against a hand-written loop: Fashion-MNIST {}, batch {}, Adam, {} rounds x {} "
+      "steps, {}; the loops at loss {:.6f} / {:.6f} / {:.6f}\n\n",
+      model, batch, rounds, steps, bench::machine_line(), hand_loss, engine_loss, loop_loss);
   fmt::print("| loop | median step (ms) | ratio |\n|---|---|---|\n");
   fmt::print("| hand-written | {:.3f} | 1.000 |\n", hand);
   fmt::print("| frugal::Trainer (probe + ledger every step) | {:.3f} | {:.3f} |\n", engine,
              engine / hand);
   fmt::print("| frugal::Loop (backward, step, end; probe + ledger) | {:.3f} | {:.3f} |\n\n",
              user_loop, user_loop / hand);
-  nlohmann::json j = {{"bench", "engine_overhead"}, {"model", model}, {"hand_ms", hand},
-                      {"engine_ms", engine}, {"ratio", engine / hand},
-                      {"loop_ms", user_loop}, {"loop_ratio", user_loop / hand},
+  nlohmann::json j = {{"bench", "engine_overhead"},
+                      {"model", model},
+                      {"hand_ms", hand},
+                      {"engine_ms", engine},
+                      {"ratio", engine / hand},
+                      {"loop_ms", user_loop},
+                      {"loop_ratio", user_loop / hand},
                       {"threads", torch::get_num_threads()}};
   fmt::print("{}\n", j.dump());
   return 0;

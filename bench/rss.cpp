@@ -2,11 +2,11 @@
 // a torch::data DataLoader with worker threads, an evaluation pass) with frugal and
 // without it, each in a process of its own. Without: FRUGAL_COUNTING_ALLOCATOR=0 and a plain
 // loop, so LibTorch's own allocator serves every tensor and no frugal code runs.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -47,8 +47,9 @@ nlohmann::json train(const std::string& mode, const std::string& data_dir, int s
   auto loader = torch::data::make_data_loader(
       Fashion(frugal::data::load_mnist_dir(data_dir, frugal::data::Split::Train))
           .map(torch::data::transforms::Stack<>()),
-      torch::data::DataLoaderOptions().batch_size(static_cast<std::size_t>(batch)).workers(
-          static_cast<std::size_t>(workers)));
+      torch::data::DataLoaderOptions()
+          .batch_size(static_cast<std::size_t>(batch))
+          .workers(static_cast<std::size_t>(workers)));
   auto test = torch::data::make_data_loader(
       Fashion(frugal::data::load_mnist_dir(data_dir, frugal::data::Split::Test))
           .map(torch::data::transforms::Stack<>()),
@@ -111,7 +112,8 @@ nlohmann::json train(const std::string& mode, const std::string& data_dir, int s
 }
 
 // Runs this program again in `mode` (a process of its own) and returns its JSON line.
-nlohmann::json run_child(const std::string& self, const std::string& mode, const std::string& args) {
+nlohmann::json run_child(const std::string& self, const std::string& mode,
+                         const std::string& args) {
   const auto env = mode == "plain" ? "FRUGAL_COUNTING_ALLOCATOR=0 " : "";
   const auto cmd = fmt::format("{}{} --mode {} {}", env, self, mode, args);
   FILE* pipe = popen(cmd.c_str(), "r");
@@ -141,7 +143,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "pairs of processes, alternating")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
   app.add_option("--cache-limit", cache_limit,
-                 "frugal's CPU cache limit in bytes (0: its default rule)")->capture_default_str();
+                 "frugal's CPU cache limit in bytes (0: its default rule)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   frugal::CountingAllocator::set_cache_limit(cache_limit);
   if (threads > 0) {
@@ -163,15 +166,15 @@ int main(int argc, char** argv) {
     ours.push_back(last_ours["peak_rss_kib"].get<double>());
   }
   const double p = bench::median(plain), f = bench::median(ours);
-  fmt::print("Peak resident memory (VmHWM) of an MNIST-style program: CNN, Adam, DataLoader with "
-             "{} workers, batch {}, {} steps and an evaluation, {} round(s); {}\n\n",
-             workers, batch, steps, rounds, bench::machine_line());
+  fmt::print(
+      "Peak resident memory (VmHWM) of an MNIST-style program: CNN, Adam, DataLoader with "
+      "{} workers, batch {}, {} steps and an evaluation, {} round(s); {}\n\n",
+      workers, batch, steps, rounds, bench::machine_line());
   fmt::print("| program | peak RSS (MiB) | ratio |\n|---|---|---|\n");
   fmt::print("| LibTorch alone | {:.1f} | 1.000 |\n", p / 1024);
   fmt::print("| with frugal (Trainer, probe, ledger) | {:.1f} | {:.3f} |\n\n", f / 1024, f / p);
-  nlohmann::json j = {{"bench", "rss"},          {"plain_kib", p},
-                      {"frugal_kib", f},         {"ratio", f / p},
-                      {"plain", last_plain},     {"frugal", last_ours}};
+  nlohmann::json j = {{"bench", "rss"}, {"plain_kib", p},      {"frugal_kib", f},
+                      {"ratio", f / p}, {"plain", last_plain}, {"frugal", last_ours}};
   fmt::print("{}\n", j.dump());
   return 0;
 }

@@ -72,9 +72,9 @@ TEST_F(CachingAllocatorTest, FreedBlocksPastTheCacheLimitGoBackToTheSystem) {
   EXPECT_EQ(after.cached - before.cached, 3 << 20);
   EXPECT_EQ(after.returned - before.returned, 2);
   EXPECT_EQ(after.reserved, after.allocated + after.cached);
-  CountingAllocator::set_cache_limit(0);  // the default rule: max(16 MiB, live / 32)
+  CountingAllocator::set_cache_limit(0);  // the default rule: max(32 MiB, live / 32)
   EXPECT_EQ(CountingAllocator::stats().cache_limit,
-            std::max<std::int64_t>(16 << 20, CountingAllocator::stats().allocated / 32));
+            std::max<std::int64_t>(32 << 20, CountingAllocator::stats().allocated / 32));
   frugal::testing::expect_error_contains([] { CountingAllocator::set_cache_limit(-1); },
                                          "cache limit must be >= 0 bytes, got -1");
 }

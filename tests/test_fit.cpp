@@ -1,11 +1,10 @@
 // The fit loop and learning-rate schedules.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
-#include <filesystem>
-#include <torch/torch.h>
-
 #include <cmath>
+#include <filesystem>
 
 #include "resume_setup.h"
 
@@ -110,8 +109,8 @@ TEST(Fit, ADataLoaderOrAVectorOfBatchesGivesTheRunOfTheSameBatches) {
   EXPECT_TRUE(torch::equal(in_order(batches), expected));
   // Stopped inside the second epoch and resumed: the loader's batches of that epoch already
   // done are skipped, and the run ends where one never stopped does.
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("frugal-fit-loader-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("frugal-fit-loader-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   auto options = frugal::FitOptions().epochs(2).shuffle(false).save_dir(dir.string());
   auto first = make_resume_setup("checkpoint");

@@ -66,15 +66,16 @@ TEST(FrontDoor, StepReportsCarryMetricsCountedOnEachMicroBatchsOutput) {
   auto model = make_mlp(4, 8, 3);
   torch::optim::SGD sgd(model->parameters(), 0.0);  // the model stays: the counts compare
   std::int64_t calls = 0;
-  frugal::Trainer trainer(model, sgd, F::cross_entropy,
-                          frugal::TrainerOptions().micro_batch(3).metrics(
-                              [&](const torch::Tensor& logits, const frugal::Batch& b) {
-                                ++calls;
-                                EXPECT_FALSE(logits.requires_grad());
-                                return std::map<std::string, double>{
-                                    {"correct", logits.argmax(1).eq(b.targets).sum().item<double>()},
-                                    {"seen", static_cast<double>(b.size())}};
-                              }));
+  frugal::Trainer trainer(
+      model, sgd, F::cross_entropy,
+      frugal::TrainerOptions().micro_batch(3).metrics(
+          [&](const torch::Tensor& logits, const frugal::Batch& b) {
+            ++calls;
+            EXPECT_FALSE(logits.requires_grad());
+            return std::map<std::string, double>{
+                {"correct", logits.argmax(1).eq(b.targets).sum().item<double>()},
+                {"seen", static_cast<double>(b.size())}};
+          }));
   const auto x = torch::randn({10, 4});
   const auto y = torch::randint(3, {10});
   const auto report = trainer.step({x, y});

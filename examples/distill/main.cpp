@@ -3,11 +3,11 @@
 // outputs and the labels in one frugal::Loop, with exact accumulation over micro-batches.
 //
 //   distill --teacher-steps 300 --steps 300 --batch 128 --micro-batch 32
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <string>
 
 #include "models.h"
@@ -108,10 +108,12 @@ int run(const Args& args) {
 int main(int argc, char** argv) {
   CLI::App app{"Distillation on Fashion-MNIST: a frozen teacher, a student in one frugal::Loop"};
   Args args;
-  app.add_option("--data-dir", args.data_dir, "Fashion-MNIST's IDX files")->check(CLI::ExistingDirectory);
+  app.add_option("--data-dir", args.data_dir, "Fashion-MNIST's IDX files")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--teacher-steps", args.teacher_steps, "steps of the teacher's training")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--steps", args.steps, "steps of the student's distillation")->check(CLI::PositiveNumber);
+  app.add_option("--steps", args.steps, "steps of the student's distillation")
+      ->check(CLI::PositiveNumber);
   app.add_option("--batch", args.batch, "samples per step")->check(CLI::PositiveNumber);
   app.add_option("--micro-batch", args.micro_batch, "samples per forward/backward (0: the batch)")
       ->check(CLI::NonNegativeNumber);

@@ -276,8 +276,9 @@ int main(int argc, char** argv) {
   app.add_flag("--distributed", args.distributed,
                "data parallel over the ranks torchrun started (each its share of a batch)");
   app.add_option("--report", args.report, "write one JSON line per iteration here");
-  app.add_option("--save", args.save, "save the whole state (both models, optimizers, scaler, "
-                                      "generators) here at the end");
+  app.add_option("--save", args.save,
+                 "save the whole state (both models, optimizers, scaler, "
+                 "generators) here at the end");
   app.add_option("--resume", args.resume, "resume from a state --save wrote, up to --iterations");
   app.add_option("--log-every", args.log_every, "print every N iterations")
       ->check(CLI::PositiveNumber);

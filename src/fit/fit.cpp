@@ -123,9 +123,9 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
   pos.batch = user->values.at(kBatch);
   FRUGAL_CHECK(pos.epoch >= 1 && pos.batch >= 0 &&
                    (pos.batches_per_epoch < 0 || pos.batch <= pos.batches_per_epoch),
-               "frugal: '",
-               saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ", pos.batch,
-               ", which this data (", pos.batches_per_epoch, " batches an epoch) does not have");
+               "frugal: '", saves.resumed_from(), "' stopped at epoch ", pos.epoch, " batch ",
+               pos.batch, ", which this data (", pos.batches_per_epoch,
+               " batches an epoch) does not have");
   result.resumed_from = saves.resumed_from();
   if (options.on_resume()) {
     options.on_resume()(*user);
@@ -148,8 +148,7 @@ FitResult fit(Trainer& trainer, const DataSource& train, const FitOptions& optio
   return fit(trainer, static_cast<FitBatches&>(batches), options, eval);
 }
 
-FitResult fit(Trainer& trainer, FitBatches& train, const FitOptions& options,
-              const Batch& eval) {
+FitResult fit(Trainer& trainer, FitBatches& train, const FitOptions& options, const Batch& eval) {
   check_options(options);
   const FitOptions::LogFn log = options.log() ? options.log() : [](const std::string& line) {
     fmt::print(stderr, "frugal: {}\n", line);

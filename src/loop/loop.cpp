@@ -235,8 +235,8 @@ bool Loop::pending() const {
 
 void Loop::restore_counters(std::int64_t iterations,
                             const std::vector<std::pair<std::int64_t, std::int64_t>>& steps) {
-  FRUGAL_CHECK(steps.size() == models_.size(), "frugal: Loop::restore_counters got ",
-               steps.size(), " models' counters for ", models_.size(), " models");
+  FRUGAL_CHECK(steps.size() == models_.size(), "frugal: Loop::restore_counters got ", steps.size(),
+               " models' counters for ", models_.size(), " models");
   FRUGAL_CHECK(iterations >= 0, "frugal: invalid loop iterations ", iterations);
   for (std::size_t i = 0; i < steps.size(); ++i) {
     FRUGAL_CHECK(steps[i].first >= 0 && steps[i].second >= 0, "frugal: invalid counters of '",

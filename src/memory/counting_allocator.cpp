@@ -62,11 +62,12 @@ struct Counters {
 };
 
 // How many bytes of freed blocks the cache keeps: a fixed limit if one was set, else
-// max(16 MiB, 1/32 of the live bytes), so that a steady training loop reuses its
+// max(32 MiB, 1/32 of the live bytes), so that a steady training loop reuses its
 // blocks while the cache cannot hold much more memory than the program uses.
 std::int64_t cache_limit_of(const Counters& c) {
   const auto fixed = c.cache_limit.load();
-  return fixed > 0 ? fixed : std::max<std::int64_t>(std::int64_t{16} << 20, c.allocated.load() / 32);
+  return fixed > 0 ? fixed
+                   : std::max<std::int64_t>(std::int64_t{32} << 20, c.allocated.load() / 32);
 }
 
 // Never destroyed: tensors that outlive main (LibTorch's static ones) are freed through

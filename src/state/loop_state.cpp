@@ -32,11 +32,11 @@ GradScaler* scaler_of(const Loop& loop) {
 }  // namespace
 
 void save_training_state(Loop& loop, const std::string& path, const UserState& user) {
-  FRUGAL_CHECK(!loop.pending(), "frugal: cannot save a Loop while a model has gradients "
+  FRUGAL_CHECK(!loop.pending(),
+               "frugal: cannot save a Loop while a model has gradients "
                "waiting for its step (they are not saved); save after the steps");
   detail::check_user_keys(user);
-  OutputArchive archive;
-  state::write_int(archive, "frugal/layout", detail::kStateLayout);
+  auto archive = detail::new_state_archive();
   archive.write("loop/models", c10::IValue(detail::join_lines(model_names(loop))));
   state::write_int(archive, "loop/iterations", loop.iterations());
   for (std::size_t i = 0; i < loop.models().size(); ++i) {
@@ -52,26 +52,23 @@ void save_training_state(Loop& loop, const std::string& path, const UserState& u
       state::write_double(archive, "loop/scaler/" + key, value);
     }
   }
-  detail::write_rng(archive);
-  detail::write_user(archive, user);
-  detail::write_archive_file(path, archive);
+  detail::finish_state(archive, path, user);
 }
 
 UserState load_training_state(Loop& loop, const std::string& path) {
-  FRUGAL_CHECK(!loop.pending(), "frugal: cannot load a saved state into a Loop while a model "
+  FRUGAL_CHECK(!loop.pending(),
+               "frugal: cannot load a saved state into a Loop while a model "
                "has gradients waiting for its step");
-  auto archive = detail::read_archive_file(path);
-  const auto layout = state::read_int(archive, "frugal/layout");
-  FRUGAL_CHECK(layout == detail::kStateLayout, "frugal: '", path, "' has layout ", layout,
-               "; this frugal reads layout ", detail::kStateLayout);
+  auto archive = detail::open_state(path);
   c10::IValue names_value;
   FRUGAL_CHECK(archive.try_read("loop/models", names_value), "frugal: '", path,
                "' was saved from a Trainer, not a frugal::Loop");
   const auto names = names_value.toStringRef();
   const auto mine = detail::join_lines(model_names(loop));
-  FRUGAL_CHECK(names == mine, detail::state_mismatch(path, "this loop", "the list of models",
-                                                     "[" + detail::join_lines(detail::split_lines(names), ", ") + "]",
-                                                     "[" + detail::join_lines(model_names(loop), ", ") + "]"));
+  FRUGAL_CHECK(names == mine, detail::state_mismatch(
+                                  path, "this loop", "the list of models",
+                                  "[" + detail::join_lines(detail::split_lines(names), ", ") + "]",
+                                  "[" + detail::join_lines(model_names(loop), ", ") + "]"));
   // Everything read and checked before anything changes.
   std::vector<detail::SavedModel> saved;
   std::vector<std::pair<std::int64_t, std::int64_t>> counters;

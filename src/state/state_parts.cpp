@@ -149,7 +149,8 @@ void write_model(OutputArchive& archive, const std::string& prefix, torch::nn::M
   write_named(archive, prefix + "model/parameters", named(module.named_parameters()));
   write_named(archive, prefix + "model/buffers", named(module.named_buffers()));
   archive.write(prefix + "optimizer/type", c10::IValue(optimizer_type(optimizer)));
-  archive.write(prefix + "optimizer/groups", c10::IValue(join_lines(group_names(optimizer, module))));
+  archive.write(prefix + "optimizer/groups",
+                c10::IValue(join_lines(group_names(optimizer, module))));
   OutputArchive optimizer_state;
   optimizer.save(optimizer_state);
   archive.write(prefix + "optimizer/state", optimizer_state);
@@ -293,14 +294,25 @@ UserState read_user(InputArchive& archive) {
   return out;
 }
 
-void write_archive_file(const std::string& path, OutputArchive& archive) {
+OutputArchive new_state_archive() {
+  OutputArchive archive;
+  state::write_int(archive, "frugal/layout", kStateLayout);
+  return archive;
+}
+
+void finish_state(OutputArchive& archive, const std::string& path, const UserState& user) {
+  write_rng(archive);
+  write_user(archive, user);
   write_state_file(path, [&](const ByteWriter& write) { archive.save_to(write); });
 }
 
-InputArchive read_archive_file(const std::string& path) {
+InputArchive open_state(const std::string& path) {
   const auto payload = read_state_file(path);
   InputArchive archive;
   archive.load_from(payload.data(), payload.size());
+  const auto layout = state::read_int(archive, "frugal/layout");
+  FRUGAL_CHECK(layout == kStateLayout, "frugal: '", path, "' has layout ", layout,
+               "; this frugal reads layout ", kStateLayout);
   return archive;
 }
 

@@ -61,8 +61,12 @@ void check_user_keys(const UserState& user);
 void write_user(torch::serialize::OutputArchive& archive, const UserState& user);
 UserState read_user(torch::serialize::InputArchive& archive);
 
-/// The archive as written to a state file, and read back from one.
-void write_archive_file(const std::string& path, torch::serialize::OutputArchive& archive);
-torch::serialize::InputArchive read_archive_file(const std::string& path);
+/// A state's archive with its layout written; finishing it writes the generators and the
+/// user's state and then the file (write_state_file: atomic, checked).
+torch::serialize::OutputArchive new_state_archive();
+void finish_state(torch::serialize::OutputArchive& archive, const std::string& path,
+                  const UserState& user);
+/// The archive of a state file, its header and layout checked.
+torch::serialize::InputArchive open_state(const std::string& path);
 
 }  // namespace frugal::detail

@@ -52,9 +52,6 @@ struct Loaded {
 
 Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& path) {
   Loaded out;
-  const auto layout = state::read_int(archive, "frugal/layout");
-  FRUGAL_CHECK(layout == detail::kStateLayout, "frugal: '", path, "' has layout ", layout,
-               "; this frugal reads layout ", detail::kStateLayout);
   c10::IValue loop_models;
   FRUGAL_CHECK(!archive.try_read("loop/models", loop_models), "frugal: '", path,
                "' was saved from a frugal::Loop; load it into one");
@@ -91,8 +88,7 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
                "frugal: cannot save inside an accumulation window (its "
                "gradients are not saved); save after the step that ends it");
   detail::check_user_keys(user);
-  OutputArchive archive;
-  state::write_int(archive, "frugal/layout", detail::kStateLayout);
+  auto archive = detail::new_state_archive();
   detail::write_model(archive, "", trainer.module(), trainer.optimizer());
   archive.write("policies/names", c10::IValue(detail::join_lines(policy_names(trainer))));
   for (std::size_t i = 0; i < trainer.policies().size(); ++i) {
@@ -106,16 +102,14 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
   state::write_int(archive, "trainer/batches", c.batches);
   state::write_int(archive, "trainer/micro_batch", c.micro_batch);
   state::write_int(archive, "trainer/eval_batch", c.eval_batch);
-  detail::write_rng(archive);
-  detail::write_user(archive, user);
-  detail::write_archive_file(path, archive);
+  detail::finish_state(archive, path, user);
 }
 
 UserState load_training_state(Trainer& trainer, const std::string& path) {
   FRUGAL_CHECK(!trainer.window_open(),
                "frugal: cannot load a saved state inside an "
                "accumulation window; load before the window's first batch");
-  auto archive = detail::read_archive_file(path);
+  auto archive = detail::open_state(path);
   auto loaded = read_checked(trainer, archive, path);
 
   // The fallible part: the optimizer's and the policies' own loads, undone on failure.

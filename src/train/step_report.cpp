@@ -19,7 +19,9 @@ std::string StepReport::summary() const {
       "allocated {} peak {} | {}{}{}{}",
       step, loss, micro_batches, micro_batch, time.total_ms, time.forward_ms, time.backward_ms,
       time.optimizer_ms, format_bytes(memory.allocated), format_bytes(peak), ledger.summary(),
-      non_finite ? " | skipped (loss or gradients not finite)" : skipped ? " | skipped" : "",
+      non_finite ? " | skipped (loss or gradients not finite)"
+      : skipped  ? " | skipped"
+                 : "",
       oom_retries > 0 ? fmt::format(" | {} OOM retries", oom_retries) : std::string(), counted);
 }
 

@@ -6,8 +6,9 @@
 #include <torch/torch.h>
 
 struct Net : torch::nn::Module {
-  Net() : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
-          fc2(register_module("fc2", torch::nn::Linear(16, 3))) {}
+  Net()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 3))) {}
   torch::Tensor forward(torch::Tensor x) {
     return torch::log_softmax(fc2(torch::relu(fc1(x))), /*dim=*/1);
   }
@@ -37,7 +38,7 @@ int main() {
   const auto after = trainer.evaluate(*loader);
   const bool ok = fitted.steps == 12 && trainer.steps() == 12 && after.loss < before &&
                   after.samples == 32 && after.accuracy >= 0;
-  fmt::print("consumer net: {} steps, loss {:.3f} -> {:.3f}, accuracy {:.2f}: {}\n",
-             fitted.steps, before, after.loss, after.accuracy, ok ? "ok" : "unexpected");
+  fmt::print("consumer net: {} steps, loss {:.3f} -> {:.3f}, accuracy {:.2f}: {}\n", fitted.steps,
+             before, after.loss, after.accuracy, ok ? "ok" : "unexpected");
   return ok ? 0 : 1;
 }

@@ -94,9 +94,9 @@ struct LoopModelReport {
   double loss = 0;  ///< sum of the losses backpropagated into it this iteration
   std::int64_t backwards = 0;
   std::int64_t oom_retries = 0;  ///< accumulate calls run again with a smaller micro-batch
-  bool stepped = false;    ///< its optimizer step ran
-  bool skipped = false;    ///< its step was skipped (inf/NaN)
-  std::int64_t steps = 0;  ///< steps so far
+  bool stepped = false;          ///< its optimizer step ran
+  bool skipped = false;          ///< its step was skipped (inf/NaN)
+  std::int64_t steps = 0;        ///< steps so far
 };
 
 /// One iteration of a Loop, from the previous Loop::end to this one.

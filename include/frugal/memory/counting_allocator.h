@@ -49,7 +49,7 @@ struct CpuThreadStats {
 /// would otherwise map and unmap every step. `reserved` is allocated + cached;
 /// `empty_cache()` returns the cached blocks to the system. The cache is bounded, so a
 /// program linked with frugal holds about the memory it would hold without it: by default
-/// to max(16 MiB, 1/32 of the live bytes) (`set_cache_limit` sets another); a block
+/// to max(32 MiB, 1/32 of the live bytes) (`set_cache_limit` sets another); a block
 /// freed past the limit goes back to the system. Free lists are sharded by size
 /// class, each shard with its own lock.
 ///
@@ -85,7 +85,7 @@ class CountingAllocator {
   static void set_cap(std::int64_t bytes);
   static std::int64_t cap();
   /// Keeps at most `bytes` of freed blocks for reuse; 0 restores the default rule,
-  /// max(16 MiB, 1/32 of the live bytes).
+  /// max(32 MiB, 1/32 of the live bytes).
   static void set_cache_limit(std::int64_t bytes);
 };
 

@@ -47,8 +47,8 @@ enum class BatchStatistics {
 
 /// Numbers of one micro-batch's output for the step's report (correct predictions, say):
 /// summed over the batch's micro-batches into StepReport::metrics.
-using MetricsFn = std::function<std::map<std::string, double>(const torch::Tensor& output,
-                                                              const Batch& micro)>;
+using MetricsFn =
+    std::function<std::map<std::string, double>(const torch::Tensor& output, const Batch& micro)>;
 
 /// Options of frugal::Trainer.
 ///
