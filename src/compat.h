@@ -172,10 +172,17 @@ inline std::string no_backtrace() { return {}; }
 /// printing them; the handler's signature changed in 2.0.
 class WarningCapture : public c10::WarningHandler {
  public:
+#if FRUGAL_TORCH_AT_LEAST(2, 0)
   WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
     c10::WarningUtils::set_warning_handler(this);
   }
   ~WarningCapture() override { c10::WarningUtils::set_warning_handler(previous_); }
+#else
+  WarningCapture() : previous_(c10::Warning::get_warning_handler()) {
+    c10::Warning::set_warning_handler(this);
+  }
+  ~WarningCapture() override { c10::Warning::set_warning_handler(previous_); }
+#endif
   WarningCapture(const WarningCapture&) = delete;
   WarningCapture& operator=(const WarningCapture&) = delete;
 #if FRUGAL_TORCH_AT_LEAST(2, 0)
