@@ -26,6 +26,8 @@ void BatchStatisticsCheck::check(const torch::nn::Module& module, std::int64_t m
   }
   const auto layers = batch_statistics_layers(module);
   if (layers.empty()) {
+    // Nothing to warn of: under Warn the tree is not walked again at every step.
+    warned_ = choice_ == BatchStatistics::Warn;
     return;
   }
   std::string list;

@@ -16,7 +16,8 @@ namespace frugal::detail {
 std::vector<std::string> batch_statistics_layers(const torch::nn::Module& module);
 
 /// Applies the BatchStatistics choice the first time a batch runs as `micro_batches` > 1
-/// micro-batches: warns once, refuses (throws, naming the layers), or accepts.
+/// micro-batches: warns once, refuses (throws, naming the layers), or accepts. Under Warn
+/// the model is looked at once, at the first batch split into micro-batches.
 class BatchStatisticsCheck {
  public:
   explicit BatchStatisticsCheck(BatchStatistics choice) : choice_(choice) {}
@@ -24,7 +25,7 @@ class BatchStatisticsCheck {
 
  private:
   BatchStatistics choice_;
-  bool warned_ = false;
+  bool warned_ = false;  // under Warn: looked at (and warned, if there was reason)
 };
 
 }  // namespace frugal::detail
