@@ -17,7 +17,7 @@ BINARY = sys.argv[1]
 
 def run(*flags):
     cmd = [BINARY, "--teacher-steps", "100", "--steps", "60", "--batch", "128", "--seed", "2",
-           "--threads", "2", "--log-every", "10", *flags]
+           "--threads", "1", "--log-every", "10", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout}{done.stderr}")

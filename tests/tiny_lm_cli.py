@@ -17,7 +17,7 @@ from cli_check import check, finish
 BINARY, WORK = sys.argv[1], sys.argv[2]
 os.makedirs(WORK, exist_ok=True)
 SMALL = ["--dim", "64", "--heads", "4", "--layers", "2", "--max-len", "96", "--batch", "16",
-         "--eval-every", "0", "--eval-samples", "64", "--threads", "2", "--seed", "5"]
+         "--eval-every", "0", "--eval-samples", "64", "--threads", "1", "--seed", "5"]
 
 
 def train(name, *flags, steps=10):
