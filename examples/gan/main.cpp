@@ -2,7 +2,8 @@
 // generator run once per iteration, BatchNorm in both, the discriminator's blocks
 // optionally checkpointed, bf16 autocast or fp16 with one loss scaler over both optimizers,
 // 8-bit Adam states, and a memory report per iteration. --hand runs the same iterations as
-// a plain LibTorch loop, for comparison.
+// a plain LibTorch loop, for comparison; --distributed splits every batch over the ranks
+// torchrun started (gradients averaged, BatchNorm synchronized), as one process would train.
 //
 //   gan --data-dir /usr/share/datasets/fashion-mnist --iterations 200 --checkpoint
 #include <fmt/format.h>
@@ -38,15 +39,19 @@ struct Args {
   int threads = 0;
 };
 
+// torch::nn::BatchNorm bit for bit in one process; under --distributed, given the group, it
+// normalizes every rank's share by the whole batch's statistics (SyncBatchNorm).
+using BatchNorm = frugal::distributed::SyncBatchNorm;
+
 // Latent vector -> 1x28x28 image in [-1, 1].
 struct GeneratorImpl : torch::nn::Module {
   GeneratorImpl(std::int64_t latent, std::int64_t w) : w(w) {
     fc = register_module("fc", torch::nn::Linear(latent, 2 * w * 7 * 7));
-    bn0 = register_module("bn0", torch::nn::BatchNorm1d(2 * w * 7 * 7));
+    bn0 = register_module("bn0", BatchNorm(2 * w * 7 * 7));
     up1 = register_module("up1",
                           torch::nn::ConvTranspose2d(
                               torch::nn::ConvTranspose2dOptions(2 * w, w, 4).stride(2).padding(1)));
-    bn1 = register_module("bn1", torch::nn::BatchNorm2d(w));
+    bn1 = register_module("bn1", BatchNorm(w));
     up2 = register_module("up2",
                           torch::nn::ConvTranspose2d(
                               torch::nn::ConvTranspose2dOptions(w, 1, 4).stride(2).padding(1)));
@@ -57,9 +62,9 @@ struct GeneratorImpl : torch::nn::Module {
   }
   std::int64_t w;
   torch::nn::Linear fc{nullptr};
-  torch::nn::BatchNorm1d bn0{nullptr};
+  BatchNorm bn0{nullptr};
   torch::nn::ConvTranspose2d up1{nullptr}, up2{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr};
+  BatchNorm bn1{nullptr};
 };
 TORCH_MODULE(Generator);
 
@@ -68,11 +73,11 @@ struct DownImpl : torch::nn::Module {
   DownImpl(std::int64_t in, std::int64_t out) {
     conv = register_module(
         "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 4).stride(2).padding(1)));
-    bn = register_module("bn", torch::nn::BatchNorm2d(out));
+    bn = register_module("bn", BatchNorm(out));
   }
   torch::Tensor forward(const torch::Tensor& x) { return torch::leaky_relu(bn(conv(x)), 0.2); }
   torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
+  BatchNorm bn{nullptr};
 };
 TORCH_MODULE(Down);
 
@@ -143,8 +148,8 @@ int run(const Args& args) {
   const auto dtype = args.precision == "fp16" ? torch::kHalf : torch::kBFloat16;
   auto scaler = args.precision == "fp16" ? std::make_shared<frugal::GradScaler>() : nullptr;
   // Under torchrun each rank trains on its share of every batch; both models' gradients are
-  // averaged over the ranks before their steps. BatchNorm normalizes each rank's share by
-  // its own statistics, as under PyTorch's DDP without SyncBatchNorm.
+  // averaged over the ranks before their steps, and BatchNorm normalizes by the statistics of
+  // the whole batch: the ranks train as one process on the whole batch.
   std::shared_ptr<frugal::distributed::Group> group;
   std::shared_ptr<frugal::GradientReducer> reducer;
   if (args.distributed) {
@@ -153,6 +158,8 @@ int run(const Args& args) {
     FRUGAL_CHECK(args.batch % group->size() == 0, "gan: --batch ", args.batch,
                  " does not split evenly over ", group->size(), " ranks");
     reducer = std::make_shared<frugal::distributed::GradientAverage>(group);
+    frugal::distributed::synchronize_batch_norm(*g, group);
+    frugal::distributed::synchronize_batch_norm(*d, group);
   }
   const int rank = group ? group->rank() : 0;
   const std::int64_t share = group ? args.batch / group->size() : args.batch;
@@ -215,6 +222,10 @@ int run(const Args& args) {
               r.memory.allocated,
               r.peak,
               r.scale};
+      if (group) {  // the whole batch's: the mean of the ranks' means over equal shares
+        line.d_loss = group->sum(line.d_loss) / group->size();
+        line.g_loss = group->sum(line.g_loss) / group->size();
+      }
       if (report) {
         *report << r.to_json() << "\n";
       }
