@@ -1,9 +1,11 @@
-// Micro-batches over BatchNorm layers: the trainer warns once naming them, refuses, or goes
-// on silently, as TrainerOptions::batch_statistics says.
+// Micro-batches over BatchNorm layers: the trainer warns once naming them, refuses, goes on
+// silently, or runs whole batches until memory forces a cut, as
+// TrainerOptions::batch_statistics says.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "compat.h"
+#include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 
@@ -75,6 +77,79 @@ TEST(BatchStatistics, RefusedTheStepFailsBeforeAnythingChanges) {
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     EXPECT_TRUE(torch::equal(buffers[i], after_buffers[i]));  // no forward ran
   }
+}
+
+// What a trainer's steps leave: the report's micro-batch counts, the parameters and buffers.
+struct Trained {
+  std::vector<std::int64_t> micro_batches;
+  std::vector<torch::Tensor> state;
+  std::vector<std::string> warnings;
+};
+
+// `net` trained 3 steps on kBatch; with `oom_above`, a micro-batch larger than that many
+// samples raises an out-of-memory error, and OomRecovery is added.
+template <typename Model>
+Trained train(Model net, frugal::TrainerOptions options, std::int64_t oom_above = 0) {
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  frugal::Trainer trainer(
+      net.ptr(), sgd, frugal::Trainer::BatchLossFn([&](const frugal::Batch& micro) {
+        TORCH_CHECK_WITH(OutOfMemoryError, oom_above == 0 || micro.size() <= oom_above,
+                         "out of memory (injected for ", micro.size(), " samples)");
+        return F::cross_entropy(net->forward(micro.inputs), micro.targets);
+      }),
+      std::move(options));
+  if (oom_above > 0) {
+    trainer.add_policy(std::make_shared<frugal::OomRecovery>());
+  }
+  frugal::compat::WarningCapture capture;
+  Trained out;
+  for (int i = 0; i < 3; ++i) {
+    out.micro_batches.push_back(trainer.step(kBatch).micro_batches);
+  }
+  out.warnings = capture.messages;
+  out.state = frugal::testing::clone_all(net->parameters());
+  for (const auto& b : frugal::testing::clone_all(net->buffers())) {
+    out.state.push_back(b);
+  }
+  return out;
+}
+
+void expect_equal_state(const Trained& a, const Trained& b) {
+  ASSERT_EQ(a.state.size(), b.state.size());
+  for (std::size_t i = 0; i < a.state.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.state[i], b.state[i])) << "tensor " << i;
+  }
+}
+
+TEST(BatchStatistics, WholeBatchRunsAModelWithBatchNormWholeBitForBit) {
+  const auto whole = train(Net(), frugal::TrainerOptions());
+  const auto kept = train(Net(), frugal::TrainerOptions().micro_batch(2).batch_statistics(
+                                     frugal::BatchStatistics::WholeBatch));
+  EXPECT_EQ(kept.micro_batches, (std::vector<std::int64_t>{1, 1, 1}));
+  EXPECT_TRUE(kept.warnings.empty());
+  expect_equal_state(kept, whole);  // running statistics and counters included
+  const auto parts = train(Net(), frugal::TrainerOptions().micro_batches(4).batch_statistics(
+                                      frugal::BatchStatistics::WholeBatch));
+  EXPECT_EQ(parts.micro_batches, (std::vector<std::int64_t>{1, 1, 1}));
+}
+
+TEST(BatchStatistics, WholeBatchStillMicroBatchesAModelWithoutBatchNorm) {
+  torch::manual_seed(51);
+  torch::nn::Sequential plain(torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2));
+  const auto r = train(plain, frugal::TrainerOptions().micro_batch(2).batch_statistics(
+                                  frugal::BatchStatistics::WholeBatch));
+  EXPECT_EQ(r.micro_batches, (std::vector<std::int64_t>{4, 4, 4}));
+}
+
+TEST(BatchStatistics, WholeBatchCutByAnOutOfMemoryErrorWarnsOnceNamingTheLayers) {
+  const auto r = train(
+      Net(),
+      frugal::TrainerOptions().micro_batch(2).batch_statistics(frugal::BatchStatistics::WholeBatch),
+      /*oom_above=*/4);
+  EXPECT_EQ(r.micro_batches, (std::vector<std::int64_t>{2, 2, 2}));  // 8 samples in halves of 4
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("micro-batches of 4 samples"), std::string::npos) << r.warnings[0];
+  EXPECT_NE(r.warnings[0].find("'features.1'"), std::string::npos) << r.warnings[0];
 }
 
 }  // namespace batch_statistics

@@ -3,42 +3,20 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <utility>
 
-#include "../memory/module_tensors.h"
-#include "../train/gradient_window.h"
 #include "../train/micro_batch_plan.h"
 #include "../train/non_finite_guard.h"
 #include "../train/step_guard.h"
 #include "frugal/error.h"
 #include "frugal/memory/format.h"
 #include "frugal/policy/grad_scaler.h"
+#include "parts.h"
 
 namespace frugal {
-
-// A model's own pieces: the parameters its backward reaches, its gradient window (the
-// weights of micro-batch losses, releasing gradients), the tensors the ledger counts, and
-// what happened to it since its last step and in this iteration.
-struct LoopModel::Parts {
-  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool set_to_none)
-      : window(optimizer, /*accumulate=*/1, set_to_none), tensors(module) {
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& p : group.params()) {
-        if (p.requires_grad()) {
-          trainable.push_back(p);
-        }
-      }
-    }
-  }
-  std::vector<torch::Tensor> trainable;
-  detail::GradientWindow window;
-  detail::ModuleTensors tensors;
-  bool pending = false;     // a backward reached it since its last step
-  bool non_finite = false;  // a loss of those was NaN or infinite
-  LoopModelReport iteration;
-};
 
 LoopModel::LoopModel(std::string name, std::shared_ptr<torch::nn::Module> module,
                      torch::optim::Optimizer& optimizer, bool set_to_none)
@@ -200,26 +178,22 @@ bool Loop::step(LoopModel& model) {
       if (changed.empty()) {
         throw;
       }
-      const auto names = detail::parameter_names(model.module(), changed);
-      std::string list;
-      for (const auto& name : names) {
-        list += (list.empty() ? "" : ", ") + name;
-      }
-      throw PartialStepError(
-          fmt::format("frugal: the optimizer step of '{}' failed after changing {} "
-                      "parameter(s): {}. Those hold new values, the others and the model's "
-                      "gradients are as before. The error was: {}",
-                      model.name(), names.size(), list, error_message(error)),
-          names);
+      throw detail::partial_step_error(model, "optimizer step", changed, error,
+                                       "the others and the model's gradients are as before");
     }
   }
-  ++(go ? model.steps_ : model.skipped_);
+  finish_step(model, go);
+  return go;
+}
+
+void Loop::finish_step(LoopModel& model, bool stepped) {
+  auto& parts = *model.parts_;
+  ++(stepped ? model.steps_ : model.skipped_);
   parts.window.zero();
   parts.pending = false;
   parts.non_finite = false;
-  parts.iteration.stepped = go;
-  parts.iteration.skipped = !go;
-  return go;
+  parts.iteration.stepped = stepped;
+  parts.iteration.skipped = !stepped;
 }
 
 void Loop::log(const std::string& name, double value) { metrics_[name] = value; }
@@ -264,6 +238,7 @@ LoopReport Loop::end() {
   metrics_.clear();
   report.memory = probe_.snapshot();
   report.peak = probe_.peak();
+
   for (auto& m : models_) {
     auto& it = m->parts_->iteration;
     it.steps = m->steps_;
@@ -282,6 +257,16 @@ LoopReport Loop::end() {
     report.ledger.other = l.allocated - l.weights - l.gradients - l.optimizer;
   }
   probe_.reset_peak();
+  if (options_.leak_guard()) {
+    if (!leak_) {
+      leak_.emplace(*options_.leak_guard());
+    }
+    const bool stepped = std::any_of(report.models.begin(), report.models.end(),
+                                     [](const auto& m) { return m.stepped; });
+    if (stepped) {  // gradients held for a later step are meant to stay
+      leak_->observe(report.memory.allocated, report.iteration);
+    }
+  }
   return report;
 }
 

@@ -1,43 +1,10 @@
 #include "frugal/policy/leak_guard.h"
 
-#include <c10/util/Exception.h>
-#include <fmt/format.h>
-
-#include "frugal/memory/format.h"
-#include "frugal/error.h"
-
 namespace frugal {
 
-LeakGuard::LeakGuard(LeakGuardOptions options) : options_(options) {
-  FRUGAL_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
-               options_.warmup());
-  FRUGAL_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
-               options_.tolerance());
-}
-
 void LeakGuard::on_step_end(StepContext& ctx) {
-  if (!ctx.report.stepped) {
-    return;  // inside an accumulation window gradients are meant to be held
-  }
-  ++seen_;
-  const std::int64_t allocated = ctx.report.memory.allocated;
-  if (seen_ <= options_.warmup()) {
-    return;
-  }
-  if (baseline_ < 0) {
-    baseline_ = allocated;
-    return;
-  }
-  const std::int64_t growth = allocated - baseline_;
-  growth_ = std::max(growth_, growth);
-  if (growth > options_.tolerance() && options_.throw_on_leak()) {
-    throw LeakError(
-        fmt::format("frugal: memory leak: after step {} allocated is {}, {} ({} bytes) above "
-                    "the baseline of {} taken after step {}; something keeps tensors alive "
-                    "across steps (a loss tensor kept for logging?)",
-                    ctx.report.step, format_bytes(allocated), format_bytes(growth), growth,
-                    format_bytes(baseline_), options_.warmup() + 1),
-        growth);
+  if (ctx.report.stepped) {  // inside an accumulation window gradients are meant to be held
+    check_.observe(ctx.report.memory.allocated, ctx.report.step);
   }
 }
 

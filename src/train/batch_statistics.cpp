@@ -18,16 +18,20 @@ std::vector<std::string> batch_statistics_layers(const torch::nn::Module& module
   return names;
 }
 
+bool keeps_whole_batch(BatchStatistics choice, const torch::nn::Module& module) {
+  return choice == BatchStatistics::WholeBatch && !batch_statistics_layers(module).empty();
+}
+
 void BatchStatisticsCheck::check(const torch::nn::Module& module, std::int64_t micro_batches,
                                  std::int64_t size) {
-  if (micro_batches <= 1 || choice_ == BatchStatistics::Accept ||
-      (choice_ == BatchStatistics::Warn && warned_)) {
+  const bool once = choice_ == BatchStatistics::Warn || choice_ == BatchStatistics::WholeBatch;
+  if (micro_batches <= 1 || choice_ == BatchStatistics::Accept || (once && warned_)) {
     return;
   }
   const auto layers = batch_statistics_layers(module);
   if (layers.empty()) {
     // Nothing to warn of: under Warn the tree is not walked again at every step.
-    warned_ = choice_ == BatchStatistics::Warn;
+    warned_ = once;
     return;
   }
   std::string list;
@@ -38,7 +42,8 @@ void BatchStatisticsCheck::check(const torch::nn::Module& module, std::int64_t m
       "frugal: micro-batches of {} samples change the batch statistics of {} layer(s): '{}': "
       "each micro-batch is normalized by its own mean and variance (and updates the running "
       "statistics once), so the gradient is not the whole batch's. Leave micro_batch unset "
-      "to keep them exact, use GroupNorm or LayerNorm, or choose "
+      "to keep them exact (or choose TrainerOptions::batch_statistics(WholeBatch) to run whole "
+      "batches where memory allows), use GroupNorm or LayerNorm, or choose "
       "TrainerOptions::batch_statistics(Accept) to go on without this message",
       size, layers.size(), list);
   FRUGAL_CHECK(choice_ != BatchStatistics::Refuse, message);

@@ -15,9 +15,13 @@ namespace frugal::detail {
 /// statistics: LibTorch's BatchNorm1d, 2d and 3d.
 std::vector<std::string> batch_statistics_layers(const torch::nn::Module& module);
 
+/// Whether `choice` runs `module`'s batches whole (WholeBatch, and it has such layers).
+bool keeps_whole_batch(BatchStatistics choice, const torch::nn::Module& module);
+
 /// Applies the BatchStatistics choice the first time a batch runs as `micro_batches` > 1
 /// micro-batches: warns once, refuses (throws, naming the layers), or accepts. Under Warn
-/// the model is looked at once, at the first batch split into micro-batches.
+/// (and WholeBatch, whose batches are cut only by a later choice of size) the model is looked
+/// at once, at the first batch split into micro-batches.
 class BatchStatisticsCheck {
  public:
   explicit BatchStatisticsCheck(BatchStatistics choice) : choice_(choice) {}

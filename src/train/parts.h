@@ -17,10 +17,11 @@
 namespace frugal {
 
 struct Trainer::Parts {
+  // `whole_batch`: BatchStatistics::WholeBatch applies, micro_batches is set aside.
   Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-        const TrainerOptions& options)
+        const TrainerOptions& options, bool whole_batch)
       : module_tensors(std::make_unique<detail::ModuleTensors>(module)),
-        plan(options.micro_batches(), options.count()),
+        plan(whole_batch ? c10::nullopt : options.micro_batches(), options.count()),
         window(optimizer, options.accumulate(), options.set_to_none()),
         guard(options.skip_non_finite(), options.check_gradients()),
         batch_statistics(options.batch_statistics()) {}

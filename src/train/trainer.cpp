@@ -57,20 +57,22 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
   check_positive(options_.micro_batch(), "micro_batch");
   check_positive(options_.micro_batches(), "micro_batches");
   check_positive(options_.eval_batch(), "eval_batch");
-  FRUGAL_CHECK(!(options_.micro_batch() && options_.micro_batches()),
-               "frugal: set micro_batch (", *options_.micro_batch(), ") or micro_batches (",
-               *options_.micro_batches(), "), not both");
+  FRUGAL_CHECK(!(options_.micro_batch() && options_.micro_batches()), "frugal: set micro_batch (",
+               *options_.micro_batch(), ") or micro_batches (", *options_.micro_batches(),
+               "), not both");
   FRUGAL_CHECK(options_.accumulate() >= 1, "frugal: accumulate must be >= 1, got ",
                options_.accumulate());
-  micro_batch_ = options_.micro_batch().value_or(0);
+  const bool whole_batch = detail::keeps_whole_batch(options_.batch_statistics(), *module_);
+  micro_batch_ = whole_batch ? 0 : options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
   if (const auto* sharded = dynamic_cast<const optim::ShardedOptimizer*>(&optimizer_)) {
     optimizer_traits_ = sharded->traits();
   }
-  parts_ = std::make_unique<Parts>(*module_, optimizer_, options_);
+  parts_ = std::make_unique<Parts>(*module_, optimizer_, options_, whole_batch);
   const auto ledger = detail::measure_ledger(probe_, *parts_->module_tensors, nullptr);
   if (ledger.weights > ledger.allocated) {
-    TORCH_WARN("frugal: the module's weights (", ledger.weights, " bytes) were allocated "
+    TORCH_WARN("frugal: the module's weights (", ledger.weights,
+               " bytes) were allocated "
                "before the counting CPU allocator was installed, so the probe does not count "
                "them; install it first (frugal::CountingAllocator::install() or a "
                "MemoryProbe) for exact figures");
@@ -98,7 +100,7 @@ void Trainer::restore_counters(const TrainerCounters& c) {
   FRUGAL_CHECK(!window_open(), "frugal: cannot restore counters inside an accumulation window (",
                parts_->window.batches(), " of ", options_.accumulate(), " batches run)");
   FRUGAL_CHECK(c.steps >= 0 && c.skipped >= 0 && c.skipped <= c.steps && c.batches >= 0 &&
-                  c.micro_batch >= 0 && c.eval_batch >= 0,
+                   c.micro_batch >= 0 && c.eval_batch >= 0,
                "frugal: invalid trainer counters: steps ", c.steps, ", skipped ", c.skipped,
                ", batches ", c.batches, ", micro_batch ", c.micro_batch, ", eval_batch ",
                c.eval_batch);

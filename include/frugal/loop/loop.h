@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "frugal/memory/leak_check.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/nn/module_pointer.h"
@@ -62,6 +63,9 @@ struct LoopOptions {
   TORCH_ARG(MemoryScope, memory_scope) = MemoryScope::Thread;
   /// Measure the ledger (weights, gradients, optimizer state of every model) at Loop::end.
   TORCH_ARG(bool, ledger) = true;
+  /// Check at every Loop::end of an iteration in which a model stepped that the allocated
+  /// bytes came back to the baseline (LeakCheck; LeakError names the growth). Unset: no check.
+  TORCH_ARG(c10::optional<LeakGuardOptions>, leak_guard) = c10::nullopt;
 };
 
 /// A model and its optimizer, as Loop::prepare registered them.
@@ -159,6 +163,17 @@ class Loop {
   /// Backpropagates `loss` (a scalar) into `model`'s trainable parameters only, scaled by the
   /// scaler if there is one; gradients add up until the model's step.
   void backward(const torch::Tensor& loss, LoopModel& model, bool retain_graph = false);
+  /// The model's last backward of its step with the step fused into it (the optimizer step in
+  /// backward, as frugal::StepInBackward): each parameter is updated, and its gradient freed,
+  /// as soon as autograd has accumulated it, so the model's gradients never exist all at once.
+  /// The result equals backward then step: parameters whose gradient came only from earlier
+  /// backwards are stepped after it. A NaN or infinite loss (this one or an earlier one
+  /// since the last step) runs the plain backward and skips the step, as step() does.
+  /// Needs one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW); refused with a loss
+  /// scaler, a reducer or check_gradients, which need every gradient before any update.
+  /// Returns whether it stepped. If backward fails after a parameter was updated, raises
+  /// PartialStepError naming those parameters.
+  bool backward_step(const torch::Tensor& loss, LoopModel& model);
   /// Exact gradient accumulation: cuts `batch` into micro-batches (LoopOptions::micro_batch),
   /// calls `micro_loss` on each and backpropagates it into `model` weighted by its share of
   /// the batch's count, so the gradient is the whole batch's mean loss's. Returns that mean.
@@ -190,6 +205,8 @@ class Loop {
   LoopModel& prepare_module(std::shared_ptr<torch::nn::Module> module,
                             torch::optim::Optimizer& optimizer, std::string name);
   void check_own(const LoopModel& model, const char* verb) const;
+  // Counts the model's step (or skip), releases its gradients and starts its next step.
+  void finish_step(LoopModel& model, bool stepped);
 
   LoopOptions options_;
   MemoryProbe probe_;
@@ -198,6 +215,7 @@ class Loop {
   std::int64_t iterations_ = 0;
   std::int64_t micro_batch_ = 0;
   bool scaled_ = false;  // the scaler scaled a loss this iteration
+  c10::optional<LeakCheck> leak_;
 };
 
 }  // namespace frugal

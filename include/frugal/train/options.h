@@ -43,6 +43,11 @@ enum class BatchStatistics {
   Warn,    ///< warn once per trainer, naming the layers, and go on
   Accept,  ///< go on silently
   Refuse,  ///< refuse the step, with an error naming the layers, before anything runs
+  /// Keep BatchNorm exact where memory allows: a model with such layers (in training mode
+  /// when the Trainer is made) runs each batch whole, micro_batch and micro_batches set
+  /// aside; a model without them is micro-batched as asked. Should a batch be cut after all
+  /// (OomRecovery halving it after an out-of-memory error), warn once as Warn does.
+  WholeBatch,
 };
 
 /// Numbers of one micro-batch's output for the step's report (correct predictions, say):

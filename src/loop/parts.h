@@ -1,0 +1,51 @@
+// What frugal::Loop keeps of each model, shared by the Loop's sources.
+#pragma once
+
+#include <exception>
+#include <memory>
+#include <vector>
+
+#include "../memory/module_tensors.h"
+#include "../train/grad_ready.h"
+#include "../train/gradient_window.h"
+#include "frugal/error.h"
+#include "frugal/loop/loop.h"
+
+namespace frugal {
+
+// A model's own pieces: the parameters its backward reaches, its gradient window (the
+// weights of micro-batch losses, releasing gradients), the tensors the ledger counts, and
+// what happened to it since its last step and in this iteration.
+struct LoopModel::Parts {
+  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool set_to_none)
+      : window(optimizer, /*accumulate=*/1, set_to_none), tensors(module) {
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (p.requires_grad()) {
+          trainable.push_back(p);
+        }
+      }
+    }
+  }
+  std::vector<torch::Tensor> trainable;
+  detail::GradientWindow window;
+  detail::ModuleTensors tensors;
+  bool pending = false;     // a backward reached it since its last step
+  bool non_finite = false;  // a loss of those was NaN or infinite
+  LoopModelReport iteration;
+  // Loop::backward_step's: the hooks that update each parameter as its gradient is ready,
+  // made at the first call, and the parameters updated in the current one.
+  std::unique_ptr<detail::GradReady> ready;
+  std::vector<torch::Tensor> updated;
+};
+
+namespace detail {
+
+/// The error of a step of `model` that failed in `phase` after changing `changed`;
+/// `unchanged` says what the others hold.
+PartialStepError partial_step_error(LoopModel& model, const char* phase,
+                                    const std::vector<torch::Tensor>& changed,
+                                    const std::exception& error, const char* unchanged);
+
+}  // namespace detail
+}  // namespace frugal

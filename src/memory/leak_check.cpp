@@ -1,0 +1,41 @@
+#include "frugal/memory/leak_check.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "frugal/error.h"
+#include "frugal/memory/format.h"
+
+namespace frugal {
+
+LeakCheck::LeakCheck(LeakGuardOptions options) : options_(options) {
+  FRUGAL_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
+               options_.warmup());
+  FRUGAL_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
+               options_.tolerance());
+}
+
+void LeakCheck::observe(std::int64_t allocated, std::int64_t step) {
+  ++seen_;
+  if (seen_ <= options_.warmup()) {
+    return;
+  }
+  if (baseline_ < 0) {
+    baseline_ = allocated;
+    return;
+  }
+  const std::int64_t growth = allocated - baseline_;
+  growth_ = std::max(growth_, growth);
+  if (growth > options_.tolerance() && options_.throw_on_leak()) {
+    throw LeakError(
+        fmt::format("frugal: memory leak: after step {} allocated is {}, {} ({} bytes) above "
+                    "the baseline of {} taken after step {}; something keeps tensors alive "
+                    "across steps (a loss tensor kept for logging?)",
+                    step, format_bytes(allocated), format_bytes(growth), growth,
+                    format_bytes(baseline_), options_.warmup() + 1),
+        growth);
+  }
+}
+
+}  // namespace frugal
