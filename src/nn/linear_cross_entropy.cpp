@@ -1,0 +1,161 @@
+#include "frugal/nn/linear_cross_entropy.h"
+
+#include <torch/autograd.h>
+
+#include "frugal/error.h"
+
+namespace frugal::nn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Needs {
+  bool hidden = false, weight = false, bias = false;
+  bool any() const { return hidden || weight || bias; }
+};
+
+// The loss summed over the tokens (and, where `needs` says, the gradients of that sum),
+// one chunk of tokens at a time.
+struct ChunkedSums {
+  torch::Tensor loss;                  // float32 scalar
+  torch::Tensor hidden, weight, bias;  // gradients of the summed loss
+  std::int64_t counted = 0;            // tokens whose target is not ignored
+};
+
+ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const torch::Tensor& b,
+                         const torch::Tensor& t, const LinearCrossEntropyOptions& o, Needs needs) {
+  const auto n = h.size(0);
+  const auto classes = w.size(0);
+  const double s = o.label_smoothing();
+  const auto f32 = h.options().dtype(torch::kFloat);
+  ChunkedSums out;
+  out.loss = torch::zeros({}, f32);
+  if (needs.hidden) {
+    out.hidden = torch::empty_like(h);
+  }
+  if (needs.weight) {
+    out.weight = torch::zeros(w.sizes(), f32);
+  }
+  if (needs.bias) {
+    out.bias = torch::zeros({classes}, f32);
+  }
+  for (std::int64_t start = 0; start < n; start += o.chunk()) {
+    const auto len = std::min(o.chunk(), n - start);
+    const auto hc = h.narrow(0, start, len);
+    const auto tc = t.narrow(0, start, len);
+    const auto valid = tc.ne(o.ignore_index());
+    const auto target = tc.masked_fill(valid.logical_not(), 0);
+    if (target.numel() > 0) {
+      const auto low = target.min().item<std::int64_t>();
+      const auto high = target.max().item<std::int64_t>();
+      FRUGAL_CHECK(low >= 0 && high < classes, "frugal: linear_cross_entropy: target ",
+                   low < 0 ? low : high, " is not a class in [0, ", classes,
+                   ") nor the ignore_index ", o.ignore_index());
+    }
+    // The chunk's logits (under autocast a bf16/fp16 product), then float32 for the rest.
+    auto z = b.defined() ? torch::addmm(b, hc, w.t()) : torch::mm(hc, w.t());
+    z = z.to(torch::kFloat);
+    const auto lse = z.logsumexp(1);
+    auto token = lse - z.gather(1, target.unsqueeze(1)).squeeze(1);
+    if (s > 0) {
+      token = (1 - s) * token + s * (lse - z.mean(1));
+    }
+    const auto kept = valid.to(torch::kFloat);
+    out.loss += (token * kept).sum();
+    out.counted += valid.sum().item<std::int64_t>();
+    if (!needs.any()) {
+      continue;
+    }
+    // d(token loss)/d(logits) = softmax - (1 - s) one-hot - s / classes, zero where ignored.
+    auto g = z.sub_(lse.unsqueeze(1)).exp_();
+    g.scatter_add_(1, target.unsqueeze(1), torch::full({len, 1}, -(1 - s), f32));
+    if (s > 0) {
+      g.sub_(s / static_cast<double>(classes));
+    }
+    g.mul_(kept.unsqueeze(1));
+    if (needs.bias) {
+      out.bias += g.sum(0);
+    }
+    const auto g_low = g.to(hc.scalar_type());  // as the forward's product, under autocast
+    if (needs.hidden) {
+      out.hidden.narrow(0, start, len).copy_(torch::mm(g_low, w.to(hc.scalar_type())));
+    }
+    if (needs.weight) {
+      out.weight += torch::mm(g_low.t(), hc).to(torch::kFloat);
+    }
+  }
+  return out;
+}
+
+struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
+  // `b`: the bias, or an empty tensor for none (apply takes defined tensors only).
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& w,
+                               const torch::Tensor& b, const torch::Tensor& t,
+                               const LinearCrossEntropyOptions& o, Needs needs) {
+    auto sums = chunked_sums(h, w, b.numel() > 0 ? b : torch::Tensor(), t, o, needs);
+    const double divisor = o.reduction() == LinearCrossEntropyReduction::Mean
+                               ? static_cast<double>(sums.counted)
+                               : 1.0;
+    ctx->save_for_backward({sums.hidden, sums.weight, sums.bias});
+    ctx->saved_data["divisor"] = divisor;
+    return sums.loss / divisor;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto scale = grads[0].to(torch::kFloat) / ctx->saved_data["divisor"].toDouble();
+    auto scaled = [&](const torch::Tensor& g, bool needed) {
+      return g.defined() && needed ? g * scale.to(g.scalar_type()) : torch::Tensor();
+    };
+    return {scaled(saved[0], ctx->needs_input_grad(0)),
+            scaled(saved[1], ctx->needs_input_grad(1)),
+            scaled(saved[2], ctx->needs_input_grad(2)),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                   const torch::Tensor& bias, const torch::Tensor& targets,
+                                   const LinearCrossEntropyOptions& options) {
+  FRUGAL_CHECK(options.chunk() >= 1, "frugal: linear_cross_entropy: chunk must be >= 1, got ",
+               options.chunk());
+  FRUGAL_CHECK(options.label_smoothing() >= 0 && options.label_smoothing() <= 1,
+               "frugal: linear_cross_entropy: label_smoothing must be in [0, 1], got ",
+               options.label_smoothing());
+  FRUGAL_CHECK(hidden.defined() && hidden.dim() >= 1 && weight.defined() && weight.dim() == 2 &&
+                   hidden.size(-1) == weight.size(1),
+               "frugal: linear_cross_entropy: hidden [..., H] and weight [classes, H] do not "
+               "match: hidden ",
+               hidden.defined() ? hidden.sizes() : torch::IntArrayRef{}, ", weight ",
+               weight.defined() ? weight.sizes() : torch::IntArrayRef{});
+  FRUGAL_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
+               "frugal: linear_cross_entropy: bias of shape ", bias.sizes(), " for ",
+               weight.size(0), " classes");
+  const auto h = hidden.reshape({-1, hidden.size(-1)});
+  FRUGAL_CHECK(
+      targets.defined() && targets.numel() == h.size(0) && targets.scalar_type() == torch::kLong,
+      "frugal: linear_cross_entropy: targets must be ", h.size(0), " class indices (int64), got ",
+      targets.defined() ? targets.numel() : 0, " of type ",
+      targets.defined() ? c10::toString(targets.scalar_type()) : "none");
+  const auto t = targets.reshape({-1});
+  Needs needs;
+  if (torch::GradMode::is_enabled()) {
+    needs = {hidden.requires_grad(), weight.requires_grad(),
+             bias.defined() && bias.requires_grad()};
+  }
+  if (!needs.any()) {  // no graph: the loss alone
+    const auto sums = chunked_sums(h, weight, bias, t, options, needs);
+    return options.reduction() == LinearCrossEntropyReduction::Mean
+               ? sums.loss / static_cast<double>(sums.counted)
+               : sums.loss;
+  }
+  return LinearCrossEntropyFunction::apply(
+      h, weight, bias.defined() ? bias : torch::empty({0}, weight.options()), t, options, needs);
+}
+
+}  // namespace frugal::nn

@@ -1,0 +1,184 @@
+// nn::linear_cross_entropy: the loss and the gradients of hidden states, weight and bias of
+// the plain linear + cross_entropy (ignore_index, label smoothing, any chunk size), exact
+// under micro-batches of uneven token counts, and a step peak without the whole logits
+// and their gradient, as the probe measures it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "compat.h"
+#include "frugal/autocast_guard.h"
+#include "frugal/loop/loop.h"
+#include "frugal/memory/probe.h"
+#include "frugal/nn/linear_cross_entropy.h"
+#include "helpers.h"
+
+namespace {
+namespace linear_cross_entropy {  // helper names of its own in the unity build
+
+namespace F = torch::nn::functional;
+using frugal::nn::LinearCrossEntropyOptions;
+
+struct Head {
+  torch::Tensor hidden, weight, bias, targets;
+};
+
+Head make_head(std::int64_t tokens, std::int64_t width, std::int64_t classes, bool ignored) {
+  torch::manual_seed(61);
+  Head h{torch::randn({tokens / 4, 4, width}).requires_grad_(true),
+         (torch::randn({classes, width}) * 0.3).requires_grad_(true),
+         (torch::randn({classes}) * 0.1).requires_grad_(true),
+         torch::randint(classes, {tokens / 4, 4})};
+  if (ignored) {
+    h.targets.view({-1}).index_put_({torch::arange(0, tokens, 3)}, -100);
+  }
+  return h;
+}
+
+std::vector<torch::Tensor> loss_and_grads(const Head& h, const torch::Tensor& loss) {
+  auto grads = torch::autograd::grad({loss}, {h.hidden, h.weight, h.bias});
+  grads.insert(grads.begin(), loss.detach());
+  return grads;
+}
+
+torch::Tensor plain(const Head& h, double smoothing) {
+  auto logits = F::linear(h.hidden, h.weight, h.bias);
+  return F::cross_entropy(
+      logits.flatten(0, 1), h.targets.flatten(),
+      F::CrossEntropyFuncOptions().ignore_index(-100).label_smoothing(smoothing));
+}
+
+TEST(LinearCrossEntropy, MatchesTheLinearHeadAndCrossEntropyAtEveryChunkSize) {
+  const char* names[] = {"loss", "hidden's gradient", "weight's gradient", "bias's gradient"};
+  for (const bool ignored : {false, true}) {
+    for (const double smoothing : {0.0, 0.1}) {
+      const auto h = make_head(40, 16, 37, ignored);
+      const auto expected = loss_and_grads(h, plain(h, smoothing));
+      for (const std::int64_t chunk : {1, 7, 40, 1000}) {
+        const auto got = loss_and_grads(
+            h, frugal::nn::linear_cross_entropy(
+                   h.hidden, h.weight, h.bias, h.targets,
+                   LinearCrossEntropyOptions().chunk(chunk).label_smoothing(smoothing)));
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          EXPECT_TRUE(torch::allclose(got[i], expected[i], 1e-5, 1e-6))
+              << names[i] << ", chunk " << chunk << ", smoothing " << smoothing
+              << (ignored ? ", a third ignored" : "") << ": differs by "
+              << (got[i] - expected[i]).abs().max().item<double>();
+        }
+      }
+    }
+  }
+}
+
+TEST(LinearCrossEntropy, SumWithoutBiasAndUnderNoGrad) {
+  auto h = make_head(24, 8, 11, true);
+  h.bias = torch::Tensor();
+  auto logits = F::linear(h.hidden, h.weight);
+  const auto expected = F::cross_entropy(logits.flatten(0, 1), h.targets.flatten(),
+                                         F::CrossEntropyFuncOptions().reduction(torch::kSum));
+  const auto sum = frugal::nn::linear_cross_entropy(
+      h.hidden, h.weight, torch::Tensor(), h.targets,
+      LinearCrossEntropyOptions().chunk(5).reduction(frugal::nn::LinearCrossEntropyReduction::Sum));
+  EXPECT_NEAR(sum.item<double>(), expected.item<double>(), 1e-4);
+  auto g = torch::autograd::grad({sum}, {h.weight})[0];
+  auto e = torch::autograd::grad({expected}, {h.weight})[0];
+  EXPECT_TRUE(torch::allclose(g, e, 1e-5, 1e-5));
+  torch::NoGradGuard no_grad;
+  const auto eval =
+      frugal::nn::linear_cross_entropy(h.hidden, h.weight, torch::Tensor(), h.targets);
+  EXPECT_FALSE(eval.requires_grad());
+  EXPECT_NEAR(eval.item<double>(), expected.item<double>() / 16.0, 1e-5);  // 16 of 24 counted
+}
+
+TEST(LinearCrossEntropy, MicroBatchesOfUnevenTokenCountsGiveTheWholeBatchsGradient) {
+  // Tokens per sample differ (a third of the targets ignored, unevenly), so each
+  // micro-batch's mean must be weighted by its share of the counted tokens.
+  const auto h = make_head(48, 8, 19, true);
+  const auto whole = loss_and_grads(h, plain(h, 0.0));
+  torch::manual_seed(3);
+  torch::nn::Linear head(8, 19);
+  {
+    torch::NoGradGuard no_grad;
+    head->weight.copy_(h.weight);
+    head->bias.copy_(h.bias);
+  }
+  torch::optim::SGD sgd(head->parameters(), 0.0);
+  frugal::Loop loop(frugal::LoopOptions().micro_batch(5).count(
+      [](const frugal::Batch& b) { return b.targets.ne(-100).sum().item<std::int64_t>(); }));
+  auto& m = loop.prepare(head, sgd, "head");
+  const frugal::Batch batch{h.hidden.detach(), h.targets};
+  const double mean = loop.accumulate(batch, m, [&](const frugal::Batch& micro) {
+    return frugal::nn::linear_cross_entropy(micro.inputs, head->weight, head->bias, micro.targets,
+                                            LinearCrossEntropyOptions().chunk(6));
+  });
+  EXPECT_NEAR(mean, whole[0].item<double>(), 1e-5);
+  EXPECT_TRUE(torch::allclose(head->weight.grad(), whole[2], 1e-5, 1e-6))
+      << (head->weight.grad() - whole[2]).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(head->bias.grad(), whole[3], 1e-5, 1e-6));
+}
+
+TEST(LinearCrossEntropy, ThePeakLacksTheLogitsAndTheirGradient) {
+  constexpr std::int64_t kTokens = 512, kWidth = 64, kClasses = 16384;
+  frugal::MemoryProbe probe(torch::kCPU, frugal::MemoryScope::Thread);
+  const auto h = make_head(kTokens, kWidth, kClasses, false);
+  auto peak_of = [&](const std::function<torch::Tensor()>& loss) {
+    frugal::ScopedPeak region(probe);
+    auto l = loss();
+    l.backward();
+    l = torch::Tensor();
+    for (auto t : {h.hidden, h.weight, h.bias}) {
+      t.mutable_grad().reset();
+    }
+    return region.end() - probe.allocated();
+  };
+  const auto plain_peak = peak_of([&] { return plain(h, 0.0); });
+  const auto chunked_peak = peak_of([&] {
+    return frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, h.targets,
+                                            LinearCrossEntropyOptions().chunk(64));
+  });
+  const std::int64_t logits_bytes = kTokens * kClasses * 4;  // and as much for their gradient
+  EXPECT_GE(plain_peak - chunked_peak, 7 * (2 * logits_bytes) / 10)
+      << "peak " << plain_peak << " plain, " << chunked_peak << " chunked, logits " << logits_bytes;
+}
+
+TEST(LinearCrossEntropy, Bf16AutocastStaysCloseWithFloatAccumulation) {
+  const auto h = make_head(32, 16, 23, true);
+  const auto expected = plain(h, 0.0).item<double>();
+  frugal::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  const auto loss = frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, h.targets,
+                                                     LinearCrossEntropyOptions().chunk(8));
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+  EXPECT_NEAR(loss.item<double>(), expected, 2e-2 * std::abs(expected));
+  const auto g = torch::autograd::grad({loss}, {h.weight})[0];
+  EXPECT_EQ(g.scalar_type(), torch::kFloat);
+}
+
+TEST(LinearCrossEntropy, BadInputIsNamed) {
+  const auto h = make_head(8, 4, 5, false);
+  frugal::testing::expect_error_contains(
+      [&] {
+        frugal::nn::linear_cross_entropy(h.hidden, h.weight.narrow(1, 0, 3), h.bias, h.targets);
+      },
+      "do not match");
+  auto bad = h.targets.clone();
+  bad.view({-1})[2] = 7;
+  frugal::testing::expect_error_contains(
+      [&] { frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, bad); },
+      "target 7 is not a class in [0, 5)");
+  frugal::testing::expect_error_contains(
+      [&] {
+        frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, h.targets,
+                                         LinearCrossEntropyOptions().chunk(0));
+      },
+      "chunk must be >= 1, got 0");
+  frugal::testing::expect_error_contains(
+      [&] {
+        frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, h.targets.to(torch::kInt));
+      },
+      "class indices (int64)");
+}
+
+}  // namespace linear_cross_entropy
+}  // namespace
