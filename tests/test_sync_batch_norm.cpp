@@ -76,7 +76,7 @@ TEST(SyncBatchNorm, WithoutAGroupIsTorchBatchNormBitForBit) {
     const std::string who = group ? "a group of one" : "no group";
     expect_same_as<torch::nn::BatchNorm2d>(Options(3), images, group, who + ", 2d");
     expect_same_as<torch::nn::BatchNorm1d>(Options(3), rows, group, who + ", 1d rows");
-    expect_same_as<torch::nn::BatchNorm1d>(Options(3).momentum(std::nullopt), sequences, group,
+    expect_same_as<torch::nn::BatchNorm1d>(Options(3).momentum(c10::nullopt), sequences, group,
                                            who + ", 1d sequences, cumulative average");
     expect_same_as<torch::nn::BatchNorm2d>(Options(3).affine(false), images, group,
                                            who + ", 2d without affine");

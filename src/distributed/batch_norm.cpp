@@ -1,8 +1,10 @@
 #include "frugal/distributed/batch_norm.h"
 
+#include <ATen/Context.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
-#include <torch/nn/functional/batchnorm.h>
+#include <torch/nn/init.h>
+#include <torch/torch.h>
 
 #include <vector>
 
@@ -140,11 +142,51 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
 
 }  // namespace
 
-SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options,
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_,
                                      std::shared_ptr<Group> group)
-    : BatchNormImplBase(options), group_(std::move(group)) {}
+    : options(options_), group_(std::move(group)) {
+  SyncBatchNormImpl::reset();
+}
 
-void SyncBatchNormImpl::_check_input_dim(const torch::Tensor& input) {
+void SyncBatchNormImpl::reset() {
+  const auto n = options.num_features();
+  if (options.affine()) {
+    weight = register_parameter("weight", torch::empty({n}));
+    bias = register_parameter("bias", torch::empty({n}));
+  } else {
+    weight = register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
+    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = register_buffer("running_mean", torch::zeros({n}));
+    running_var = register_buffer("running_var", torch::ones({n}));
+    num_batches_tracked =
+        register_buffer("num_batches_tracked", torch::tensor(0, torch::dtype(torch::kLong)));
+  } else {
+    running_mean = register_buffer("running_mean", torch::Tensor());
+    running_var = register_buffer("running_var", torch::Tensor());
+    num_batches_tracked = register_buffer("num_batches_tracked", torch::Tensor());
+  }
+  reset_parameters();
+}
+
+void SyncBatchNormImpl::reset_running_stats() {
+  if (options.track_running_stats()) {
+    running_mean.zero_();
+    running_var.fill_(1);
+    num_batches_tracked.zero_();
+  }
+}
+
+void SyncBatchNormImpl::reset_parameters() {
+  reset_running_stats();
+  if (options.affine()) {
+    torch::nn::init::ones_(weight);
+    torch::nn::init::zeros_(bias);
+  }
+}
+
+void SyncBatchNormImpl::check_input(const torch::Tensor& input) const {
   FRUGAL_CHECK(input.dim() >= 2,
                "frugal: SyncBatchNorm expects an input of shape (N, C, ...), got ", input.dim(),
                " dimension(s) ", input.sizes());
@@ -154,17 +196,25 @@ void SyncBatchNormImpl::_check_input_dim(const torch::Tensor& input) {
 }
 
 torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
-  const bool batch_stats = is_training() || !options.track_running_stats();
-  if (!batch_stats || !group_ || group_->size() == 1) {
-    return BatchNormImplBase::forward(input);  // what torch::nn::BatchNorm computes
-  }
-  _check_input_dim(input);
+  check_input(input);
+  // What torch::nn::BatchNorm's forward does with its momentum and counter.
   double factor = options.momentum().value_or(0.0);
   if (is_training() && options.track_running_stats()) {
     num_batches_tracked += 1;
     if (!options.momentum().has_value()) {  // a cumulative average
       factor = 1.0 / num_batches_tracked.item<double>();
     }
+  }
+  const bool batch_stats = is_training() || !options.track_running_stats();
+  if (!batch_stats || !group_ || group_->size() == 1) {
+    // torch::nn::functional::batch_norm, as torch::nn::BatchNorm calls it.
+    if (batch_stats) {
+      FRUGAL_CHECK(input.numel() / input.size(1) != 1,
+                   "Expected more than 1 value per channel when training, got input size ",
+                   input.sizes());
+    }
+    return torch::batch_norm(input, weight, bias, running_mean, running_var, batch_stats, factor,
+                             options.eps(), at::globalContext().userEnabledCuDNN());
   }
   const auto stats = global_statistics(input, *group_);
   if (is_training() && options.track_running_stats()) {

@@ -1,7 +1,10 @@
 // BatchNorm whose batch statistics are those of the whole batch over a process group.
 #pragma once
 
-#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/options/batchnorm.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
 
 #include <cstddef>
 #include <memory>
@@ -33,7 +36,7 @@ namespace frugal::distributed {
 ///     torch::Tensor forward(const torch::Tensor& x) { return torch::relu(bn(conv(x))); }
 ///   };
 ///   frugal::distributed::synchronize_batch_norm(*net, group);  // under torchrun
-class SyncBatchNormImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNormImpl> {
+class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
  public:
   explicit SyncBatchNormImpl(std::int64_t num_features)
       : SyncBatchNormImpl(torch::nn::BatchNormOptions(num_features)) {}
@@ -46,12 +49,18 @@ class SyncBatchNormImpl : public torch::nn::BatchNormImplBase<2, SyncBatchNormIm
   void set_group(std::shared_ptr<Group> group) { group_ = std::move(group); }
   const std::shared_ptr<Group>& group() const { return group_; }
 
+  /// As torch::nn::BatchNorm's: registers the parameters and buffers, at their initial values.
+  void reset() override;
+  void reset_running_stats();
+  void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
 
- protected:
-  void _check_input_dim(const torch::Tensor& input) override;
+  torch::nn::BatchNormOptions options;
+  torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
 
  private:
+  void check_input(const torch::Tensor& input) const;
+
   std::shared_ptr<Group> group_;
 };
 TORCH_MODULE(SyncBatchNorm);
