@@ -60,29 +60,21 @@ std::vector<torch::Tensor> train(const std::shared_ptr<Group>& group) {
   return out;
 }
 
-// loop-dp OUT_PREFIX: joins the group from the environment, writes OUT_PREFIX-<rank>.pt.
-int loop_dp(const std::vector<std::string>& args) {
-  torch::set_num_threads(1);
-  const auto env = frugal::distributed::LaunchEnv::from_environment();
-  auto group =
-      Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(60)));
-  torch::save(train(group), args.at(0) + "-" + std::to_string(env.rank) + ".pt");
-  return 0;
-}
-const frugal::testing::RegisterChild register_loop_dp("loop-dp", loop_dp);
+const frugal::testing::RegisterChild register_loop_dp("loop-dp",
+                                                      [](const std::vector<std::string>& args) {
+                                                        return frugal::testing::train_rank_and_save(
+                                                            args, train);
+                                                      });
 
 TEST(GradientAverage, TwoRanksOfALoopTrainAsOneProcessAndSkipTogether) {
-  const auto dir = frugal::testing::fresh_temp_dir("frugal-loop-dp");
-  const auto prefix = (dir / "w").string();
-  const auto status = frugal::testing::launch("loop-dp", 2, {prefix});
-  ASSERT_EQ(status, (std::vector<int>{0, 0}));
+  const auto ranks = frugal::testing::launch_and_load("loop-dp", 2);
+  ASSERT_EQ(ranks.size(), 2u) << "a rank failed";
   torch::set_num_threads(1);
   const auto one = train(Group::single());
   EXPECT_EQ(one.back()[0].item<std::int64_t>(), 1);  // the NaN step skipped
   EXPECT_EQ(one.back()[1].item<std::int64_t>(), 0);
   for (int r = 0; r < 2; ++r) {
-    std::vector<torch::Tensor> ranked;
-    torch::load(ranked, prefix + "-" + std::to_string(r) + ".pt");
+    const auto& ranked = ranks[static_cast<std::size_t>(r)];
     ASSERT_EQ(ranked.size(), one.size());
     EXPECT_TRUE(torch::equal(ranked.back(), one.back())) << "skipped steps, rank " << r;
     for (std::size_t i = 0; i + 1 < one.size(); ++i) {

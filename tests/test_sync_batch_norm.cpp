@@ -163,27 +163,18 @@ std::vector<torch::Tensor> train(const std::shared_ptr<Group>& group) {
   return out;
 }
 
-// sync-bn OUT_PREFIX: joins the group from the environment, writes OUT_PREFIX-<rank>.pt.
-int sync_bn(const std::vector<std::string>& args) {
-  torch::set_num_threads(1);
-  const auto env = frugal::distributed::LaunchEnv::from_environment();
-  auto group =
-      Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(60)));
-  torch::save(train(group), args.at(0) + "-" + std::to_string(env.rank) + ".pt");
-  return 0;
-}
-const frugal::testing::RegisterChild register_sync_bn("sync-bn", sync_bn);
+const frugal::testing::RegisterChild register_sync_bn("sync-bn",
+                                                      [](const std::vector<std::string>& args) {
+                                                        return frugal::testing::train_rank_and_save(
+                                                            args, train);
+                                                      });
 
 TEST(SyncBatchNorm, TwoRanksWithUnequalSharesTrainAsOneProcess) {
-  const auto dir = frugal::testing::fresh_temp_dir("frugal-sync-bn");
-  const auto prefix = (dir / "w").string();
-  const auto status = frugal::testing::launch("sync-bn", 2, {prefix});
-  ASSERT_EQ(status, (std::vector<int>{0, 0}));
+  const auto ranks = frugal::testing::launch_and_load("sync-bn", 2);
+  ASSERT_EQ(ranks.size(), 2u) << "a rank failed";
   torch::set_num_threads(1);
   const auto one = train(Group::single());
-  std::vector<std::vector<torch::Tensor>> ranks(2);
   for (int r = 0; r < 2; ++r) {
-    torch::load(ranks[static_cast<std::size_t>(r)], prefix + "-" + std::to_string(r) + ".pt");
     ASSERT_EQ(ranks[static_cast<std::size_t>(r)].size(), one.size()) << "rank " << r;
   }
   auto close = [](const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
