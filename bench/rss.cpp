@@ -41,8 +41,17 @@ std::int64_t status_kib(const std::string& field) {
   return -1;
 }
 
+// The first `count` samples of `all` (all of them for 0).
+frugal::Batch first(frugal::Batch all, std::int64_t count) {
+  if (count > 0 && count < all.inputs.size(0)) {
+    all.inputs = all.inputs.narrow(0, 0, count).clone();
+    all.targets = all.targets.narrow(0, 0, count).clone();
+  }
+  return all;
+}
+
 nlohmann::json train(const std::string& mode, const std::string& data_dir, int steps,
-                     std::int64_t batch, int workers) {
+                     std::int64_t batch, int workers, std::int64_t test_samples) {
   torch::manual_seed(0);
   auto loader = torch::data::make_data_loader(
       Fashion(frugal::data::load_mnist_dir(data_dir, frugal::data::Split::Train))
@@ -51,7 +60,8 @@ nlohmann::json train(const std::string& mode, const std::string& data_dir, int s
           .batch_size(static_cast<std::size_t>(batch))
           .workers(static_cast<std::size_t>(workers)));
   auto test = torch::data::make_data_loader(
-      Fashion(frugal::data::load_mnist_dir(data_dir, frugal::data::Split::Test))
+      Fashion(
+          first(frugal::data::load_mnist_dir(data_dir, frugal::data::Split::Test), test_samples))
           .map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions().batch_size(1000).workers(static_cast<std::size_t>(workers)));
   auto model = fashion::make_cnn(0.0);
@@ -132,7 +142,7 @@ nlohmann::json run_child(const std::string& self, const std::string& mode,
 int main(int argc, char** argv) {
   std::string mode = "both", data_dir = "/usr/share/datasets/fashion-mnist";
   int steps = 300, workers = 2, rounds = 1, threads = 0;
-  std::int64_t batch = 64, cache_limit = 0;
+  std::int64_t batch = 64, cache_limit = 0, test_samples = 0;
   CLI::App app{"Resident memory of an MNIST-style program with frugal and without"};
   app.add_option("--mode", mode, "both (each in a process of its own), plain or frugal")
       ->check(CLI::IsMember({"both", "plain", "frugal"}));
@@ -142,6 +152,10 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers, "DataLoader worker threads")->capture_default_str();
   app.add_option("--rounds", rounds, "pairs of processes, alternating")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  app.add_option("--test-samples", test_samples,
+                 "Evaluate on the first this many test samples (0: all 10000)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--cache-limit", cache_limit,
                  "frugal's CPU cache limit in bytes (0: its default rule)")
       ->capture_default_str();
@@ -151,12 +165,13 @@ int main(int argc, char** argv) {
     torch::set_num_threads(threads);
   }
   if (mode != "both") {
-    fmt::print("{}\n", train(mode, data_dir, steps, batch, workers).dump());
+    fmt::print("{}\n", train(mode, data_dir, steps, batch, workers, test_samples).dump());
     return 0;
   }
-  const auto args =
-      fmt::format("--data-dir {} --steps {} --batch {} --workers {} --threads {} --cache-limit {}",
-                  data_dir, steps, batch, workers, threads, cache_limit);
+  const auto args = fmt::format(
+      "--data-dir {} --steps {} --batch {} --workers {} --threads {} --cache-limit {} "
+      "--test-samples {}",
+      data_dir, steps, batch, workers, threads, cache_limit, test_samples);
   std::vector<double> plain, ours;
   nlohmann::json last_plain, last_ours;
   for (int r = 0; r < rounds; ++r) {
@@ -168,8 +183,9 @@ int main(int argc, char** argv) {
   const double p = bench::median(plain), f = bench::median(ours);
   fmt::print(
       "Peak resident memory (VmHWM) of an MNIST-style program: CNN, Adam, DataLoader with "
-      "{} workers, batch {}, {} steps and an evaluation, {} round(s); {}\n\n",
-      workers, batch, steps, rounds, bench::machine_line());
+      "{} workers, batch {}, {} steps and an evaluation on {} test samples, {} round(s); {}\n\n",
+      workers, batch, steps, test_samples > 0 ? fmt::to_string(test_samples) : "all 10000", rounds,
+      bench::machine_line());
   fmt::print("| program | peak RSS (MiB) | ratio |\n|---|---|---|\n");
   fmt::print("| LibTorch alone | {:.1f} | 1.000 |\n", p / 1024);
   fmt::print("| with frugal (Trainer, probe, ledger) | {:.1f} | {:.3f} |\n\n", f / 1024, f / p);

@@ -6,14 +6,22 @@ holding the fields the README's tables are made from. The figures themselves mea
 at these sizes and are not checked.
 Usage: bench_smoke.py BUILD_DIR PYTHON_WITH_TORCH|"" [NAME ...]
   NAME: one of the runs below (all without a name). Without a Python that has torch ("")
-  the Python twins are left out, and said so.
+  the Python twins are left out, and said so. The Python twins run one after another in one
+  process of PYTHON_WITH_TORCH, each twin's main() called as its command line would (torch
+  is imported once, not once a twin); those that load frugal's allocator into the process
+  (twin.py, tiny_lm_twin.py) come last.
 """
+import contextlib
+import importlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 from cli_check import check, finish
 
@@ -25,6 +33,10 @@ TWINS = os.path.join(HERE, "..", "bench", "python")
 BENCH = os.path.join(BUILD, "bench")
 FASHION = os.path.join(BUILD, "examples", "fashion_mnist")
 TINY_LM = os.path.join(BUILD, "examples", "tiny_lm")
+
+
+TWIN_SIZES = ["--blocks", "2", "--width", "16", "--hidden", "32", "--mlp-batch", "8",
+              "--cnn-batch", "4"]
 
 
 def last_json(stdout):
@@ -46,25 +58,45 @@ def has_keys(value, path):
     return True
 
 
-def smoke(name, cmd, keys, table=True, env=None):
-    start = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    took = time.monotonic() - start
-    if done.returncode != 0:
-        print(done.stdout[-2000:], done.stderr[-2000:])
-    check(done.returncode == 0, f"{name}: exits 0 ({took:.1f} s)")
-    if done.returncode != 0:
+def verdict(name, ok, took, stdout, keys, table):
+    check(ok, f"{name}: exits 0 ({took:.1f} s)")
+    if not ok:
         return
     if table:
-        check("|---" in done.stdout, f"{name}: prints its markdown table")
+        check("|---" in stdout, f"{name}: prints its markdown table")
     try:
-        result = last_json(done.stdout)
+        result = last_json(stdout)
     except json.JSONDecodeError as error:
         result = None
         print(f"     last JSON line does not parse: {error}")
     missing = [k for k in keys if result is None or not has_keys(result, k)]
     check(not missing, f"{name}: its JSON line holds {', '.join(keys)}"
           + (f" (missing: {', '.join(missing)})" if missing else ""))
+
+
+def smoke(name, cmd, keys, table):
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-2000:])
+    verdict(name, done.returncode == 0, time.monotonic() - start, done.stdout, keys, table)
+
+
+def smoke_in_process(name, argv, keys, table):
+    """Runs the twin `name`'s main() in this process with `argv` as its arguments."""
+    sys.path.insert(0, TWINS)
+    start = time.monotonic()
+    out, saved, ok = io.StringIO(), sys.argv, True
+    try:
+        sys.argv = [name] + argv
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(name[:-len(".py")]).main()
+    except (Exception, SystemExit):  # a failed check=True run, a parser error
+        ok = False
+        print(out.getvalue()[-2000:], traceback.format_exc()[-3000:])
+    finally:
+        sys.argv = saved
+    verdict(name, ok, time.monotonic() - start, out.getvalue(), keys, table)
 
 
 def runs(tmp):
@@ -78,7 +110,8 @@ def runs(tmp):
                           "--threads", "1"],
                          ["hand_ms", "engine_ms", "ratio", "loop_ms", "loop_ratio"], True, False),
         "bench_rss": ([b("bench_rss"), "--steps", "3", "--batch", "8", "--workers", "0",
-                       "--threads", "1"], ["ratio", "plain_kib", "frugal_kib"], True, False),
+                       "--threads", "1", "--test-samples", "100"],
+                      ["ratio", "plain_kib", "frugal_kib"], True, False),
         "bench_checkpoint": ([b("bench_checkpoint"), "--rounds", "1", "--steps", "1", "--blocks",
                               "2", "--width", "16", "--hidden", "32", "--batch", "4",
                               "--threads", "1"], ["time_ratio"], True, False),
@@ -94,13 +127,15 @@ def runs(tmp):
                             "8-4-1", "6-4-3", "--batches", "1", "2"],
                            ["rows.3.hand_us", "rows.3.trainer_us", "rows.3.trainer_policies_us",
                             "rows.3.own_us"], True, False),
-        "bench_twin": ([b("bench_twin"), "--steps", "1", "--threads", "1"],
+        "bench_twin": ([b("bench_twin"), "--steps", "1", "--threads", "1", *TWIN_SIZES],
                        ["step_ms", "peak_bytes"], False, False),
-        "twin.py": (py("twin.py") + ["--build", BUILD, "--steps", "1", "--threads", "1"],
+        "twin.py": (py("twin.py") + ["--build", BUILD, "--steps", "1", "--threads", "1",
+                                     *TWIN_SIZES],
                     ["0.frugal.step_ms", "0.pytorch.step_ms"], True, True),
         "speed_twin.py": (py("speed_twin.py") + [
-            "--binary", FASHION, "--engine", b("bench_engine"), "--steps", "11", "--rounds", "1",
-            "--threads", "1", "--batch", "24", "--profile", "--allocator"],
+            "--binary", FASHION, "--engine", b("bench_engine"), "--steps", "3", "--warmup", "1",
+            "--rounds", "1", "--threads", "1", "--batch", "4", "--micro-batch", "2", "--profile",
+            "--allocator"],
             ["rows.4.frugal_ms", "rows.4.modules_ms", "rows.4.functional_ms", "rows.4.ratio",
              "rows.0.fastest_on_frugal_allocator_ms", "split.own_ms"], True, True),
         "overhead_twin.py": (py("overhead_twin.py") + [
@@ -109,10 +144,12 @@ def runs(tmp):
                                 "rows.0.fastest_python", "rows.0.trainer_over_fastest_python"],
             True, True),
         "tiny_lm_twin.py": (py("tiny_lm_twin.py") + [
-            "--build", BUILD, "--steps", "11", "--rounds", "1", "--threads", "1", "--batch", "4",
+            "--build", BUILD, "--steps", "3", "--warmup", "1", "--rounds", "1", "--threads", "1",
+            "--batch", "4",
             "--dim", "16", "--heads", "2", "--layers", "1", "--max-len", "32"],
             ["rows.3.frugal_ms", "rows.3.pytorch_ms"], True, True),
-        "ddp_twin.py": (py("ddp_twin.py") + ["--binary", FASHION, "--steps", "11", "--rounds", "1"],
+        "ddp_twin.py": (py("ddp_twin.py") + ["--binary", FASHION, "--steps", "3", "--warmup", "1",
+                                             "--rounds", "1", "--batch", "4"],
                         ["ms"], True, True),
     }
 
@@ -123,10 +160,19 @@ with tempfile.TemporaryDirectory() as tmp:
     if unknown:
         sys.exit(f"bench_smoke.py: no benchmark named {', '.join(unknown)}; "
                  f"there are {', '.join(every)}")
-    for name in NAMES or list(every):
+    chosen = NAMES or list(every)
+    twins = [name for name in chosen if every[name][3]]
+    if twins and PYTHON is None:
+        print(f"skip {', '.join(twins)}: no python with torch was given")
+    elif twins and importlib.util.find_spec("torch") is None:
+        # The twins import torch: this script goes on in the Python that has it.
+        sys.stdout.flush()
+        os.execv(PYTHON, [PYTHON, os.path.abspath(__file__), BUILD, PYTHON, *chosen])
+    last = ("twin.py", "tiny_lm_twin.py")  # they load frugal's allocator into this process
+    for name in sorted(chosen, key=lambda n: n in last):
         cmd, keys, table, needs_torch = every[name]
-        if needs_torch and PYTHON is None:
-            print(f"skip {name}: no python with torch was given")
-            continue
-        smoke(name, cmd, keys, table)
+        if not needs_torch:
+            smoke(name, cmd, keys, table)
+        elif PYTHON is not None:
+            smoke_in_process(name, cmd[2:], keys, table)
 finish()

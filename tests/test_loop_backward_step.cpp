@@ -161,6 +161,19 @@ TEST(LoopBackwardStep, RefusesWhatNeedsEveryGradientFirst) {
     frugal::testing::expect_error_contains([&] { loop.backward_step(loss(), m); },
                                            "the loop's reducer needs every gradient");
   }
+  {
+    frugal::Loop loop;
+    auto& m = loop.prepare(model, adam, "model");
+    const auto before = model->weight.detach().clone();
+    frugal::testing::expect_error_contains(
+        [&] {
+          torch::NoGradGuard no_grad;
+          loop.backward_step(loss(), m);
+        },
+        "Loop::backward_step of 'model': the loss does not require grad");
+    EXPECT_TRUE(torch::equal(model->weight, before));
+    EXPECT_EQ(m.steps(), 0);
+  }
   EXPECT_FALSE(model->weight.grad().defined());  // nothing ran
 }
 

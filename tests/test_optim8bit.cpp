@@ -1,3 +1,7 @@
+// The 8-bit optimizer's arithmetic: without quantization it is Adam's step bit for bit, one step
+// from the same state is float32 Adam's within the codes' spacing, small moments never round to
+// zero, the fused CPU step agrees with the tensor-ops one, and its states take the bytes the
+// formula says (a quarter of Adam's on the CNN).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -14,43 +18,16 @@
 #include "frugal/optim/blockwise.h"
 #include "helpers.h"
 #include "optim/codebook.h"
+#include "optim8bit_setup.h"
 
 namespace {
 
 namespace to = torch::optim;
 namespace fo = frugal::optim;
-using frugal::testing::nearest_distance;
 using frugal::testing::clone_params;
+using frugal::testing::nearest_distance;
 using frugal::testing::step_overhead;
-
-// Parameters of several shapes: large ones of several chunks and blocks (one with a short
-// last block), a small one (float32 states), one not contiguous (stepped whole).
-std::vector<torch::Tensor> make_8bit_params() {
-  torch::manual_seed(11);
-  auto strided = torch::randn({100, 50}).t();
-  return {torch::randn({64, 75}).requires_grad_(), torch::randn({9000}).requires_grad_(),
-          torch::randn({75}).requires_grad_(), strided.detach().requires_grad_()};
-}
-
-// Gradients of a size that changes from step to step.
-void set_growing_grads(std::vector<torch::Tensor>& params, int step) {
-  frugal::testing::set_grads(params, step, 1 + step % 3);
-}
-
-double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  double most = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    most = std::max(most, (a[i] - b[i]).abs().max().item<double>());
-  }
-  return most;
-}
-
-// Chunks of three blocks: the 9000-element parameter takes four, the last one partial.
-const fo::InPlaceOptions kChunks = fo::InPlaceOptions().chunk(768);
-
-fo::Adam8bitParamState& state_of(to::Optimizer& o, const torch::Tensor& p) {
-  return static_cast<fo::Adam8bitParamState&>(*o.state().at(frugal::compat::optimizer_state_key(p)));
-}
+using namespace frugal::testing::optim8bit;
 
 TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
   // Same arithmetic as Adam: with float32 states the two agree exactly, so the 8-bit
@@ -116,7 +93,8 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   double worst = 0, worst_state = 0;
   for (std::size_t i = 0; i < params8.size(); ++i) {
     const auto update8 = params8[i] - before[i], update32 = params32[i] - before[i];
-    worst = std::max(worst, ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
+    worst =
+        std::max(worst, ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
     auto& s8 = state_of(adam8, params8[i]);
     for (const auto& [codes, scales, exact, map] :
          {std::make_tuple(s8.exp_avg(), s8.exp_avg_scales(), float_state(i).exp_avg(), map_s),
@@ -129,14 +107,14 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
       const auto padded = torch::cat({flat.abs(), torch::zeros({blocks * 256 - flat.numel()})});
       EXPECT_TRUE(torch::allclose(scales, std::get<0>(padded.view({blocks, 256}).max(1)), 1e-5, 0));
       const auto scale = scales.repeat_interleave(256).narrow(0, 0, flat.numel());
-      const auto error = (fo::dequantize_blockwise({codes, scales, 256}, map).view(-1) - flat)
-                             .abs() / scale;
+      const auto error =
+          (fo::dequantize_blockwise({codes, scales, 256}, map).view(-1) - flat).abs() / scale;
       const auto excess = error - nearest_distance(flat / scale, map);
       worst_state = std::max(worst_state, excess.max().item<double>());
     }
   }
-  std::cout << "[ 8-bit    ] one step from the same state: largest update difference "
-            << worst << " of the update; states at most " << worst_state
+  std::cout << "[ 8-bit    ] one step from the same state: largest update difference " << worst
+            << " of the update; states at most " << worst_state
             << " (of the scale) beyond the nearest code\n";
   EXPECT_LE(worst, 1e-4);
   EXPECT_LE(worst_state, 1e-5);
@@ -149,7 +127,8 @@ TEST(Optim8bit, ASmallSecondMomentNeverRoundsToZero) {
   // without zero keeps every update within Adam's.
   for (const bool fused : {true, false}) {
     auto p8 = fused ? torch::zeros({4096}) : torch::zeros({64, 64}).t();
-    std::vector<torch::Tensor> params8{p8.requires_grad_()}, params32{torch::zeros({4096}).requires_grad_()};
+    std::vector<torch::Tensor> params8{p8.requires_grad_()},
+        params32{torch::zeros({4096}).requires_grad_()};
     fo::Adam8bit adam8(params8, to::AdamOptions(1e-3), {}, kChunks);
     fo::Adam adam32(params32, to::AdamOptions(1e-3));
     auto grad = torch::full({4096}, 1e-2);
@@ -171,8 +150,8 @@ TEST(Optim8bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {
   // transposed layout take the tensor-ops step that other devices (CUDA) and dtypes use.
   torch::manual_seed(12);
   auto fused = std::vector<torch::Tensor>{torch::randn({150, 60}).requires_grad_()};
-  auto strided = std::vector<torch::Tensor>{
-      fused[0].detach().t().contiguous().t().requires_grad_()};
+  auto strided =
+      std::vector<torch::Tensor>{fused[0].detach().t().contiguous().t().requires_grad_()};
   ASSERT_FALSE(strided[0].is_contiguous());
   fo::AdamW8bit a(fused, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
   fo::AdamW8bit b(strided, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
@@ -262,194 +241,6 @@ TEST(Optim8bit, TheCnnsStatesTakeAQuarterOfAdams) {
   EXPECT_LE(ratio, 0.27);
 }
 
-TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
-  auto a = make_8bit_params();
-  fo::AdamW8bit ours(a, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  for (int step = 0; step < 3; ++step) {
-    set_growing_grads(a, step);
-    ours.step();
-  }
-  std::stringstream file;
-  torch::save(ours, file);
-  auto b = clone_params(a);
-  fo::AdamW8bit loaded(b, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  torch::load(loaded, file);
-  ASSERT_EQ(loaded.state().size(), a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const auto mine = state_of(ours, a[i]).state_tensors();
-    const auto theirs = state_of(loaded, b[i]).state_tensors();
-    EXPECT_EQ(state_of(loaded, b[i]).step(), 3);
-    for (std::size_t t = 0; t < mine.size(); ++t) {
-      ASSERT_EQ(mine[t].defined(), theirs[t].defined());
-      if (mine[t].defined()) {
-        EXPECT_TRUE(torch::equal(mine[t], theirs[t])) << "parameter " << i << " tensor " << t;
-      }
-    }
-  }
-  for (int step = 3; step < 8; ++step) {
-    set_growing_grads(a, step);
-    set_growing_grads(b, step);
-    ours.step();
-    loaded.step();
-  }
-  EXPECT_EQ(max_abs_diff(a, b), 0);
-}
-
-// torch::load into `optimizer` must fail with `message` and leave its state as it was.
-void expect_refused(to::Optimizer& optimizer, std::stringstream& file, const std::string& message,
-                    const std::vector<torch::Tensor>& params) {
-  std::vector<std::vector<torch::Tensor>> before;
-  for (const auto& p : params) {
-    std::vector<torch::Tensor> copies;
-    for (const auto& t : state_of(optimizer, p).state_tensors()) {
-      copies.push_back(t.defined() ? t.clone() : t);
-    }
-    before.push_back(copies);
-  }
-  file.seekg(0);
-  try {
-    torch::load(optimizer, file);
-    ADD_FAILURE() << "loaded; expected: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto now = state_of(optimizer, params[i]).state_tensors();
-    for (std::size_t t = 0; t < now.size(); ++t) {
-      if (now[t].defined()) {
-        EXPECT_TRUE(torch::equal(now[t], before[i][t])) << "parameter " << i;
-      }
-    }
-  }
-}
-
-TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
-  auto a = make_8bit_params();
-  fo::Adam8bit saved(a, to::AdamOptions(1e-2), {}, kChunks);
-  to::Adam torch_adam(a, to::AdamOptions(1e-2));
-  set_growing_grads(a, 0);
-  saved.step();
-  torch_adam.step();
-  std::stringstream ours, torchs;
-  torch::save(saved, ours);
-  torch::save(torch_adam, torchs);
-
-  auto b = clone_params(a);
-  fo::Adam8bit other_block(b, to::AdamOptions(1e-2), fo::QuantizedStateOptions().block(512),
-                           kChunks);
-  set_growing_grads(b, 1);
-  other_block.step();
-  expect_refused(other_block, ours, "but this optimizer's block is 512", b);
-  expect_refused(other_block, torchs, "not saved by frugal's Adam8bit", b);
-
-  auto c = clone_params(a);
-  std::swap(c[0], c[1]);  // same count, other shapes
-  fo::Adam8bit other_shapes(c, to::AdamOptions(1e-2), {}, kChunks);
-  set_growing_grads(c, 1);
-  other_shapes.step();
-  expect_refused(other_shapes, ours, "the loaded state of parameter 0 (shape [9000])", c);
-}
-
-TEST(Optim8bit, ParametersWithoutGradientAreSkipped) {
-  auto params = make_8bit_params();
-  const auto before = params[1].detach().clone();
-  fo::Adam8bit adam8(params, to::AdamOptions(1e-2));
-  set_growing_grads(params, 0);
-  params[1].mutable_grad().reset();
-  adam8.step();
-  EXPECT_TRUE(torch::equal(params[1], before));
-  EXPECT_EQ(adam8.state().size(), params.size() - 1);
-}
-
-TEST(Optim8bit, StepParameterEqualsTheWholeStep) {
-  auto whole = make_8bit_params();
-  auto one_by_one = clone_params(whole);
-  fo::Adam8bit a(whole, to::AdamOptions(1e-2), {}, kChunks);
-  fo::Adam8bit b(one_by_one, to::AdamOptions(1e-2), {}, kChunks);
-  for (int step = 0; step < 4; ++step) {
-    set_growing_grads(whole, step);
-    set_growing_grads(one_by_one, step);
-    a.step();
-    for (auto it = one_by_one.rbegin(); it != one_by_one.rend(); ++it) {
-      b.step_parameter(*it);
-    }
-  }
-  EXPECT_EQ(max_abs_diff(one_by_one, whole), 0);
-}
-
-TEST(Optim8bit, TheStepNeedsNoFullSizeCopyOfAState) {
-  frugal::CountingAllocator::install();
-  frugal::MemoryProbe probe(torch::kCPU);
-  torch::manual_seed(3);
-  const std::int64_t big = 1 << 20;
-  // float32 and contiguous on the CPU: the fused loop, no scratch at all.
-  std::vector<torch::Tensor> fused{torch::randn({big}).requires_grad_()};
-  fo::Adam8bit a(fused, to::AdamOptions(1e-3).weight_decay(1e-2));
-  EXPECT_EQ(a.scratch_bytes(), 0);
-  const auto fused_overhead = step_overhead(a, fused, probe);
-  EXPECT_LE(fused_overhead, 256);  // the 0-d tensors LibTorch wraps scalars in
-  // Strided (as other devices and dtypes): tensor ops on four float32 buffers of one chunk,
-  // a quarter of one float32 copy of a moment.
-  std::vector<torch::Tensor> strided{torch::randn({1024, 1024}).t().requires_grad_()};
-  const auto chunk = fo::InPlaceOptions().chunk(1 << 16);
-  fo::Adam8bit b(strided, to::AdamOptions(1e-3).weight_decay(1e-2), {}, chunk);
-  EXPECT_EQ(b.scratch_bytes(), 4 * big * 4);  // not flat: stepped whole
-  std::vector<torch::Tensor> flat_ops{torch::randn({big}, torch::kFloat64).requires_grad_()};
-  fo::Adam8bit c(flat_ops, to::AdamOptions(1e-3), {}, chunk);
-  EXPECT_EQ(c.scratch_bytes(), 6 * chunk.chunk() * 4);  // and float32 copies of both
-  const auto ops_overhead = step_overhead(c, flat_ops, probe);
-  EXPECT_GE(ops_overhead, c.scratch_bytes());
-  EXPECT_LE(ops_overhead, c.scratch_bytes() + 256);
-  std::cout << "[ 8-bit    ] step of a 1 M-element parameter: " << fused_overhead
-            << " B above its start (fused), " << ops_overhead << " B (tensor ops, float64)\n";
-}
-
-TEST(Optim8bit, AFailedStepChangesNeitherParametersNorState) {
-  frugal::CountingAllocator::install();
-  frugal::MemoryProbe probe(torch::kCPU);
-  auto params = make_8bit_params();
-  fo::Adam8bit adam8(params, to::AdamOptions(1e-2), {}, kChunks);
-  set_growing_grads(params, 0);
-  adam8.step();
-  set_growing_grads(params, 1);
-  const auto before = clone_params(params);
-  std::vector<torch::Tensor> codes;
-  for (const auto& p : params) {
-    codes.push_back(state_of(adam8, p).exp_avg().clone());
-  }
-  {
-    frugal::ScopedCpuCap cap(probe.allocated() + adam8.scratch_bytes() / 2);
-    EXPECT_THROW(adam8.step(), c10::OutOfMemoryError);
-  }
-  EXPECT_EQ(max_abs_diff(params, before), 0);
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    EXPECT_TRUE(torch::equal(state_of(adam8, params[i]).exp_avg(), codes[i]));
-    EXPECT_EQ(state_of(adam8, params[i]).step(), 1);
-  }
-}
-
-TEST(Optim8bit, BadOptionsNameTheValue) {
-  auto params = make_8bit_params();
-  const auto message = [&](auto make) {
-    try {
-      make();
-    } catch (const c10::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  EXPECT_NE(message([&] { fo::Adam8bit(params, to::AdamOptions(1e-3).amsgrad(true)); })
-                .find("amsgrad must be false"),
-            std::string::npos);
-  EXPECT_NE(message([&] {
-              fo::Adam8bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().block(0));
-            }).find("block must be >= 1 element, got 0"),
-            std::string::npos);
-  EXPECT_NE(message([&] { fo::AdamW8bit(params, to::AdamWOptions(-1)); })
-                .find("invalid learning rate: -1"),
-            std::string::npos);
-}
-
 }  // namespace
 
 namespace {
@@ -470,7 +261,8 @@ TEST(CudaOptim8bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
   const auto here = cuda[0].detach().cpu();
   EXPECT_LE(((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>(), 1e-5);
   const auto apart = (state_of(a, cpu[0]).exp_avg().to(torch::kInt) -
-                      state_of(b, cuda[0]).exp_avg().cpu().to(torch::kInt)).abs();
+                      state_of(b, cuda[0]).exp_avg().cpu().to(torch::kInt))
+                         .abs();
   EXPECT_LE(apart.max().item<int64_t>(), 1);
   EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
 }

@@ -5,6 +5,7 @@
 
 extern "C" {
 void frugal_probe_install() { frugal::CountingAllocator::install(); }
+void frugal_probe_uninstall() { frugal::CountingAllocator::uninstall(); }
 long long frugal_probe_allocated() { return frugal::CountingAllocator::stats().allocated; }
 long long frugal_probe_peak() { return frugal::CountingAllocator::stats().peak; }
 void frugal_probe_reset_peak() { frugal::CountingAllocator::reset_peak(); }

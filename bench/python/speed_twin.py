@@ -3,7 +3,7 @@
 frugal's side is `fashion_mnist` as a user runs it (default environment, its default
 optimizer, frugal's allocator); PyTorch's side is the same CNN, data, batch, optimizer
 settings and variant trained in this Python process with PyTorch's own tools and
-allocator (nothing of frugal is loaded here). The two alternate, variant by variant, for
+allocator (frugal's allocator is loaded only for `--allocator`'s run, after all others). The two alternate, variant by variant, for
 several rounds; each figure is the median step time over all rounds (a step: forward,
 backward, optimizer step, zeroing; the first steps of each run are warm-up).
 
@@ -14,14 +14,16 @@ cost: `bench_engine --model cnn` runs the same CNN under the Trainer beside a ha
 LibTorch C++ loop in the same run (the hand-written loop is the kernels and LibTorch's
 dispatch; the difference is frugal's own). `--profile` prints each Python form's busiest
 operators (torch.profiler), which says where the two forms differ; `--allocator` runs the
-fastest form again on frugal's caching CPU allocator, which says how much of the gap is the
-allocator's.
+fastest form again with frugal's caching CPU allocator installed in this process (and PyTorch's
+own put back after), which says how much of the gap is the allocator's.
 
     python bench/python/speed_twin.py --binary build/torch2/examples/fashion_mnist \
         [--engine build/torch2/bench/bench_engine] [--steps 300] [--rounds 2] [--threads 2]
-        [--variants plain bf16 ...] [--profile] [--allocator]
+        [--micro-batch 16] [--warmup 10] [--variants plain bf16 ...] [--profile] [--allocator]
 """
 import argparse
+import ctypes
+import functools
 import gzip
 import json
 import os
@@ -48,6 +50,13 @@ def load_idx(path):
     dims = raw[3]
     shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)]
     return torch.frombuffer(bytearray(raw[4 + 4 * dims:]), dtype=torch.uint8).reshape(shape)
+
+
+@functools.lru_cache(maxsize=1)
+def load_fashion():
+    """Fashion-MNIST's training images (N, 1, 28, 28) in [0, 1] and labels, read once a process."""
+    images = load_idx(f"{DATA}/train-images-idx3-ubyte.gz").unsqueeze(1).float().div_(255)
+    return images, load_idx(f"{DATA}/train-labels-idx1-ubyte.gz").long()
 
 
 def cnn(dropout):
@@ -103,18 +112,19 @@ def forward(net, form, x, checkpointed):
     return head(x)
 
 
-def python_run(form, variant, images, labels, steps, batch, lr=1e-3, dropout=0.4, seed=1,
-               profile=False):
+def python_run(form, variant, images, labels, steps, batch, micro=16, warmup=WARMUP, lr=1e-3,
+               dropout=0.4, seed=1, profile=False):
+    """Step times in ms after `warmup` steps; `micro`: the micro-batch variant's part size."""
     torch.manual_seed(seed)
     net = make_net(form, dropout)
     adam = torch.optim.Adam(net.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(images.shape[0], generator=generator)
-    micro = 16 if variant == "micro-batch 16" else batch  # the last part may be smaller
+    micro = micro if variant == "micro-batch" else batch  # the last part may be smaller
     times = []
     profiler = None
     for i in range(steps):
-        if profile and i == WARMUP:
+        if profile and i == warmup:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
         idx = order[i * batch:(i + 1) * batch]
@@ -133,40 +143,39 @@ def python_run(form, variant, images, labels, steps, batch, lr=1e-3, dropout=0.4
         times.append((time.perf_counter() - start) * 1e3)
     if profiler is not None:
         profiler.__exit__(None, None, None)
-        print(f"{form}, {variant}: busiest operators over {steps - WARMUP} steps")
+        print(f"{form}, {variant}: busiest operators over {steps - warmup} steps")
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    return times[WARMUP:]
+    return times[warmup:]
 
 
+# The example's flags of each variant; the micro-batch variant's size follows its flag.
 FLAGS = {"plain": [], "bf16": ["--autocast", "bf16"], "checkpoint": ["--checkpoint"],
-         "micro-batch 16": ["--micro-batch", "16"]}
+         "micro-batch": ["--micro-batch"]}
 TORCH_ADAM = "plain, LibTorch's Adam"
 
 
-def frugal_run(binary, variant, steps, threads, batch, extra):
+def frugal_run(binary, variant, steps, threads, batch, extra, micro=16, warmup=WARMUP):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.jsonl")
         subprocess.run([binary, "--model", "cnn", "--max-steps", str(steps), "--threads",
                         str(threads), "--batch", str(batch), "--eval-samples", "100",
                         "--quiet", "--report", report,
-                        *FLAGS[variant], *extra],
+                        *FLAGS[variant], *([str(micro)] if variant == "micro-batch" else []),
+                        *extra],
                        check=True, capture_output=True, text=True)
-        return [r["time_ms"] for r in step_records(report)][WARMUP:]
+        return [r["time_ms"] for r in step_records(report)][warmup:]
 
 
-def python_on_frugal_allocator(build, form, variant, steps, batch, threads):
-    """The Python side's steps in a new process whose CPU tensors come from frugal's caching
-    allocator (libfrugal_probe_capi.so, as twin.py loads it): what the allocator alone is worth."""
-    code = ("import ctypes, json, sys, torch; sys.path.insert(0, sys.argv[1]); import speed_twin as s; "
-            "ctypes.CDLL(sys.argv[2]).frugal_probe_install(); torch.set_num_threads(int(sys.argv[6])); "
-            "i = s.load_idx(f'{s.DATA}/train-images-idx3-ubyte.gz').unsqueeze(1).float().div_(255); "
-            "l = s.load_idx(f'{s.DATA}/train-labels-idx1-ubyte.gz').long(); "
-            "print(json.dumps(s.python_run(sys.argv[3], sys.argv[4], i, l, int(sys.argv[5]), int(sys.argv[7]))))")
-    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
-                          os.path.join(build, "bench", "libfrugal_probe_capi.so"), form, variant,
-                          str(steps), str(threads), str(batch)],
-                         check=True, capture_output=True, text=True)
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def python_on_frugal_allocator(build, run):
+    """`run()` with frugal's caching allocator serving this process's new CPU tensors
+    (libfrugal_probe_capi.so, as twin.py loads it), then PyTorch's own again: what the
+    allocator alone is worth."""
+    probe = ctypes.CDLL(os.path.join(build, "bench", "libfrugal_probe_capi.so"))
+    probe.frugal_probe_install()
+    try:
+        return run()
+    finally:
+        probe.frugal_probe_uninstall()
 
 
 def engine_split(binary, steps, rounds, threads, batch):
@@ -185,7 +194,12 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64, help="samples a step (above 16)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="samples a step (above --micro-batch)")
+    parser.add_argument("--micro-batch", type=int, default=16,
+                        help="samples a forward/backward in the micro-batch variant")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help="first steps of each run left out of the figures")
     parser.add_argument("--variants", nargs="+", default=list(FLAGS) + [TORCH_ADAM],
                         choices=list(FLAGS) + [TORCH_ADAM])
     parser.add_argument("--profile", action="store_true",
@@ -194,13 +208,19 @@ def main():
                         help="also run the fastest Python form of the plain variant on frugal's "
                         "CPU allocator")
     args = parser.parse_args()
-    if args.steps <= WARMUP:
-        parser.error(f"--steps must be more than the {WARMUP} warm-up steps, got {args.steps}")
-    if args.batch <= 16:
-        parser.error(f"--batch must be above the micro-batch variant's 16, got {args.batch}")
+    if args.warmup < 0 or args.steps <= args.warmup:
+        parser.error(f"--steps must be more than the {args.warmup} warm-up steps, "
+                     f"got {args.steps}")
+    if not 0 < args.micro_batch < args.batch:
+        parser.error(f"--micro-batch must be above 0 and below --batch {args.batch}, "
+                     f"got {args.micro_batch}")
     torch.set_num_threads(args.threads)
-    images = load_idx(f"{DATA}/train-images-idx3-ubyte.gz").unsqueeze(1).float().div_(255)
-    labels = load_idx(f"{DATA}/train-labels-idx1-ubyte.gz").long()
+    images, labels = load_fashion()
+    sizes = {"micro": args.micro_batch, "warmup": args.warmup}
+
+    def python_steps(form, variant, profile=False):
+        return python_run(form, variant, images, labels, args.steps, args.batch, **sizes,
+                          profile=profile)
 
     sides = ("frugal",) + FORMS
     times = {name: {side: [] for side in sides} for name in args.variants}
@@ -209,10 +229,9 @@ def main():
             variant = name.split(",")[0]
             extra = ["--torch-optimizer"] if name == TORCH_ADAM else []
             times[name]["frugal"] += frugal_run(args.binary, variant, args.steps, args.threads,
-                                                args.batch, extra)
+                                                args.batch, extra, **sizes)
             for form in FORMS:
-                times[name][form] += python_run(form, variant, images, labels, args.steps,
-                                                args.batch)
+                times[name][form] += python_steps(form, variant)
     split = engine_split(args.engine, max(args.steps // 10, 1), max(3 * args.rounds, 1),
                          args.threads, args.batch)
     build = os.path.dirname(os.path.dirname(os.path.abspath(args.engine)))
@@ -220,15 +239,18 @@ def main():
     if args.allocator:
         for name in [v for v in args.variants if v == "plain"]:  # one is enough to say why
             form = min(FORMS, key=lambda f: statistics.median(times[name][f]))
-            on_frugal[name] = statistics.median(python_on_frugal_allocator(
-                build, form, name.split(",")[0], args.steps, args.batch, args.threads))
+            on_frugal[name] = statistics.median(
+                python_on_frugal_allocator(build, lambda: python_steps(form, name)))
     if args.profile:
         for form in FORMS:
-            python_run(form, "plain", images, labels, args.steps, args.batch, profile=True)
+            python_steps(form, "plain", profile=True)
+
+    def label(name):
+        return f"micro-batch {args.micro_batch}" if name == "micro-batch" else name
 
     print(f"fashion_mnist against PyTorch in Python, same LibTorch ({torch.__version__}), "
           f"{args.threads} threads, CNN batch {args.batch}, Adam 1e-3, {args.rounds} rounds of "
-          f"{args.steps} steps, medians of steps after {WARMUP} warm-up steps\n")
+          f"{args.steps} steps, medians of steps after {args.warmup} warm-up steps\n")
     print("| variant | frugal (ms/step) | PyTorch, modules | PyTorch, functional | "
           "fastest PyTorch | ratio to the fastest |")
     print("|---|---|---|---|---|---|")
@@ -238,15 +260,14 @@ def main():
         ms = {side: statistics.median(times[name][side]) for side in sides}
         fastest = min(FORMS, key=lambda form: ms[form])
         ratio = ms["frugal"] / ms[fastest]
-        print(f"| {name} | {ms['frugal']:.1f} | {ms['modules']:.1f} | {ms['functional']:.1f} | "
+        print(f"| {label(name)} | {ms['frugal']:.1f} | {ms['modules']:.1f} | {ms['functional']:.1f} | "
               f"{fastest} | {ratio:.2f} |")
-        result["rows"].append({"variant": name, **{f"{side}_ms": ms[side] for side in sides},
+        result["rows"].append({"variant": label(name), **{f"{side}_ms": ms[side] for side in sides},
                                "fastest": fastest, "ratio": ratio})
         if name in on_frugal:
             result["rows"][-1]["fastest_on_frugal_allocator_ms"] = on_frugal[name]
     if on_frugal:
-        print("\nThe fastest PyTorch form again, in a process whose CPU tensors come from frugal's "
-              "allocator: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in on_frugal.items()))
+        print("\nThe fastest PyTorch form again, its new CPU tensors from frugal's allocator: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in on_frugal.items()))
     hand, engine = split["hand_ms"], split["engine_ms"]
     print(f"\nfrugal's CNN step split (bench_engine, same CNN without dropout, batch {args.batch}): "
           f"{engine:.1f} ms under the Trainer = {hand:.1f} ms of kernels (the same step "

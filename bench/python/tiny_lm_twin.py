@@ -145,7 +145,7 @@ def python_run(variant, seqs, train, args, probe):
         times.append((time.perf_counter() - start) * 1e3)
         peaks.append(probe.frugal_probe_peak())
         losses.append(logged)
-    return times[WARMUP:], max(peaks), losses
+    return times[args.warmup:], max(peaks), losses
 
 
 FLAGS = {"plain": [], "checkpoint": ["--checkpoint"], "bf16": ["--autocast", "bf16"],
@@ -163,7 +163,7 @@ def frugal_run(binary, variant, args):
                         "--quiet", "--report", report, *FLAGS[variant]],
                        check=True, capture_output=True, text=True)
         rows = step_records(report)
-    return ([r["time_ms"] for r in rows][WARMUP:], max(r["peak_bytes"] for r in rows),
+    return ([r["time_ms"] for r in rows][args.warmup:], max(r["peak_bytes"] for r in rows),
             [r["loss"] for r in rows])
 
 
@@ -182,7 +182,12 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help="first steps of each run left out of the figures")
     args = parser.parse_args()
+    if args.warmup < 0 or args.steps <= args.warmup:
+        parser.error(f"--steps must be more than the {args.warmup} warm-up steps, "
+                     f"got {args.steps}")
     torch.set_num_threads(args.threads)
     probe = ctypes.CDLL(f"{args.build}/bench/libfrugal_probe_capi.so")
     probe.frugal_probe_peak.restype = ctypes.c_longlong
@@ -203,7 +208,7 @@ def main():
     print(f"tiny_lm against PyTorch in Python, same LibTorch ({torch.__version__}), "
           f"{args.threads} threads, batch {args.batch}, {args.layers} x {args.dim} wide, "
           f"sequences up to {args.max_len}, {args.rounds} rounds of {args.steps} steps, "
-          f"medians after {WARMUP} warm-up steps\n")
+          f"medians after {args.warmup} warm-up steps\n")
     print("| variant | frugal ms/step | PyTorch ms/step | ratio | frugal step peak | "
           "PyTorch step peak | last loss frugal / PyTorch |")
     print("|---|---:|---:|---:|---:|---:|---|")

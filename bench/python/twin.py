@@ -6,6 +6,7 @@ into this process through bench/python/probe_capi.cpp (libfrugal_probe_capi.so),
 the bytes PyTorch's tensors request; the peak is reset before each step.
 
     python bench/python/twin.py --build build/torch2 [--steps 5] [--threads 2]
+        [--blocks 8] [--width 256] [--hidden 2048] [--mlp-batch 256] [--cnn-batch 64]
 """
 import argparse
 import ctypes
@@ -52,13 +53,15 @@ def forward(net, x, checkpointed):
     return blocks[-1](x)
 
 
-def run_python(model, variant, steps, probe):
+def run_python(row, steps, probe):
+    """PyTorch's side of frugal's `row`: the same model, sizes and variant."""
+    model, variant = row["model"], row["variant"]
     torch.manual_seed(0)
     mlp = model == "residual_mlp"
-    x = torch.randn(256, 256) if mlp else torch.rand(64, 1, 28, 28)
+    x = torch.randn(row["batch"], row["width"]) if mlp else torch.rand(row["batch"], 1, 28, 28)
     y = torch.randint(0, 10, (x.shape[0],))
     torch.manual_seed(1)
-    net = residual_mlp() if mlp else cnn()
+    net = residual_mlp(row["blocks"], row["width"], row["hidden"]) if mlp else cnn()
     sgd = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
 
     def step():
@@ -87,6 +90,10 @@ def main():
     parser.add_argument("--build", default="build/torch2", help="frugal's torch2 build folder")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    sizes = {"--blocks": 8, "--width": 256, "--hidden": 2048, "--mlp-batch": 256,
+             "--cnn-batch": 64}
+    for flag, default in sizes.items():
+        parser.add_argument(flag, type=int, default=default)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,17 +103,20 @@ def main():
     probe.frugal_probe_install()
 
     cmd = [f"{args.build}/bench/bench_twin", "--steps", str(args.steps)]
+    for flag in sizes:
+        cmd += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     frugal_rows = [json.loads(line) for line in
                    subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()]
     rows = []
     for f in frugal_rows:
-        p = run_python(f["model"], f["variant"], args.steps, probe)
+        p = run_python(f, args.steps, probe)
         rows.append((f, p))
 
     print(f"Side by side, same LibTorch ({torch.__version__}), {torch.get_num_threads()} threads; "
-          "SGD with momentum; residual MLP 8x256/2048 batch 256, Fashion-MNIST CNN batch 64; "
+          f"SGD with momentum; residual MLP {args.blocks}x{args.width}/{args.hidden} batch "
+          f"{args.mlp_batch}, Fashion-MNIST CNN batch {args.cnn_batch}; "
           "peak = counted CPU bytes during a step\n")
     print("| model | variant | frugal ms | PyTorch ms | time ratio | frugal peak | PyTorch peak | peak ratio |")
     print("|---|---|---|---|---|---|---|---|")

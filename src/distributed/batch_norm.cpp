@@ -94,7 +94,6 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     auto out = torch::addcmul(per_channel(shift, x), x, per_channel(scale, x));
     ctx->save_for_backward({input, weight_in, mean, invstd});
     ctx->saved_data["count"] = count;
-    ctx->saved_data["bias"] = bias.defined();
     ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
     return out.to(input.scalar_type());
   }
@@ -120,7 +119,7 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     if (weight.defined() && ctx->needs_input_grad(1)) {
       grad_weight = (sums.narrow(0, channels, channels) * invstd).to(weight.scalar_type());
     }
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
+    if (ctx->needs_input_grad(2)) {  // false for the empty placeholder of no bias
       grad_bias =
           sums.narrow(0, 0, channels).to(weight.defined() ? weight.scalar_type() : x.scalar_type());
     }

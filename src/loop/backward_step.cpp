@@ -49,10 +49,15 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
       " needs every gradient before any update; use backward and step");
   FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::backward_step of '",
                model.name(), "' needs a scalar loss");
+  FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward_step of '", model.name(),
+               "': the loss does not require grad (was the forward run under no_grad?)");
   auto& parts = *model.parts_;
-  const bool poisoned = !std::isfinite(loss.detach().item<double>()) || parts.non_finite;
+  const double value = loss.detach().item<double>();
+  const bool poisoned = !std::isfinite(value) || parts.non_finite;
   if (poisoned && options_.skip_non_finite()) {
-    backward(loss, model);  // nothing is updated: the step is skipped as step() skips it
+    backward_read(
+        loss, value, model,
+        /*retain_graph=*/false);  // nothing is updated: the step is skipped as step() skips it
     return step(model);
   }
   if (!parts.ready) {
@@ -68,7 +73,7 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   try {
     {
       detail::ArmedScope arm(parts.ready.get(), nullptr, 1.0);
-      backward(loss, model);
+      backward_read(loss, value, model, /*retain_graph=*/false);
     }
     // Parameters whose gradient came only from earlier backwards are stepped now.
     for (const auto& p : parts.trainable) {

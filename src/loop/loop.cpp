@@ -73,7 +73,11 @@ void Loop::backward(const torch::Tensor& loss, LoopModel& model, bool retain_gra
                loss.defined() ? loss.sizes() : torch::IntArrayRef{});
   FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward into '", model.name(),
                "': the loss does not require grad (was the forward run under no_grad?)");
-  const double value = loss.detach().item<double>();
+  backward_read(loss, loss.detach().item<double>(), model, retain_graph);
+}
+
+void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& model,
+                         bool retain_graph) {
   auto& parts = *model.parts_;
   auto root = loss.reshape({});
   const auto& scaler = options_.scaler();

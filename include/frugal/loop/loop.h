@@ -205,6 +205,8 @@ class Loop {
   LoopModel& prepare_module(std::shared_ptr<torch::nn::Module> module,
                             torch::optim::Optimizer& optimizer, std::string name);
   void check_own(const LoopModel& model, const char* verb) const;
+  // backward of a checked scalar loss whose value the caller has read already.
+  void backward_read(const torch::Tensor& loss, double value, LoopModel& model, bool retain_graph);
   // Counts the model's step (or skip), releases its gradients and starts its next step.
   void finish_step(LoopModel& model, bool stepped);
 
