@@ -84,7 +84,8 @@ def smoke(name, cmd, keys, table):
 
 def smoke_in_process(name, argv, keys, table):
     """Runs the twin `name`'s main() in this process with `argv` as its arguments."""
-    sys.path.insert(0, TWINS)
+    if TWINS not in sys.path:
+        sys.path.insert(0, TWINS)
     start = time.monotonic()
     out, saved, ok = io.StringIO(), sys.argv, True
     try:

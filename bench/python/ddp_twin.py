@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reports import step_records  # noqa: E402
-from speed_twin import WARMUP, cnn, load_fashion  # noqa: E402
+from reports import WARMUP, add_warmup, check_warmup, step_records  # noqa: E402
+from speed_twin import cnn, load_fashion  # noqa: E402
 
 BATCH = 64
 
@@ -119,14 +119,11 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=BATCH, help="samples a step, all ranks")
-    parser.add_argument("--warmup", type=int, default=WARMUP,
-                        help="first steps of each run left out of the figures")
+    add_warmup(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.warmup < 0 or args.steps <= args.warmup:
-        parser.error(f"--steps must be more than the {args.warmup} warm-up steps, "
-                     f"got {args.steps}")
+    check_warmup(parser, args)
     if args.batch < 2:
         parser.error(f"--batch must be at least 2, a sample for each rank, got {args.batch}")
     if args.worker:

@@ -3,9 +3,10 @@
 frugal's side is `fashion_mnist` as a user runs it (default environment, its default
 optimizer, frugal's allocator); PyTorch's side is the same CNN, data, batch, optimizer
 settings and variant trained in this Python process with PyTorch's own tools and
-allocator (frugal's allocator is loaded only for `--allocator`'s run, after all others). The two alternate, variant by variant, for
-several rounds; each figure is the median step time over all rounds (a step: forward,
-backward, optimizer step, zeroing; the first steps of each run are warm-up).
+allocator (frugal's allocator is loaded only for `--allocator`'s run, after all others).
+The two alternate, variant by variant, for several rounds; each figure is the median step
+time over all rounds (a step: forward, backward, optimizer step, zeroing; the first steps of
+each run are warm-up).
 
 PyTorch's side is written twice, and the faster one is the reference: as nested
 `nn.Sequential` modules (the form of the C++ example) and as one small `nn.Module` whose
@@ -38,9 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from reports import step_records
+from reports import WARMUP, add_warmup, check_warmup, step_records
 
-WARMUP = 10
 DATA = "/usr/share/datasets/fashion-mnist"
 
 
@@ -112,8 +112,8 @@ def forward(net, form, x, checkpointed):
     return head(x)
 
 
-def python_run(form, variant, images, labels, steps, batch, micro=16, warmup=WARMUP, lr=1e-3,
-               dropout=0.4, seed=1, profile=False):
+def python_run(form, variant, images, labels, steps, batch, micro=16, warmup=WARMUP,
+               lr=1e-3, dropout=0.4, seed=1, profile=False):
     """Step times in ms after `warmup` steps; `micro`: the micro-batch variant's part size."""
     torch.manual_seed(seed)
     net = make_net(form, dropout)
@@ -198,8 +198,7 @@ def main():
                         help="samples a step (above --micro-batch)")
     parser.add_argument("--micro-batch", type=int, default=16,
                         help="samples a forward/backward in the micro-batch variant")
-    parser.add_argument("--warmup", type=int, default=WARMUP,
-                        help="first steps of each run left out of the figures")
+    add_warmup(parser)
     parser.add_argument("--variants", nargs="+", default=list(FLAGS) + [TORCH_ADAM],
                         choices=list(FLAGS) + [TORCH_ADAM])
     parser.add_argument("--profile", action="store_true",
@@ -208,9 +207,7 @@ def main():
                         help="also run the fastest Python form of the plain variant on frugal's "
                         "CPU allocator")
     args = parser.parse_args()
-    if args.warmup < 0 or args.steps <= args.warmup:
-        parser.error(f"--steps must be more than the {args.warmup} warm-up steps, "
-                     f"got {args.steps}")
+    check_warmup(parser, args)
     if not 0 < args.micro_batch < args.batch:
         parser.error(f"--micro-batch must be above 0 and below --batch {args.batch}, "
                      f"got {args.micro_batch}")
@@ -260,14 +257,17 @@ def main():
         ms = {side: statistics.median(times[name][side]) for side in sides}
         fastest = min(FORMS, key=lambda form: ms[form])
         ratio = ms["frugal"] / ms[fastest]
-        print(f"| {label(name)} | {ms['frugal']:.1f} | {ms['modules']:.1f} | {ms['functional']:.1f} | "
+        print(f"| {label(name)} | {ms['frugal']:.1f} | {ms['modules']:.1f} | "
+              f"{ms['functional']:.1f} | "
               f"{fastest} | {ratio:.2f} |")
-        result["rows"].append({"variant": label(name), **{f"{side}_ms": ms[side] for side in sides},
+        result["rows"].append({"variant": label(name),
+                               **{f"{side}_ms": ms[side] for side in sides},
                                "fastest": fastest, "ratio": ratio})
         if name in on_frugal:
             result["rows"][-1]["fastest_on_frugal_allocator_ms"] = on_frugal[name]
     if on_frugal:
-        print("\nThe fastest PyTorch form again, its new CPU tensors from frugal's allocator: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in on_frugal.items()))
+        print("\nThe fastest PyTorch form again, its new CPU tensors from frugal's allocator: "
+              + ", ".join(f"{name} {ms:.1f} ms" for name, ms in on_frugal.items()))
     hand, engine = split["hand_ms"], split["engine_ms"]
     print(f"\nfrugal's CNN step split (bench_engine, same CNN without dropout, batch {args.batch}): "
           f"{engine:.1f} ms under the Trainer = {hand:.1f} ms of kernels (the same step "

@@ -26,9 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from reports import step_records
+from reports import WARMUP, add_warmup, check_warmup, step_records
 
-WARMUP = 10
 PAD, START, VOCAB, IGNORE = 0, 1, 98, -100
 
 
@@ -182,12 +181,9 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=WARMUP,
-                        help="first steps of each run left out of the figures")
+    add_warmup(parser)
     args = parser.parse_args()
-    if args.warmup < 0 or args.steps <= args.warmup:
-        parser.error(f"--steps must be more than the {args.warmup} warm-up steps, "
-                     f"got {args.steps}")
+    check_warmup(parser, args)
     torch.set_num_threads(args.threads)
     probe = ctypes.CDLL(f"{args.build}/bench/libfrugal_probe_capi.so")
     probe.frugal_probe_peak.restype = ctypes.c_longlong

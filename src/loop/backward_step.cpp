@@ -55,9 +55,8 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   const double value = loss.detach().item<double>();
   const bool poisoned = !std::isfinite(value) || parts.non_finite;
   if (poisoned && options_.skip_non_finite()) {
-    backward_read(
-        loss, value, model,
-        /*retain_graph=*/false);  // nothing is updated: the step is skipped as step() skips it
+    // Nothing is updated: the step is skipped as step() skips it.
+    backward_read(loss, value, model, /*retain_graph=*/false);
     return step(model);
   }
   if (!parts.ready) {
