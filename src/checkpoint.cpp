@@ -5,15 +5,26 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <map>
 #include <set>
 
+#include "checkpoint_observer.h"
 #include "compat.h"
 #include "frugal/autocast_guard.h"
 #include "frugal/error.h"
 
 namespace frugal {
 namespace {
+
+std::atomic<CheckpointObserver*> the_observer{nullptr};
+
+void observe(CheckpointPhase phase, const std::string& block,
+             const std::vector<torch::Tensor>& outputs = {}) {
+  if (auto* o = the_observer.load()) {
+    o->on(phase, block, outputs);
+  }
+}
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -99,6 +110,10 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState cpu_autocast;
   AutocastState cuda_autocast;
   std::size_t inputs = 0;
+  std::string name;  // CheckpointOptions::name
+
+  // " 'blocks.3'" for a named block, "" otherwise: for error messages.
+  std::string quoted() const { return name.empty() ? "" : " '" + name + "'"; }
 };
 
 std::set<int> cuda_devices_of(at::TensorList a, at::TensorList b) {
@@ -128,7 +143,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->save_for_backward(saved);
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     torch::NoGradGuard no_grad;
-    return state->run(std::vector<torch::Tensor>(inputs.begin(), inputs.end()));
+    observe(CheckpointPhase::ForwardBegin, state->name);
+    auto outputs = state->run(std::vector<torch::Tensor>(inputs.begin(), inputs.end()));
+    observe(CheckpointPhase::ForwardEnd, state->name, outputs);
+    return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -141,7 +159,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     try {
       saved = ctx->get_saved_variables();
     } catch (const c10::Error&) {
-      FRUGAL_CHECK(false, "frugal: backward through a checkpointed block a second time: the "
+      FRUGAL_CHECK(false, "frugal: backward through the checkpointed block", state->quoted(),
+                   " a second time: the "
                    "first backward freed its saved inputs (pass retain_graph=true to the first "
                    "backward to go through it again)");
     }
@@ -177,10 +196,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       }
       try {
         AutocastGuard cpu(torch::kCPU, state->cpu_autocast.dtype, state->cpu_autocast.enabled);
-        AutocastGuard cuda(torch::kCUDA, state->cuda_autocast.dtype,
-                           state->cuda_autocast.enabled);
+        AutocastGuard cuda(torch::kCUDA, state->cuda_autocast.dtype, state->cuda_autocast.enabled);
         torch::AutoGradMode grad(true);
+        observe(CheckpointPhase::RecomputeBegin, state->name);
         outputs = state->run(detached);
+        observe(CheckpointPhase::RecomputeEnd, state->name, outputs);
       } catch (...) {
         if (caller) {
           caller->restore();
@@ -215,10 +235,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Slot 0 is the state argument; then inputs, then parameters.
     variable_list result(1 + saved.size());
     if (targets.empty()) {
+      observe(CheckpointPhase::BackwardEnd, state->name);
       return result;
     }
-    FRUGAL_CHECK(!roots.empty(), "frugal: none of the checkpointed block's outputs requires "
-                 "grad in the recompute, though ", targets.size(), " of its inputs and "
+    FRUGAL_CHECK(!roots.empty(), "frugal: none of the checkpointed block", state->quoted(),
+                 "'s outputs requires grad in the recompute, though ", targets.size(),
+                 " of its inputs and "
                  "parameters do: the block detaches its outputs, or checkpointing it is "
                  "unnecessary");
     const auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
@@ -226,13 +248,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     for (std::size_t k = 0; k < grads.size(); ++k) {
       result[1 + target_slots[k]] = grads[k];
     }
+    observe(CheckpointPhase::BackwardEnd, state->name);
     return result;
   }
 };
 
 }  // namespace
 
-std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<torch::Tensor>& inputs,
+std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn,
+                                              const std::vector<torch::Tensor>& inputs,
                                               const CheckpointOptions& options) {
   FRUGAL_CHECK(fn != nullptr, "frugal: checkpoint needs a function");
   // Undefined inputs cannot be autograd inputs: they are put back in their slots for the
@@ -246,7 +270,8 @@ std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<to
     }
   }
   auto state = c10::make_intrusive<CheckpointState>();
-  state->run = [fn = std::move(fn), slots, n = inputs.size()](const std::vector<torch::Tensor>& in) {
+  state->run = [fn = std::move(fn), slots,
+                n = inputs.size()](const std::vector<torch::Tensor>& in) {
     std::vector<torch::Tensor> full(n);
     for (std::size_t k = 0; k < slots.size(); ++k) {
       full[slots[k]] = in[k];
@@ -255,8 +280,13 @@ std::vector<torch::Tensor> checkpoint_tensors(TensorsFn fn, const std::vector<to
   };
   state->preserve_rng = options.preserve_rng_state();
   state->buffers = options.buffers();
+  state->name = options.name();
   return CheckpointFunction::apply(state, at::TensorList(present),
                                    at::TensorList(options.params()));
+}
+
+CheckpointObserver* set_checkpoint_observer(CheckpointObserver* observer) {
+  return the_observer.exchange(observer);
 }
 
 std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module) {
@@ -278,8 +308,7 @@ std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module) {
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, std::int64_t segments,
                                     const torch::Tensor& input, CheckpointOptions options) {
   const auto n = static_cast<std::int64_t>(seq->size());
-  FRUGAL_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ",
-               segments);
+  FRUGAL_CHECK(segments >= 1, "frugal: checkpoint_sequential needs segments >= 1, got ", segments);
   FRUGAL_CHECK(n >= 1, "frugal: checkpoint_sequential of an empty Sequential");
   auto run_range = [&seq](std::int64_t from, std::int64_t to, torch::Tensor x) {
     for (std::int64_t i = from; i < to; ++i) {

@@ -8,6 +8,23 @@
 #include "helpers.h"
 #include "residual_mlp.h"
 
+namespace frugal::testing::checkpoint_result {
+// A block result of the program's own type: a tensor and the count of runs that made it.
+struct Scored {
+  torch::Tensor y;
+  int run = 0;
+};
+}  // namespace frugal::testing::checkpoint_result
+
+template <>
+struct frugal::CheckpointResult<frugal::testing::checkpoint_result::Scored> {
+  using Scored = frugal::testing::checkpoint_result::Scored;
+  static std::vector<torch::Tensor> tensors(const Scored& r) { return {r.y}; }
+  static Scored rebuild(const Scored& r, const std::vector<torch::Tensor>& t) {
+    return {t.at(0), r.run};
+  }
+};
+
 namespace {
 
 using frugal::testing::clone_all;
@@ -47,9 +64,7 @@ void expect_same(const Result& a, const Result& b) {
   expect_all_close(a.param_grads, b.param_grads);
 }
 
-torch::Tensor plain(torch::nn::Sequential& net, const torch::Tensor& x) {
-  return net->forward(x);
-}
+torch::Tensor plain(torch::nn::Sequential& net, const torch::Tensor& x) { return net->forward(x); }
 
 TEST(Checkpoint, SequentialWithTwoSegmentsEqualsThePlainRun) {
   const auto expected = run(reference_net(), plain);
@@ -117,9 +132,8 @@ torch::Tensor dropout_input_grad(bool checkpointed, bool preserve) {
     return torch::dropout(torch::dropout(t, 0.5, true) * 3, 0.3, true);
   };
   auto h = torch::dropout(x, 0.5, true);  // before the checkpoint
-  auto y = checkpointed ? frugal::checkpoint(inner, frugal::CheckpointOptions().preserve_rng_state(
-                                                        preserve),
-                                             h)
+  auto y = checkpointed ? frugal::checkpoint(
+                              inner, frugal::CheckpointOptions().preserve_rng_state(preserve), h)
                         : inner(h);
   y.sum().backward();
   return x.grad().clone();
@@ -146,7 +160,8 @@ TEST(Checkpoint, CallersRngStreamIsAsIfNoRecomputeHappened) {
 }
 
 TEST(Checkpoint, NonTensorArgumentsOutputsAndSeveralOutputs) {
-  auto f = [](const torch::Tensor& a, double scale, const std::string& tag, const torch::Tensor& b) {
+  auto f = [](const torch::Tensor& a, double scale, const std::string& tag,
+              const torch::Tensor& b) {
     return std::make_tuple(a * scale + b, tag + "!", (a * b).sin(), 7);
   };
   auto a = torch::randn({4}, torch::requires_grad());
@@ -162,6 +177,24 @@ TEST(Checkpoint, NonTensorArgumentsOutputsAndSeveralOutputs) {
   (p1.sum() + p2.sum()).backward();
   EXPECT_TRUE(torch::allclose(ga, a.grad()));
   EXPECT_TRUE(torch::allclose(gb, b.grad()));
+}
+
+TEST(Checkpoint, AResultTypeOfTheProgramsOwnThroughCheckpointResult) {
+  using frugal::testing::checkpoint_result::Scored;
+  int runs = 0;
+  auto f = [&runs](const torch::Tensor& x) { return Scored{x.sin() * x, ++runs}; };
+  auto x = torch::randn({6}, torch::requires_grad());
+  const Scored got = frugal::checkpoint(f, x);
+  EXPECT_EQ(runs, 1);
+  EXPECT_EQ(got.run, 1);
+  got.y.sum().backward();
+  EXPECT_EQ(runs, 2);  // recomputed in backward
+  const auto grad = x.grad().clone();
+  x.mutable_grad().reset();
+  const Scored plain = f(x);
+  plain.y.sum().backward();
+  EXPECT_TRUE(torch::allclose(got.y.detach(), plain.y.detach()));
+  EXPECT_TRUE(torch::allclose(grad, x.grad()));
 }
 
 TEST(Checkpoint, UndefinedTensorArgument) {

@@ -103,12 +103,39 @@ TEST(FrontDoor, AtenLossesAreCalledWithTheirDefaults) {
   frugal::testing::expect_error_contains([&] { frugal::make_loss(custom); }, "pass a lambda");
 }
 
+TEST(FrontDoor, LossWithDefaultsCallsFunctionalLossesWithDefaultOptions) {
+  const auto o = torch::randn({5, 3});
+  const auto labels = torch::randint(3, {5});
+  EXPECT_TRUE(torch::equal(frugal::loss_with_defaults(F::cross_entropy)(o, labels),
+                           F::cross_entropy(o, labels, F::CrossEntropyFuncOptions())));
+  EXPECT_TRUE(torch::equal(frugal::loss_with_defaults(torch::nll_loss)(o, labels),
+                           torch::nll_loss(o, labels)));
+}
+
+TEST(FrontDoor, TensorForwardKeepsTheModelAliveForHoldersAndSharedPointers) {
+  static_assert(frugal::nn::is_module_holder_v<torch::nn::Linear>);
+  static_assert(!frugal::nn::is_module_holder_v<std::shared_ptr<PlainNet>>);
+  torch::manual_seed(2);
+  const auto x = torch::randn({2, 4});
+  std::function<torch::Tensor(const torch::Tensor&)> holder_forward, pointer_forward;
+  torch::Tensor holder_expected, pointer_expected;
+  {
+    torch::nn::Linear linear(4, 3);
+    auto net = std::make_shared<PlainNet>();
+    holder_forward = frugal::nn::tensor_forward(linear);
+    pointer_forward = frugal::nn::tensor_forward(net);
+    holder_expected = linear(x).detach();
+    pointer_expected = net->forward(x).detach();
+  }
+  // The models went out of scope here; the functions hold them.
+  EXPECT_TRUE(torch::equal(holder_forward(x).detach(), holder_expected));
+  EXPECT_TRUE(torch::equal(pointer_forward(x).detach(), pointer_expected));
+}
+
 // A model that takes two tensors: the values and a mask of those to use.
 struct MaskedImpl : torch::nn::Module {
   MaskedImpl() : fc(register_module("fc", torch::nn::Linear(6, 2))) {}
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask) {
-    return fc(x * mask);
-  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask) { return fc(x * mask); }
   torch::nn::Linear fc;
 };
 TORCH_MODULE(Masked);
@@ -152,7 +179,9 @@ TEST(BatchFields, AModelOfTwoInputsTrainsInMicroBatchesAsOnTheWholeBatch) {
     frugal::Trainer trainer(
         model.ptr(), sgd,
         [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("mask")); },
-        [](const torch::Tensor& out, const frugal::Batch& b) { return F::cross_entropy(out, b.targets); },
+        [](const torch::Tensor& out, const frugal::Batch& b) {
+          return F::cross_entropy(out, b.targets);
+        },
         frugal::TrainerOptions().micro_batch(micro));
     std::vector<double> losses;
     for (int i = 0; i < 5; ++i) {
@@ -202,7 +231,8 @@ TEST(FrontDoor, TokenAccuracyLeavesOutTheIgnoreIndex) {
   const auto targets = torch::tensor({{0, 2, -100}, {3, -100, 1}});
   // hits among scored: (0,0) yes, (0,1) no, (1,0) yes, (1,2) yes: 3 of 4.
   struct FixedImpl : torch::nn::Module {
-    explicit FixedImpl(torch::Tensor l) : w(register_parameter("w", torch::zeros({1}))), l(std::move(l)) {}
+    explicit FixedImpl(torch::Tensor l)
+        : w(register_parameter("w", torch::zeros({1}))), l(std::move(l)) {}
     torch::Tensor forward(const torch::Tensor& idx) { return l.index_select(0, idx) + w; }
     torch::Tensor w, l;
   };
@@ -226,8 +256,8 @@ int weights_before_probe(const std::vector<std::string>&) {
   const auto ledger = frugal::measure_ledger(probe, *model);
   if (ledger.weights != weights || ledger.other < 0 || probe.allocated() < weights) {
     std::fprintf(stderr, "weights %lld allocated %lld other %lld\n",
-                 static_cast<long long>(ledger.weights),
-                 static_cast<long long>(probe.allocated()), static_cast<long long>(ledger.other));
+                 static_cast<long long>(ledger.weights), static_cast<long long>(probe.allocated()),
+                 static_cast<long long>(ledger.other));
     return 1;
   }
   return 0;

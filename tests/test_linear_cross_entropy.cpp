@@ -155,6 +155,39 @@ TEST(LinearCrossEntropy, Bf16AutocastStaysCloseWithFloatAccumulation) {
   EXPECT_EQ(g.scalar_type(), torch::kFloat);
 }
 
+TEST(LinearCrossEntropy, RecomputeGivesTheSameGradientsAndKeepsNothingUntilBackward) {
+  const auto h = make_head(64, 12, 37, true);
+  frugal::MemoryProbe probe(torch::kCPU, frugal::MemoryScope::Thread);
+  auto run = [&](bool recompute, std::int64_t* kept) {
+    const auto before = probe.allocated();
+    auto loss = frugal::nn::linear_cross_entropy(
+        h.hidden, h.weight, h.bias, h.targets,
+        LinearCrossEntropyOptions().chunk(7).label_smoothing(0.1).recompute(recompute));
+    *kept = probe.allocated() - before;  // from the forward until the backward
+    return loss_and_grads(h, loss);
+  };
+  std::int64_t kept_forward = 0, kept_recompute = 0;
+  const auto forward_way = run(false, &kept_forward);
+  const auto recomputed = run(true, &kept_recompute);
+  const auto expected = loss_and_grads(h, plain(h, 0.1));
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(recomputed[i], forward_way[i], 1e-6, 1e-7)) << "tensor " << i;
+    EXPECT_TRUE(torch::allclose(recomputed[i], expected[i], 1e-5, 1e-6)) << "tensor " << i;
+  }
+  // The forward way keeps the gradients of hidden, weight and bias; recomputing, the loss.
+  const std::int64_t grads_bytes = (h.hidden.numel() + h.weight.numel() + h.bias.numel()) * 4;
+  EXPECT_GE(kept_forward, grads_bytes);
+  EXPECT_LT(kept_recompute, grads_bytes / 10) << kept_recompute;
+
+  // Under bf16 autocast the chunks run again in bf16, as in the forward.
+  frugal::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  std::int64_t ignored = 0;
+  const auto bf16_forward = run(false, &ignored);
+  const auto bf16_recomputed = run(true, &ignored);
+  EXPECT_EQ(bf16_recomputed[2].scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::allclose(bf16_recomputed[2], bf16_forward[2], 1e-2, 1e-3));
+}
+
 TEST(LinearCrossEntropy, BadInputIsNamed) {
   const auto h = make_head(8, 4, 5, false);
   frugal::testing::expect_error_contains(

@@ -37,9 +37,8 @@ Setup setup(Optimizer kind = Optimizer::TorchSgd) {
     s.optimizer = std::make_unique<torch::optim::SGD>(s.net->parameters(), options);
   }
   s.trainer = std::make_unique<frugal::Trainer>(
-      s.net, *s.optimizer, [](const torch::Tensor& o, const torch::Tensor& t) {
-        return F::cross_entropy(o, t);
-      });
+      s.net, *s.optimizer,
+      [](const torch::Tensor& o, const torch::Tensor& t) { return F::cross_entropy(o, t); });
   return s;
 }
 
@@ -176,6 +175,45 @@ TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
   // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
+}
+
+TEST(Planner, ChooseBlocksCheckpointsOnlySomeBlocksWhenThereIsRoomForTheRest) {
+  frugal::MemoryPlan survey;
+  {
+    auto s = setup();
+    survey =
+        frugal::MemoryPlanner(*s.trainer, planner_options()).plan(std::int64_t{1} << 40, sample());
+  }
+  std::int64_t plain = 0, checkpointed = 0;
+  for (const auto& o : survey.options) {
+    if (o.micro_batches == 1 && !o.autocast && !o.step_in_backward) {
+      (o.checkpoint ? checkpointed : plain) = o.predicted_peak;
+    }
+  }
+  ASSERT_LT(checkpointed, plain);
+  // Room for checkpoint-all and a share of the plain blocks' activations.
+  const auto budget = static_cast<std::int64_t>(
+      static_cast<double>(checkpointed + (plain - checkpointed) * 2 / 5) / (1 - survey.margin));
+  auto s = setup();
+  frugal::MemoryPlanner planner(*s.trainer, planner_options().choose_blocks(true));
+  const auto batch = sample();
+  const auto plan = planner.plan(budget, batch);
+  std::cout << plan.table() << "\n";
+  ASSERT_TRUE(plan.chosen.checkpoint) << plan.table();
+  EXPECT_EQ(plan.chosen.micro_batches, 1);
+  ASSERT_TRUE(plan.block_choice.fits) << plan.table();
+  EXPECT_EQ(plan.chosen.blocks, 8);
+  EXPECT_GT(plan.chosen.checkpointed_blocks, 0);
+  EXPECT_LT(plan.chosen.checkpointed_blocks, 8);
+  EXPECT_NE(plan.table().find("Which blocks to checkpoint"), std::string::npos);
+  EXPECT_NE(plan.chosen.describe().find("of 8 blocks"), std::string::npos);
+  std::int64_t peak = 0;
+  for (int i = 0; i < 3; ++i) {
+    peak = std::max(peak, s.trainer->step(batch).peak);
+  }
+  EXPECT_LE(peak, budget);
+  EXPECT_NEAR(static_cast<double>(plan.chosen.predicted_peak), static_cast<double>(peak),
+              0.15 * static_cast<double>(peak));
 }
 
 TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {

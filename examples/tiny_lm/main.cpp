@@ -1,14 +1,15 @@
-// A character-level causal Transformer language model on English text (Debian's
-// `fortunes`), trained with frugal: padded variable-length batches whose loss is averaged
-// over non-padding tokens, micro-batches, checkpointed blocks, bf16 autocast, out-of-memory
-// recovery, and the held-out perplexity.
+// A causal Transformer language model on English text (Debian's `fortunes`), of characters
+// or of words, trained with frugal: padded variable-length batches whose loss is averaged
+// over non-padding tokens, micro-batches, checkpointed blocks, bf16 autocast, a chunked loss
+// head for large vocabularies, out-of-memory recovery, and the held-out perplexity.
 //
 //   tiny_lm [--batch 32] [--micro-batch 8] [--checkpoint] [--autocast bf16] [--max-steps 600]
-#include <CLI/CLI.hpp>
+//   tiny_lm --tokens words --vocab 16384 --loss-head chunked
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -37,6 +38,10 @@ struct Args {
   std::int64_t eval_every = 200;
   std::int64_t eval_samples = 1000;
   std::int64_t memory_cap = 0;
+  std::string tokens = "chars";
+  std::int64_t vocab = 16384;
+  std::string loss_head = "plain";
+  std::int64_t loss_chunk = 1024;
   std::string report;
   bool quiet = false;
 };
@@ -57,11 +62,18 @@ frugal::Batch held_out(const std::vector<std::vector<std::int64_t>>& seqs, std::
   return tiny_lm::make_batch(seqs, test);
 }
 
+// The held-out accuracy, or "-" where the loss head leaves no logits to score.
+std::string accuracy(const frugal::EvalReport& eval) {
+  return eval.accuracy >= 0 ? fmt::format("{:.4f}", eval.accuracy) : "-";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   Args a;
-  CLI::App app{"tiny_lm: a character-level Transformer language model on Debian's fortunes"};
+  CLI::App app{
+      "tiny_lm: a Transformer language model of characters or words on Debian's "
+      "fortunes"};
   app.add_option("--data-dir", a.data_dir, "Folder of fortune files");
   app.add_option("--batch", a.batch, "Sequences per optimizer step")->check(CLI::PositiveNumber);
   app.add_option("--micro-batch", a.micro_batch, "Sequences per micro-batch (0: the whole batch)")
@@ -75,8 +87,16 @@ int main(int argc, char** argv) {
   app.add_option("--threads", a.threads, "LibTorch threads (0: its default)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--max-steps", a.max_steps, "Optimizer steps")->check(CLI::PositiveNumber);
-  app.add_option("--max-len", a.max_len, "Longest sequence, in characters")
-      ->check(CLI::Range(8, 4096));
+  app.add_option("--tokens", a.tokens, "chars or words")->check(CLI::IsMember({"chars", "words"}));
+  app.add_option("--vocab", a.vocab, "Vocabulary of --tokens words: the most frequent words")
+      ->check(CLI::Range(std::int64_t{4}, std::int64_t{1} << 20));
+  app.add_option("--loss-head", a.loss_head,
+                 "plain (the head's logits, then cross_entropy) or chunked "
+                 "(frugal::nn::linear_cross_entropy)")
+      ->check(CLI::IsMember({"plain", "chunked"}));
+  app.add_option("--loss-chunk", a.loss_chunk, "Tokens per chunk of --loss-head chunked")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-len", a.max_len, "Longest sequence, in tokens")->check(CLI::Range(8, 4096));
   app.add_option("--dim", a.dim, "Model width")->check(CLI::PositiveNumber);
   app.add_option("--heads", a.heads, "Attention heads")->check(CLI::PositiveNumber);
   app.add_option("--layers", a.layers, "Transformer blocks")->check(CLI::PositiveNumber);
@@ -99,51 +119,81 @@ int main(int argc, char** argv) {
       torch::set_num_threads(a.threads);
     }
     torch::manual_seed(a.seed);
-    const auto seqs = tiny_lm::read_fortunes(a.data_dir, a.max_len);
+    const auto texts = tiny_lm::read_fortune_texts(a.data_dir);
+    const auto tokenizer = a.tokens == "words" ? tiny_lm::Tokenizer::words(texts, a.vocab)
+                                               : tiny_lm::Tokenizer::characters();
+    const auto seqs = tiny_lm::encode_fortunes(texts, tokenizer, a.max_len);
     std::vector<std::int64_t> train;
     const auto test = held_out(seqs, a.eval_samples, &train);
 
-    tiny_lm::TinyLM model(tiny_lm::ModelOptions{tiny_lm::kVocab, a.max_len, a.dim, a.heads,
-                                                a.layers, a.dropout});
-    frugal::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+    tiny_lm::TinyLM model(
+        tiny_lm::ModelOptions{tokenizer.size(), a.max_len, a.dim, a.heads, a.layers, a.dropout});
+    frugal::optim::AdamW adamw(model->parameters(),
+                               torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
     auto options = frugal::TrainerOptions().count(tiny_lm::tokens).eval_batch(250);
     if (a.micro_batch > 0) {
       options.micro_batch(a.micro_batch);
     }
-    frugal::Trainer trainer(
-        model.ptr(), adamw,
-        [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("padding")); },
-        [](const torch::Tensor& logits, const frugal::Batch& b) {
-          return torch::nn::functional::cross_entropy(
-              logits.flatten(0, 1).to(torch::kFloat), b.targets.flatten(),
-              torch::nn::functional::CrossEntropyFuncOptions().ignore_index(tiny_lm::kIgnore));
-        },
-        options);
+    // The chunked head never holds the [tokens, vocab] logits; evaluation then reports the
+    // loss without the accuracy (there are no logits to take the argmax of).
+    auto trainer = a.loss_head == "chunked"
+                       ? std::make_unique<frugal::Trainer>(
+                             model.ptr(), adamw,
+                             [&](const frugal::Batch& b) {
+                               return frugal::nn::linear_cross_entropy(
+                                   model->features(b.inputs, b.get("padding")), model->head->weight,
+                                   model->head->bias, b.targets,
+                                   frugal::nn::LinearCrossEntropyOptions()
+                                       .chunk(a.loss_chunk)
+                                       .ignore_index(tiny_lm::kIgnore));
+                             },
+                             options)
+                       : std::make_unique<frugal::Trainer>(
+                             model.ptr(), adamw,
+                             [&](const frugal::Batch& b) {
+                               return model->forward(b.inputs, b.get("padding"));
+                             },
+                             [](const torch::Tensor& logits, const frugal::Batch& b) {
+                               return torch::nn::functional::cross_entropy(
+                                   logits.flatten(0, 1).to(torch::kFloat), b.targets.flatten(),
+                                   torch::nn::functional::CrossEntropyFuncOptions().ignore_index(
+                                       tiny_lm::kIgnore));
+                             },
+                             options);
     if (a.checkpoint) {
-      trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+      trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
           frugal::CheckpointSelect().types({"tiny_lm::Block"})));
     }
     if (a.autocast == "bf16") {
-      frugal::use_mixed_precision(trainer, torch::kBFloat16);
+      frugal::use_mixed_precision(*trainer, torch::kBFloat16);
     }
-    trainer.add_policy(std::make_shared<frugal::OomRecovery>());
-    trainer.add_policy(std::make_shared<frugal::LrSchedule>(
-        frugal::LrScheduleOptions().decay(frugal::LrDecay::Cosine).warmup_steps(std::min<std::int64_t>(50, a.max_steps / 10))
-            .total_steps(a.max_steps).min_factor(0.1)));
+    trainer->add_policy(std::make_shared<frugal::OomRecovery>());
+    trainer->add_policy(std::make_shared<frugal::LrSchedule>(
+        frugal::LrScheduleOptions()
+            .decay(frugal::LrDecay::Cosine)
+            .warmup_steps(std::min<std::int64_t>(50, a.max_steps / 10))
+            .total_steps(a.max_steps)
+            .min_factor(0.1)));
     if (!a.quiet) {
-      trainer.add_sink(std::make_shared<frugal::ConsoleSink>(stdout, 50));
+      trainer->add_sink(std::make_shared<frugal::ConsoleSink>(stdout, 50));
     }
     if (!a.report.empty()) {
-      trainer.add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
+      trainer->add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
     }
     std::unique_ptr<frugal::ScopedCpuCap> cap;
     if (a.memory_cap > 0) {
       cap = std::make_unique<frugal::ScopedCpuCap>(frugal::MiB(a.memory_cap));
     }
     if (!a.quiet) {
-      fmt::print("tiny_lm: {} training and {} held-out sequences of up to {} characters; "
-                 "{} parameters\n", train.size(), test.size(), a.max_len,
-                 [&] { std::int64_t n = 0; for (const auto& p : model->parameters()) n += p.numel(); return n; }());
+      fmt::print(
+          "tiny_lm: {} training and {} held-out sequences of up to {} {}, a vocabulary "
+          "of {}; {} parameters\n",
+          train.size(), test.size(), a.max_len, a.tokens == "words" ? "words" : "characters",
+          tokenizer.size(), [&] {
+            std::int64_t n = 0;
+            for (const auto& p : model->parameters()) n += p.numel();
+            return n;
+          }());
     }
 
     auto generator = torch::make_generator<torch::CPUGeneratorImpl>(a.seed);
@@ -153,7 +203,7 @@ int main(int argc, char** argv) {
     std::int64_t epoch = 0;
     std::int64_t at = static_cast<std::int64_t>(train.size());  // forces a first shuffle
     torch::Tensor order;
-    while (trainer.steps() < a.max_steps) {
+    while (trainer->steps() < a.max_steps) {
       if (at + a.batch > static_cast<std::int64_t>(train.size())) {
         order = torch::randperm(static_cast<std::int64_t>(train.size()), generator);
         at = 0;
@@ -165,22 +215,23 @@ int main(int argc, char** argv) {
         which.push_back(train[static_cast<std::size_t>(o[at + i])]);
       }
       at += a.batch;
-      last_loss = trainer.step(tiny_lm::make_batch(seqs, which)).loss;
-      const bool last = trainer.steps() == a.max_steps;
-      if (last || (a.eval_every > 0 && trainer.steps() % a.eval_every == 0)) {
-        eval = trainer.evaluate(test);
+      last_loss = trainer->step(tiny_lm::make_batch(seqs, which)).loss;
+      const bool last = trainer->steps() == a.max_steps;
+      if (last || (a.eval_every > 0 && trainer->steps() % a.eval_every == 0)) {
+        eval = trainer->evaluate(test);
         if (!a.quiet) {
-          fmt::print("step {}: held-out loss {:.4f} perplexity {:.3f} accuracy {:.4f}\n",
-                     trainer.steps(), eval.loss, std::exp(eval.loss), eval.accuracy);
+          fmt::print("step {}: held-out loss {:.4f} perplexity {:.3f} accuracy {}\n",
+                     trainer->steps(), eval.loss, std::exp(eval.loss), accuracy(eval));
         }
       }
     }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    fmt::print("tiny_lm: {} steps ({} epochs) in {:.1f} s, train loss {:.4f}, held-out "
-               "perplexity {:.3f}, accuracy {:.4f}, skipped {}\n",
-               trainer.steps(), epoch, seconds, last_loss, std::exp(eval.loss), eval.accuracy,
-               trainer.skipped_steps());
+    fmt::print(
+        "tiny_lm: {} steps ({} epochs) in {:.1f} s, train loss {:.4f}, held-out "
+        "perplexity {:.3f}, accuracy {}, skipped {}\n",
+        trainer->steps(), epoch, seconds, last_loss, std::exp(eval.loss), accuracy(eval),
+        trainer->skipped_steps());
     return 0;
   } catch (const std::exception& e) {
     fmt::print(stderr, "tiny_lm: {}\n", frugal::error_message(e));

@@ -23,12 +23,11 @@ struct ModelOptions {
 // additive attention mask of [time, time].
 struct BlockImpl : torch::nn::Module {
   BlockImpl(std::int64_t dim, std::int64_t heads, double dropout)
-      : layer(register_module(
-            "layer", torch::nn::TransformerEncoderLayer(
-                         torch::nn::TransformerEncoderLayerOptions(dim, heads)
-                             .dim_feedforward(4 * dim)
-                             .dropout(dropout)
-                             .activation(torch::kGELU)))) {}
+      : layer(register_module("layer", torch::nn::TransformerEncoderLayer(
+                                           torch::nn::TransformerEncoderLayerOptions(dim, heads)
+                                               .dim_feedforward(4 * dim)
+                                               .dropout(dropout)
+                                               .activation(torch::kGELU)))) {}
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask) {
     // LibTorch's layer takes [time, batch, dim].
@@ -54,6 +53,11 @@ struct TinyLMImpl : torch::nn::Module {
 
   // Logits [batch, time, vocab] of the next token at every position.
   torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& padding) {
+    return head(features(input, padding));
+  }
+
+  // What the head reads: the final norm's output, [batch, time, dim].
+  torch::Tensor features(const torch::Tensor& input, const torch::Tensor& padding) {
     const auto len = input.size(1);
     const auto where = torch::arange(len, torch::TensorOptions().device(input.device()));
     // Padded positions start from zeros. Sequences are padded on the right and attention
@@ -68,7 +72,7 @@ struct TinyLMImpl : torch::nn::Module {
     for (std::size_t i = 0; i < blocks->size(); ++i) {
       x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);
     }
-    return head(norm(x));
+    return norm(x);
   }
 
   torch::nn::Embedding tokens, positions;

@@ -3,6 +3,7 @@
 
 #include "frugal/autocast_guard.h"
 #include "frugal/checkpoint.h"
+#include "frugal/compose/checkpoint_budget.h"
 #include "frugal/compose/mixed_precision.h"
 #include "frugal/compose/planner.h"
 #include "frugal/data/idx.h"

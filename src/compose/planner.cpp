@@ -71,7 +71,8 @@ std::string PlanOption::describe() const {
                         ? fmt::format("micro-batch {} (x{})", micro_batch, micro_batches)
                         : std::string("whole batch");
   if (checkpoint) {
-    out += " + checkpoint";
+    out += blocks > 0 ? fmt::format(" + checkpoint ({} of {} blocks)", checkpointed_blocks, blocks)
+                      : std::string(" + checkpoint");
   }
   if (autocast) {
     out += " + autocast";
@@ -105,6 +106,9 @@ std::string MemoryPlan::table() const {
   }
   out += fmt::format("\nChosen: {}; predicted peak {}, measured {}\n", chosen.describe(),
                      format_bytes(chosen.predicted_peak), format_bytes(measured_peak));
+  if (!block_choice.blocks.empty()) {
+    out += "\nWhich blocks to checkpoint:\n\n" + block_choice.table();
+  }
   return out;
 }
 
@@ -351,9 +355,24 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
             best->quantized_states);
-  plan.measured_peak =
-      trainer_.trial(sample).peak +
-      (best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
+  const auto state = best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
+  if (best->checkpoint && options_.choose_blocks() && limit > static_cast<double>(state)) {
+    // The trials do not hold the optimizer state to come: the blocks' budget leaves it room.
+    plan.block_choice =
+        plan_checkpoints(trainer_, *checkpoint_, static_cast<std::int64_t>(limit) - state, sample);
+    if (plan.block_choice.fits) {
+      const auto step_peak =
+          best->quantized_states ? plan.quantized_step_peak : plan.optimizer_step_peak;
+      plan.chosen.checkpointed_blocks =
+          static_cast<std::int64_t>(plan.block_choice.chosen().size());
+      plan.chosen.blocks = static_cast<std::int64_t>(plan.block_choice.blocks.size());
+      plan.chosen.predicted_peak = std::max(plan.block_choice.predicted_peak + state,
+                                            best->step_in_backward ? 0 : step_peak);
+      plan.chosen.predicted_ms *=
+          plan.block_choice.predicted_ms / std::max(1e-9, plan.block_choice.all_checkpointed_ms);
+    }
+  }
+  plan.measured_peak = trainer_.trial(sample).peak + state;
   return plan;
 }
 

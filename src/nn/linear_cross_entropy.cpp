@@ -2,6 +2,8 @@
 
 #include <torch/autograd.h>
 
+#include "compat.h"
+#include "frugal/autocast_guard.h"
 #include "frugal/error.h"
 
 namespace frugal::nn {
@@ -93,17 +95,45 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& w,
                                const torch::Tensor& b, const torch::Tensor& t,
                                const LinearCrossEntropyOptions& o, Needs needs) {
-    auto sums = chunked_sums(h, w, b.numel() > 0 ? b : torch::Tensor(), t, o, needs);
+    const auto bias = b.numel() > 0 ? b : torch::Tensor();
+    auto sums = chunked_sums(h, w, bias, t, o, o.recompute() ? Needs{} : needs);
     const double divisor = o.reduction() == LinearCrossEntropyReduction::Mean
                                ? static_cast<double>(sums.counted)
                                : 1.0;
-    ctx->save_for_backward({sums.hidden, sums.weight, sums.bias});
     ctx->saved_data["divisor"] = divisor;
+    if (o.recompute()) {
+      // The inputs, and what backward needs to run the chunks again.
+      ctx->save_for_backward({h, w, b, t});
+      ctx->saved_data["chunk"] = o.chunk();
+      ctx->saved_data["ignore_index"] = o.ignore_index();
+      ctx->saved_data["label_smoothing"] = o.label_smoothing();
+      ctx->saved_data["needs"] = std::vector<bool>{needs.hidden, needs.weight, needs.bias};
+      const auto device = h.device().type();
+      ctx->saved_data["autocast"] = compat::autocast_enabled(device);
+      ctx->saved_data["autocast_dtype"] = static_cast<std::int64_t>(compat::autocast_dtype(device));
+    } else {
+      ctx->save_for_backward({sums.hidden, sums.weight, sums.bias});
+    }
     return sums.loss / divisor;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
+    auto saved = ctx->get_saved_variables();
+    if (ctx->saved_data.count("chunk") > 0) {
+      const auto o = LinearCrossEntropyOptions()
+                         .chunk(ctx->saved_data["chunk"].toInt())
+                         .ignore_index(ctx->saved_data["ignore_index"].toInt())
+                         .label_smoothing(ctx->saved_data["label_smoothing"].toDouble());
+      const auto flags = ctx->saved_data["needs"].toBoolList();
+      const auto& b = saved[2];
+      // The chunks run again under the forward's autocast state.
+      AutocastGuard autocast(saved[0].device().type(),
+                             static_cast<torch::Dtype>(ctx->saved_data["autocast_dtype"].toInt()),
+                             ctx->saved_data["autocast"].toBool());
+      auto sums = chunked_sums(saved[0], saved[1], b.numel() > 0 ? b : torch::Tensor(), saved[3], o,
+                               Needs{flags.get(0), flags.get(1), flags.get(2)});
+      saved = {sums.hidden, sums.weight, sums.bias};
+    }
     const auto scale = grads[0].to(torch::kFloat) / ctx->saved_data["divisor"].toDouble();
     auto scaled = [&](const torch::Tensor& g, bool needed) {
       return g.defined() && needed ? g * scale.to(g.scalar_type()) : torch::Tensor();

@@ -78,8 +78,9 @@ void CheckpointPolicy::after_forward(StepContext&) {
   }
   checked_ = true;
   for (const auto& c : by_call_) {
-    FRUGAL_CHECK(c->choice->calls.load() > 0, "frugal: CheckpointPolicy chose '", c->name,
-                 "' (", c->type, "), but the forward did not call it through "
+    FRUGAL_CHECK(c->choice->calls.load() > 0, "frugal: CheckpointPolicy chose '", c->name, "' (",
+                 c->type,
+                 "), but the forward did not call it through "
                  "frugal::nn::call: its parent calls its forward directly, which C++ gives no "
                  "way to intercept. Call it as frugal::nn::call(block, args...) in the "
                  "parent's forward, or hold the blocks in a torch::nn::Sequential");
@@ -94,9 +95,9 @@ void CheckpointPolicy::choose(const std::string& qualified,
     // The Sequential calls its children through its slots: the slot goes through a
     // checkpoint, while the child stays registered under its name (nothing renamed).
     auto slot = seq->begin() + static_cast<std::ptrdiff_t>(index);
-    nn::Checkpoint wrapper(*slot, options_);
+    nn::Checkpoint wrapper(*slot, CheckpointOptions(options_).name(qualified));
     *slot = torch::nn::AnyModule(wrapper);
-    wrappers_.push_back(wrapper);
+    wrappers_.emplace_back(qualified, wrapper);
     return;
   }
   auto c = std::make_shared<Chosen>();
@@ -104,7 +105,7 @@ void CheckpointPolicy::choose(const std::string& qualified,
   c->type = module->name();
   c->module = module.get();
   c->choice = std::make_shared<nn::detail::CallChoice>();
-  c->choice->options = options_;
+  c->choice->options = CheckpointOptions(options_).name(qualified);
   nn::detail::add_call_choice(c->module, c->choice);
   by_call_.push_back(std::move(c));
 }
@@ -174,11 +175,28 @@ const std::vector<std::string>& CheckpointPolicy::apply(torch::nn::Module& root)
 
 void CheckpointPolicy::set_enabled(bool enabled) {
   for (auto& w : wrappers_) {
-    w->set_enabled(enabled);
+    w.second->set_enabled(enabled);
   }
   for (auto& c : by_call_) {
     c->choice->enabled.store(enabled);
   }
+}
+
+void CheckpointPolicy::set_enabled(const std::string& block, bool enabled) {
+  for (auto& w : wrappers_) {
+    if (w.first == block) {
+      w.second->set_enabled(enabled);
+      return;
+    }
+  }
+  for (auto& c : by_call_) {
+    if (c->name == block) {
+      c->choice->enabled.store(enabled);
+      return;
+    }
+  }
+  FRUGAL_CHECK(false, "frugal: CheckpointPolicy did not choose a block named '", block,
+               "'; it chose ", chosen_names_.size(), " (wrapped() lists them)");
 }
 
 }  // namespace frugal

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "frugal/compose/checkpoint_budget.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/policy/autocast.h"
 #include "frugal/policy/checkpoint_policy.h"
@@ -35,6 +36,9 @@ struct MemoryPlannerOptions {
   /// checkpointing, then no step in backward), so timing noise on a busy machine does not
   /// change the choice between runs.
   TORCH_ARG(double, time_tolerance) = 0.25;
+  /// Where the chosen plan checkpoints, choose which of the blocks (plan_checkpoints: each
+  /// block measured, the least recompute time within the budget) instead of all of them.
+  TORCH_ARG(bool, choose_blocks) = false;
 };
 
 /// One configuration the planner considered.
@@ -48,6 +52,10 @@ struct PlanOption {
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
+  /// With MemoryPlannerOptions::choose_blocks, the chosen plan's blocks checkpointed, of
+  /// how many (0 of 0: all of them).
+  std::int64_t checkpointed_blocks = 0;
+  std::int64_t blocks = 0;
 
   /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward + 8-bit states"
   std::string describe() const;
@@ -67,6 +75,9 @@ struct MemoryPlan {
   std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;  ///< the chosen plan's peak, measured (with the state)
+  /// With MemoryPlannerOptions::choose_blocks and a chosen plan that checkpoints: which of
+  /// its blocks, how they were measured, and why (CheckpointBudgetPlan::table).
+  CheckpointBudgetPlan block_choice;
 
   /// A markdown table of the options with the chosen one marked, and the measured peak.
   std::string table() const;
@@ -101,7 +112,9 @@ struct MemoryPlan {
 /// states and autocast change the numerics, so they are chosen only when nothing fits without them:
 /// float32 states first, then 8-bit states, then autocast, then both. The chosen plan is applied to
 /// the trainer (its micro-batch and the planner's policies, added to the trainer once) and
-/// measured.
+/// measured. With MemoryPlannerOptions::choose_blocks, a chosen plan that checkpoints then
+/// checkpoints only the blocks plan_checkpoints chooses within the budget (less the
+/// optimizer state to come).
 ///
 /// Example:
 ///   frugal::MemoryPlanner planner(trainer, frugal::MemoryPlannerOptions().checkpoint(

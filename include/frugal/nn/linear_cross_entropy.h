@@ -26,6 +26,10 @@ struct LinearCrossEntropyOptions {
   /// cross_entropy's label smoothing: the target distribution is (1 - s) one-hot + s / classes.
   TORCH_ARG(double, label_smoothing) = 0.0;
   TORCH_ARG(LinearCrossEntropyReduction, reduction) = LinearCrossEntropyReduction::Mean;
+  /// Compute the gradients in backward, the chunks' logits again, rather than in the
+  /// forward: nothing is kept from forward to backward but the inputs (in the forward way
+  /// the gradients of hidden and weight wait there), for one more matrix product a chunk.
+  TORCH_ARG(bool, recompute) = false;
 };
 
 /// cross_entropy(linear(hidden, weight, bias), targets) computed chunk by chunk of tokens,

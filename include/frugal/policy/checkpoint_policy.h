@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "frugal/checkpoint.h"
@@ -44,8 +45,8 @@ struct CheckpointSelect {
 /// Under no_grad (evaluation) blocks run plainly.
 ///
 /// Example:
-///   // in the model: for (auto& layer : *layers) x = frugal::nn::call(layer->as<Block>(), x, mask);
-///   trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+///   // in the model: for (auto& layer : *layers) x = frugal::nn::call(layer->as<Block>(), x,
+///   mask); trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
 ///       frugal::CheckpointSelect().types({"Block"})));
 class CheckpointPolicy : public Policy {
  public:
@@ -62,6 +63,9 @@ class CheckpointPolicy : public Policy {
   const std::vector<std::string>& apply(torch::nn::Module& root);
   /// Turns all chosen blocks' checkpointing off (plain forward) or on.
   void set_enabled(bool enabled);
+  /// Turns one chosen block's checkpointing off or on, by its qualified name as wrapped()
+  /// lists it; an error naming it when the policy did not choose it.
+  void set_enabled(const std::string& block, bool enabled);
   const std::vector<std::string>& wrapped() const { return chosen_names_; }
 
  private:
@@ -74,8 +78,8 @@ class CheckpointPolicy : public Policy {
   bool applied_ = false;
   bool checked_ = false;
   std::vector<std::string> chosen_names_;
-  std::vector<nn::Checkpoint> wrappers_;           // Sequential slots
-  std::vector<std::shared_ptr<Chosen>> by_call_;   // reached through frugal::nn::call
+  std::vector<std::pair<std::string, nn::Checkpoint>> wrappers_;  // Sequential slots
+  std::vector<std::shared_ptr<Chosen>> by_call_;  // reached through frugal::nn::call
 };
 
 }  // namespace frugal

@@ -16,12 +16,31 @@ namespace frugal {
 using LossFn =
     std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& targets)>;
 
-namespace detail {
+/// A torch::nn::functional loss, (input, target, const Options&), as a LossFn that calls it
+/// with default options.
+///
+/// Example:
+///   frugal::LossFn loss = frugal::loss_with_defaults(torch::nn::functional::cross_entropy);
+template <typename Options>
+LossFn loss_with_defaults(torch::Tensor (*fn)(const torch::Tensor&, const torch::Tensor&,
+                                              const Options&)) {
+  static_assert(std::is_default_constructible_v<Options>,
+                "frugal: the loss's options have no default; pass a lambda that sets them");
+  return [fn](const torch::Tensor& output, const torch::Tensor& targets) {
+    return fn(output, targets, Options{});
+  };
+}
 
-// ATen's loss functions take their options as trailing parameters with defaults, which a
-// function pointer does not carry: these are the ones frugal calls with their defaults.
-template <typename Fn>
-LossFn aten_loss_with_defaults(Fn fn) {
+/// An ATen loss (torch::nll_loss, torch::mse_loss, torch::cross_entropy_loss, ...) as a
+/// LossFn that calls it with its defaults. ATen's losses take their options as trailing
+/// parameters with defaults, which a function pointer does not carry, so these are known by
+/// name: nll_loss, cross_entropy_loss, mse_loss, l1_loss, smooth_l1_loss, huber_loss,
+/// binary_cross_entropy, binary_cross_entropy_with_logits, kl_div, soft_margin_loss. Any
+/// other function throws std::invalid_argument.
+template <typename... Rest>
+LossFn loss_with_defaults(torch::Tensor (*fn)(const torch::Tensor&, const torch::Tensor&,
+                                              Rest...)) {
+  using Fn = decltype(fn);
 #define FRUGAL_ATEN_LOSS(name)                                               \
   if constexpr (std::is_same_v<Fn, decltype(&at::name)>) {                   \
     if (fn == &at::name) {                                                   \
@@ -47,22 +66,15 @@ LossFn aten_loss_with_defaults(Fn fn) {
       "[](const torch::Tensor& o, const torch::Tensor& t) { return my_loss(o, t); }");
 }
 
-template <typename T>
-struct FunctionalLoss : std::false_type {};
-// torch::nn::functional's losses: (input, target, const Options& = {}).
-template <typename Options>
-struct FunctionalLoss<torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const Options&)>
-    : std::is_default_constructible<Options> {
-  using options = Options;
-};
-
-template <typename T>
-struct AtenLoss : std::false_type {};
-template <typename... Rest>
-struct AtenLoss<torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, Rest...)>
-    : std::true_type {};
-
-}  // namespace detail
+/// What make_loss says of anything else.
+template <typename NotALoss>
+LossFn loss_with_defaults(NotALoss) {
+  static_assert(sizeof(NotALoss) == 0,
+                "frugal: a loss is a callable of (const torch::Tensor& output, const "
+                "torch::Tensor& targets) returning a Tensor, a torch::nn::functional loss "
+                "(cross_entropy, nll_loss, ...) or an ATen loss (torch::nll_loss, ...)");
+  return {};
+}
 
 /// Makes a LossFn of any loss a LibTorch program has: a callable of (output, targets)
 /// (a lambda, a functor, a function), a torch::nn::functional loss called with its default
@@ -77,20 +89,8 @@ LossFn make_loss(Loss&& loss) {
   if constexpr (std::is_invocable_r_v<torch::Tensor, L&, const torch::Tensor&,
                                       const torch::Tensor&>) {
     return LossFn(std::forward<Loss>(loss));
-  } else if constexpr (detail::FunctionalLoss<L>::value) {
-    using Options = typename detail::FunctionalLoss<L>::options;
-    return [loss](const torch::Tensor& output, const torch::Tensor& targets) {
-      return loss(output, targets, Options{});
-    };
-  } else if constexpr (detail::AtenLoss<L>::value) {
-    return detail::aten_loss_with_defaults(loss);
   } else {
-    static_assert(
-        std::is_invocable_r_v<torch::Tensor, L&, const torch::Tensor&, const torch::Tensor&>,
-        "frugal: a loss is a callable of (const torch::Tensor& output, const "
-        "torch::Tensor& targets) returning a Tensor, a torch::nn::functional loss "
-        "(cross_entropy, nll_loss, ...) or an ATen loss (torch::nll_loss, ...)");
-    return {};
+    return loss_with_defaults(loss);
   }
 }
 

@@ -27,28 +27,6 @@ namespace frugal {
 
 class ReportSink;
 
-namespace detail {
-
-template <typename P, typename = void>
-struct HasTensorForward : std::false_type {};
-template <typename P>
-struct HasTensorForward<
-    P, std::void_t<decltype(std::declval<P&>()->forward(std::declval<const torch::Tensor&>()))>>
-    : std::true_type {};
-
-// The model's forward(Tensor) as a function that keeps the model alive.
-template <typename Model>
-std::function<torch::Tensor(const torch::Tensor&)> tensor_forward(const Model& model) {
-  auto ptr = nn::module_pointer(model);
-  static_assert(HasTensorForward<decltype(ptr)>::value,
-                "frugal: this Trainer constructor calls the model's forward(Tensor); for a "
-                "forward of other arguments pass a function of the batch (the constructor "
-                "taking a BatchForwardFn)");
-  return [ptr](const torch::Tensor& x) { return torch::Tensor(ptr->forward(x)); };
-}
-
-}  // namespace detail
-
 /// The trainer's counters and sizes, as a saved training state carries them.
 struct TrainerCounters {
   std::int64_t steps = 0;    ///< optimizer steps taken
@@ -91,7 +69,8 @@ class Trainer : public PolicyPort {
   /// A forward of a whole (micro-)batch, for models that take several tensors.
   using BatchForwardFn = std::function<torch::Tensor(const Batch& batch)>;
   /// A loss of the forward's output and the (micro-)batch it came from.
-  using OutputLossFn = std::function<torch::Tensor(const torch::Tensor& output, const Batch& batch)>;
+  using OutputLossFn =
+      std::function<torch::Tensor(const torch::Tensor& output, const Batch& batch)>;
 
   /// The model as a module holder (torch::nn::Linear, a TORCH_MODULE) or a std::shared_ptr
   /// to a torch::nn::Module subclass (`std::make_shared<Net>()`) with a forward(Tensor); its
@@ -102,7 +81,7 @@ class Trainer : public PolicyPort {
             typename = std::enable_if_t<!std::is_invocable_v<Loss&, const Batch&> &&
                                         !std::is_convertible_v<Model, std::string>>>
   Trainer(Model model, torch::optim::Optimizer& optimizer, Loss&& loss, TrainerOptions options = {})
-      : Trainer(nn::module_pointer(model), detail::tensor_forward(model), optimizer,
+      : Trainer(nn::module_pointer(model), nn::tensor_forward(model), optimizer,
                 make_loss(std::forward<Loss>(loss)), std::move(options)) {}
   Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
           torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options = {});
@@ -115,7 +94,8 @@ class Trainer : public PolicyPort {
   ///       model.ptr(), adam,
   ///       [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("mask")); },
   ///       [](const torch::Tensor& logits, const frugal::Batch& b) {
-  ///         return torch::nn::functional::cross_entropy(logits.flatten(0, 1), b.targets.flatten());
+  ///         return torch::nn::functional::cross_entropy(logits.flatten(0, 1),
+  ///         b.targets.flatten());
   ///       });
   Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
           BatchForwardFn forward, OutputLossFn loss, TrainerOptions options = {});
