@@ -2,12 +2,14 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <frugal/frugal.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,39 @@ inline std::map<std::string, std::vector<double>> interleave(
     }
   }
   return times;
+}
+
+/// A classifier of 10 classes trained by SGD (lr 0.01) on cross-entropy under frugal's
+/// Trainer, as the checkpointing benchmarks train theirs.
+struct SgdClassifier {
+  torch::nn::Sequential net;
+  std::unique_ptr<torch::optim::SGD> sgd;
+  std::unique_ptr<frugal::Trainer> trainer;
+};
+
+/// `net` built under seed 1, in an SgdClassifier.
+inline SgdClassifier sgd_classifier(const std::function<torch::nn::Sequential()>& build) {
+  SgdClassifier c;
+  torch::manual_seed(1);
+  c.net = build();
+  c.sgd = std::make_unique<torch::optim::SGD>(c.net->parameters(), 0.01);
+  c.trainer = std::make_unique<frugal::Trainer>(c.net, *c.sgd,
+                                                [](const torch::Tensor& o, const torch::Tensor& t) {
+                                                  return torch::nn::functional::cross_entropy(o, t);
+                                                });
+  return c;
+}
+
+/// Sets LibTorch's intra-op threads (0: its choice), installs frugal's counting allocator
+/// (before the models, so that their weights are counted) and returns a random batch of
+/// `batch` inputs of `width` with labels of 10 classes (seed 0).
+inline frugal::Batch counted_random_batch(int threads, std::int64_t batch, std::int64_t width) {
+  if (threads > 0) {
+    torch::set_num_threads(threads);
+  }
+  frugal::CountingAllocator::install();
+  torch::manual_seed(0);
+  return {torch::randn({batch, width}), torch::randint(0, 10, {batch}, torch::kLong)};
 }
 
 inline std::string machine_line() {

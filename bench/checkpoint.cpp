@@ -1,10 +1,10 @@
 // Step time and activation peak of the residual MLP with and without checkpointing every
 // block, interleaved in one process.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_util.h"
@@ -12,10 +12,7 @@
 
 namespace {
 
-struct Variant {
-  torch::nn::Sequential net;
-  std::unique_ptr<torch::optim::SGD> sgd;
-  std::unique_ptr<frugal::Trainer> trainer;
+struct Variant : bench::SgdClassifier {
   std::vector<double> activation_peaks;
   std::int64_t allocated_before = 0;
 };
@@ -34,22 +31,12 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
   CLI11_PARSE(app, argc, argv);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
-  frugal::CountingAllocator::install();  // before the models: their weights are counted
-  torch::manual_seed(0);
-  const frugal::Batch data{torch::randn({batch, width}),
-                           torch::randint(0, 10, {batch}, torch::kLong)};
+  const auto data = bench::counted_random_batch(threads, batch, width);
   auto make = [&](bool checkpointed) {
-    Variant v;
-    torch::manual_seed(1);
-    v.net = models::make_residual_mlp(blocks, width, hidden, 10);
-    v.sgd = std::make_unique<torch::optim::SGD>(v.net->parameters(), 0.01);
-    v.trainer = std::make_unique<frugal::Trainer>(
-        v.net, *v.sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
-          return torch::nn::functional::cross_entropy(o, t);
-        });
+    Variant v{
+        bench::sgd_classifier([&] { return models::make_residual_mlp(blocks, width, hidden, 10); }),
+        {},
+        0};
     if (checkpointed) {
       v.trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
           frugal::CheckpointSelect().types({"ResidualBlock"})));
@@ -70,16 +57,18 @@ int main(int argc, char** argv) {
         },
         steps);
   };
-  const auto times = bench::interleave({{"plain", [&] { return run(variants.at("plain")); }},
-                                        {"checkpointed", [&] { return run(variants.at("checkpointed")); }}},
-                                       rounds);
+  const auto times =
+      bench::interleave({{"plain", [&] { return run(variants.at("plain")); }},
+                         {"checkpointed", [&] { return run(variants.at("checkpointed")); }}},
+                        rounds);
   const double t_plain = bench::median(times.at("plain"));
   const double t_ckpt = bench::median(times.at("checkpointed"));
   const double a_plain = bench::median(variants.at("plain").activation_peaks);
   const double a_ckpt = bench::median(variants.at("checkpointed").activation_peaks);
-  fmt::print("Checkpointing every block: residual MLP {} blocks, width {}, hidden {}, batch {}, "
-             "SGD, {} rounds x {} steps, {}\n\n",
-             blocks, width, hidden, batch, rounds, steps, bench::machine_line());
+  fmt::print(
+      "Checkpointing every block: residual MLP {} blocks, width {}, hidden {}, batch {}, "
+      "SGD, {} rounds x {} steps, {}\n\n",
+      blocks, width, hidden, batch, rounds, steps, bench::machine_line());
   fmt::print("| variant | median step (ms) | activation peak | time ratio | activation ratio |\n");
   fmt::print("|---|---|---|---|---|\n");
   fmt::print("| plain | {:.1f} | {} | 1.00 | 1.0x |\n", t_plain,
@@ -87,8 +76,10 @@ int main(int argc, char** argv) {
   fmt::print("| checkpointed | {:.1f} | {} | {:.2f} | {:.1f}x smaller |\n\n", t_ckpt,
              frugal::format_bytes(static_cast<std::int64_t>(a_ckpt)), t_ckpt / t_plain,
              a_plain / a_ckpt);
-  nlohmann::json j = {{"bench", "checkpoint"},      {"plain_ms", t_plain},
-                      {"checkpointed_ms", t_ckpt},  {"time_ratio", t_ckpt / t_plain},
+  nlohmann::json j = {{"bench", "checkpoint"},
+                      {"plain_ms", t_plain},
+                      {"checkpointed_ms", t_ckpt},
+                      {"time_ratio", t_ckpt / t_plain},
                       {"plain_activation_bytes", a_plain},
                       {"checkpointed_activation_bytes", a_ckpt},
                       {"activation_ratio", a_plain / a_ckpt},

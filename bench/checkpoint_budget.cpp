@@ -14,10 +14,7 @@
 
 namespace {
 
-struct Variant {
-  torch::nn::Sequential net;
-  std::unique_ptr<torch::optim::SGD> sgd;
-  std::unique_ptr<frugal::Trainer> trainer;
+struct Variant : bench::SgdClassifier {
   std::shared_ptr<frugal::CheckpointPolicy> policy;
   std::vector<double> peaks;
 };
@@ -46,22 +43,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 10.0));
   app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
   CLI11_PARSE(app, argc, argv);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
-  frugal::CountingAllocator::install();  // before the models: their weights are counted
-  torch::manual_seed(0);
-  const frugal::Batch data{torch::randn({batch, width}),
-                           torch::randint(0, 10, {batch}, torch::kLong)};
+  const auto data = bench::counted_random_batch(threads, batch, width);
   auto make = [&] {
-    Variant v;
-    torch::manual_seed(1);
-    v.net = models::make_mixed_chain(pairs, width, gate_steps, 10);
-    v.sgd = std::make_unique<torch::optim::SGD>(v.net->parameters(), 0.01);
-    v.trainer = std::make_unique<frugal::Trainer>(
-        v.net, *v.sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
-          return torch::nn::functional::cross_entropy(o, t);
-        });
+    Variant v{bench::sgd_classifier(
+                  [&] { return models::make_mixed_chain(pairs, width, gate_steps, 10); }),
+              nullptr,
+              {}};
     v.policy = std::make_shared<frugal::CheckpointPolicy>(
         frugal::CheckpointSelect().types({"DenseBlock", "GateBlock"}));
     v.trainer->add_policy(v.policy);
