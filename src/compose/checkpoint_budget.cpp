@@ -216,10 +216,15 @@ std::vector<bool> choose_checkpoints(const std::vector<BlockCost>& blocks,
   std::vector<double> cost(states, kNone), next(states);
   std::vector<std::vector<bool>> plain(n, std::vector<bool>(states, false));
   cost[0] = 0;
+  // Each block's kept bytes in quanta, rounded up.
+  std::vector<std::size_t> weights(n);
+  for (std::size_t j = 0; j < n; ++j) {
+    weights[j] = static_cast<std::size_t>(
+        (std::max<std::int64_t>(0, blocks[j].kept_bytes) + quantum - 1) / quantum);
+  }
   for (std::size_t j = 0; j < n; ++j) {
     const auto& b = blocks[j];
-    const auto weight =
-        static_cast<std::size_t>((std::max<std::int64_t>(0, b.kept_bytes) + quantum - 1) / quantum);
+    const auto weight = weights[j];
     std::fill(next.begin(), next.end(), kNone);
     for (std::size_t s = 0; s < states; ++s) {
       if (cost[s] == kNone) {
@@ -252,8 +257,7 @@ std::vector<bool> choose_checkpoints(const std::vector<BlockCost>& blocks,
   for (std::size_t j = n; j-- > 0;) {
     if (plain[j][best]) {
       checkpointed[j] = false;
-      best -= static_cast<std::size_t>(
-          (std::max<std::int64_t>(0, blocks[j].kept_bytes) + quantum - 1) / quantum);
+      best -= weights[j];
     }
   }
   return checkpointed;
