@@ -154,8 +154,13 @@ void set_cuda_rng_state(int device, const at::Tensor& state);
 
 CudaAllocatorStats cuda_allocator_stats(int device);
 void cuda_reset_peak(int device);
-/// Caps the caching allocator of `device` at `fraction` of its memory (emulates a smaller card).
+/// Makes CUDA's lazy initialisation happen (the caching allocator has no devices before it):
+/// one small allocation on `device`.
+void cuda_initialise(int device);
+/// Caps the caching allocator of `device` at `fraction` of its memory (emulates a smaller
+/// card), initialising CUDA first; and the fraction in force.
 void cuda_set_memory_fraction(double fraction, int device);
+double cuda_memory_fraction(int device);
 std::int64_t cuda_total_memory(int device);
 void cuda_empty_cache();
 #endif

@@ -1,4 +1,5 @@
 // CUDA caching-allocator access; compiled only when LibTorch was built with CUDA.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -43,8 +44,22 @@ CudaAllocatorStats cuda_allocator_stats(int device) {
 
 void cuda_reset_peak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
 
+void cuda_initialise(int device) {
+  // Until a first CUDA tensor, the caching allocator knows no device: setting a fraction
+  // or reading statistics then fails an internal assertion in some releases.
+  (void)at::empty({1}, at::TensorOptions().device(
+                           at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+}
+
 void cuda_set_memory_fraction(double fraction, int device) {
-  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device);
+  cuda_initialise(device);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction,
+                                                     static_cast<c10::DeviceIndex>(device));
+}
+
+double cuda_memory_fraction(int device) {
+  cuda_initialise(device);
+  return c10::cuda::CUDACachingAllocator::getMemoryFraction(static_cast<c10::DeviceIndex>(device));
 }
 
 std::int64_t cuda_total_memory(int device) {

@@ -111,4 +111,7 @@ check(gap <= 1e-6, f"--distributed: the losses of one process within 1e-6 for {R
 bad = subprocess.run([BINARY, "--precision", "fp8"], capture_output=True, text=True)
 check(bad.returncode != 0 and "--precision" in bad.stderr + bad.stdout and "terminate" not in bad.stderr,
       "a bad --precision is named, with a non-zero status and no stack trace")
+bad = subprocess.run([BINARY, "--device", "meta"], capture_output=True, text=True)
+check(bad.returncode != 0 and "--device meta: only cpu and cuda" in bad.stderr
+      and "Exception raised from" not in bad.stderr, "a bad --device is named")
 finish()

@@ -10,12 +10,16 @@
 #include "frugal/memory/probe.h"
 
 /// Skips a `gpu`-labelled test, with a message, where CUDA is not available.
-#define FRUGAL_SKIP_WITHOUT_CUDA()                          \
-  if (!torch::cuda::is_available()) {                       \
+#define FRUGAL_SKIP_WITHOUT_CUDA()                           \
+  if (!torch::cuda::is_available()) {                        \
     GTEST_SKIP() << "CUDA is not available on this machine"; \
   }
 
 namespace frugal::testing {
+
+/// The bytes the CUDA caching allocator takes for a request of `bytes`: whole 512-byte
+/// units (its kMinBlockSize), which memory_allocated counts.
+constexpr std::int64_t cuda_block_bytes(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
 /// A deterministic MLP (no dropout): the same seed gives the same weights.
 inline torch::nn::Sequential make_mlp(std::int64_t in, std::int64_t hidden, std::int64_t out,

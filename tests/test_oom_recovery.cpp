@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "compat.h"
+#include <optional>
+
 #include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/memory_cap.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
@@ -143,9 +145,9 @@ TEST(OomRecovery, BelowMicroBatchOneGivesUpLeavingEverythingAsItWas) {
   expect_all_close(clone_all(net->parameters()), weights, 0, 0);
   std::size_t i = 0;
   for (const auto& e : sgd.state()) {
-    EXPECT_TRUE(torch::equal(
-        static_cast<const torch::optim::SGDParamState&>(*e.second).momentum_buffer(),
-        momentum[i++]));
+    EXPECT_TRUE(
+        torch::equal(static_cast<const torch::optim::SGDParamState&>(*e.second).momentum_buffer(),
+                     momentum[i++]));
   }
   for (const auto& p : net->parameters()) {
     EXPECT_FALSE(p.grad().defined());
@@ -194,7 +196,9 @@ TEST(OomRecovery, OtherErrorsAreNotRetried) {
 TEST(CudaOomRecovery, MemoryFractionBetweenMicroBatch16AndBatch64) {
   FRUGAL_SKIP_WITHOUT_CUDA();
   // Large enough that the activations of a batch of 64 dominate the caching allocator.
-  auto run = [](std::int64_t micro, double fraction) {
+  // The cap is the caching allocator's fraction, held by an object: an assertion that fails
+  // inside the run cannot leave every later test on a smaller card.
+  auto run = [](std::int64_t micro, std::int64_t cap_bytes) {
     torch::manual_seed(8);
     auto net = torch::nn::Sequential(torch::nn::Linear(4096, 16384), torch::nn::ReLU(),
                                      torch::nn::Linear(16384, 16384), torch::nn::ReLU(),
@@ -209,19 +213,19 @@ TEST(CudaOomRecovery, MemoryFractionBetweenMicroBatch16AndBatch64) {
     trainer.add_policy(std::make_shared<frugal::OomRecovery>());
     torch::manual_seed(3);
     const frugal::Batch b{torch::randn({8192, 4096}), torch::randint(0, 10, {8192}, torch::kLong)};
-    frugal::compat::cuda_set_memory_fraction(fraction, 0);
+    std::optional<frugal::ScopedMemoryCap> cap;
+    if (cap_bytes > 0) {
+      cap.emplace(torch::kCUDA, cap_bytes);
+    }
     const auto r = trainer.step(b);
-    frugal::compat::cuda_set_memory_fraction(1.0, 0);
     return std::make_pair(r, clone_all(net->parameters()));
   };
   frugal::MemoryProbe probe(torch::kCUDA);
   probe.empty_cache();
-  const double total = static_cast<double>(frugal::compat::cuda_total_memory(0));
-  const auto micro = run(1024, 1.0);
-  const auto full = run(0, 1.0);
+  const auto micro = run(1024, 0);
+  const auto full = run(0, 0);
   probe.empty_cache();
-  const double fraction = (micro.first.peak + full.first.peak) / 2.0 / total;
-  const auto capped = run(0, fraction);
+  const auto capped = run(0, (micro.first.peak + full.first.peak) / 2);
   EXPECT_GT(capped.first.oom_retries, 0);
   EXPECT_LT(capped.first.micro_batch, 8192);
   for (std::size_t i = 0; i < capped.second.size(); ++i) {

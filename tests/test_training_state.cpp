@@ -6,8 +6,10 @@
 #include <filesystem>
 #include <fstream>
 
+#include "compat.h"
 #include "helpers.h"
 #include "resume_setup.h"
+#include "state/state_parts.h"
 
 namespace {
 
@@ -15,6 +17,14 @@ namespace fs = std::filesystem;
 using frugal::testing::flat_state;
 using frugal::testing::make_resume_setup;
 using frugal::testing::ResumeSetup;
+
+// The tensors of one parameter's optimizer state (none where it has no state).
+std::vector<torch::Tensor> state_tensors_of(torch::optim::Optimizer& optimizer,
+                                            const torch::Tensor& p) {
+  const auto it = optimizer.state().find(frugal::compat::optimizer_state_key(p));
+  return it == optimizer.state().end() ? std::vector<torch::Tensor>{}
+                                       : frugal::optimizer_state_tensors(*it->second);
+}
 
 void train(ResumeSetup& s, int steps) {
   const auto data = frugal::testing::resume_data();
@@ -222,6 +232,84 @@ TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
   train(*s, 1);  // ends the window
   frugal::save_training_state(*s->trainer, path.string());
   EXPECT_TRUE(fs::exists(path));
+  fs::remove_all(dir);
+}
+
+// A loaded optimizer state lies where it was saved; each parameter's state must follow its
+// parameter (saved on the CPU, resumed on CUDA). The meta device stands in for another one.
+TEST(TrainingState, ALoadedOptimizerStateGoesToItsParametersDevice) {
+  for (const bool quantized : {false, true}) {
+    torch::manual_seed(4);
+    auto w = torch::randn({300}, torch::requires_grad());
+    std::unique_ptr<torch::optim::Optimizer> saved;
+    if (quantized) {
+      saved = std::make_unique<frugal::optim::Adam8bit>(
+          std::vector<torch::Tensor>{w}, torch::optim::AdamOptions(1e-2),
+          frugal::optim::QuantizedStateOptions().min_elements(64));
+    } else {
+      saved = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{w});
+    }
+    w.square().sum().backward();
+    saved->step();
+    const auto bytes = frugal::detail::optimizer_bytes(*saved);
+
+    auto elsewhere =
+        torch::empty({300}, torch::TensorOptions().device(torch::kMeta)).requires_grad_();
+    std::unique_ptr<torch::optim::Optimizer> loaded;
+    if (quantized) {
+      loaded = std::make_unique<frugal::optim::Adam8bit>(
+          std::vector<torch::Tensor>{elsewhere}, torch::optim::AdamOptions(1e-2),
+          frugal::optim::QuantizedStateOptions().min_elements(64));
+    } else {
+      loaded = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{elsewhere});
+    }
+    frugal::detail::load_optimizer_bytes(*loaded, bytes);
+    std::int64_t placed = 0;
+    for (const auto& t : state_tensors_of(*loaded, elsewhere)) {
+      if (t.defined()) {  // (Adam's max_exp_avg_sq is not, without amsgrad)
+        EXPECT_EQ(t.device().type(), torch::kMeta) << (quantized ? "8-bit" : "Adam");
+        ++placed;
+      }
+    }
+    EXPECT_GE(placed, 2) << (quantized ? "8-bit" : "Adam");
+  }
+}
+
+// A generator's saved state of another size is refused before anything is put back; the
+// same check guards each CUDA generator's state.
+TEST(TrainingState, AGeneratorStateOfAnotherSizeIsNamed) {
+  torch::serialize::OutputArchive archive;
+  archive.write("rng/cpu", torch::zeros({7}, torch::kByte));
+  archive.write("rng/cuda_devices", c10::IValue(static_cast<std::int64_t>(0)));
+  std::ostringstream out;
+  archive.save_to(out);
+  torch::serialize::InputArchive in;
+  std::istringstream bytes(out.str());
+  in.load_from(bytes);
+  frugal::testing::expect_error_contains([&] { (void)frugal::detail::read_rng(in, "x.frugal"); },
+                                         "'x.frugal' holds a CPU generator state of Byte[7]");
+}
+
+TEST(CudaTrainingState, AStateSavedOnTheCpuResumesOnTheGpu) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  const auto dir = frugal::testing::fresh_temp_dir("state_cpu_to_cuda");
+  const auto path = (dir / "state.frugal").string();
+  for (const std::string config : {"plain", "adam8bit"}) {
+    auto a = make_resume_setup(config);
+    train(*a, 3);
+    frugal::save_training_state(*a->trainer, path);
+    auto b = make_resume_setup(config, 32, torch::kCUDA);
+    frugal::load_training_state(*b->trainer, path);
+    EXPECT_TRUE(torch::equal(flat_state(*b->model).cpu(), flat_state(*a->model))) << config;
+    for (const auto& p : b->model->parameters()) {
+      for (const auto& t : state_tensors_of(*b->optimizer, p)) {
+        EXPECT_TRUE(t.is_cuda()) << config;
+      }
+    }
+    const auto before = flat_state(*b->model);
+    train(*b, 2);  // a state left on the CPU fails here, mixing devices
+    EXPECT_FALSE(torch::equal(flat_state(*b->model), before)) << config;
+  }
   fs::remove_all(dir);
 }
 

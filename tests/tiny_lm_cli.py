@@ -77,7 +77,8 @@ for flags, needle in [(["--autocast", "fp8"], "--autocast"),
                       (["--tokens", "bytes"], "--tokens"),
                       (["--tokens", "words", "--vocab", "3"], "--vocab"),
                       (["--dim", "66", "--heads", "4"], "not a multiple of --heads"),
-                      (["--data-dir", os.path.join(WORK, "none")], "apt-get install fortunes")]:
+                      (["--data-dir", os.path.join(WORK, "none")], "apt-get install fortunes"),
+                      (["--device", "tpu"], "--device tpu: not a device")]:
     done = subprocess.run([BINARY, *flags], capture_output=True, text=True)
     check(done.returncode != 0 and needle in done.stderr and "Exception raised from" not in done.stderr,
           f"{' '.join(flags)} is refused with a message naming {needle!r}")

@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
+#include "device.h"
 #include "models.h"
 
 namespace {
@@ -27,6 +28,7 @@ struct Args {
   std::uint64_t seed = 0;
   std::int64_t log_every = 50;
   int threads = 0;
+  std::string device = "cpu";
 };
 
 // 784 -> 64 -> 10: an eighth of the teacher's first layer.
@@ -48,6 +50,7 @@ int run(const Args& args) {
   if (args.threads > 0) {
     torch::set_num_threads(args.threads);
   }
+  const auto device = examples::pick_device(args.device);
   const auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
   const auto n = train.size() / args.batch;
@@ -55,8 +58,10 @@ int run(const Args& args) {
 
   // The teacher, trained plainly first.
   auto teacher = fashion::make_mlp(0.0);
+  teacher->to(device);
   torch::optim::Adam teacher_adam(teacher->parameters(), 1e-3);
-  frugal::Trainer teacher_trainer(teacher, teacher_adam, F::cross_entropy);
+  const auto on_device = frugal::TrainerOptions().device(device);  // batches go there
+  frugal::Trainer teacher_trainer(teacher, teacher_adam, F::cross_entropy, on_device);
   for (std::int64_t i = 0; i < args.teacher_steps; ++i) {
     teacher_trainer.step(batch_at(i));
   }
@@ -70,8 +75,9 @@ int run(const Args& args) {
 
   // The student, distilled in one Loop: soft targets at a temperature, mixed with the labels.
   auto student = make_student();
+  student->to(device);
   torch::optim::Adam student_adam(student->parameters(), 2e-3);
-  frugal::Loop loop(frugal::LoopOptions().micro_batch(
+  frugal::Loop loop(frugal::LoopOptions().device(device).micro_batch(
       args.micro_batch > 0 ? c10::optional<std::int64_t>(args.micro_batch) : c10::nullopt));
   auto& s = loop.prepare(student, student_adam, "student");
   const double t = args.temperature;
@@ -88,7 +94,7 @@ int run(const Args& args) {
     return args.alpha * kd + (1 - args.alpha) * F::cross_entropy(logits, micro.targets);
   };
   for (std::int64_t i = 1; i <= args.steps; ++i) {
-    const double loss = loop.accumulate(batch_at(i - 1), s, distill_loss);
+    const double loss = loop.accumulate(batch_at(i - 1).to(device), s, distill_loss);
     loop.step(s);
     const auto report = loop.end();
     if (i % args.log_every == 0 || i == args.steps) {
@@ -96,7 +102,7 @@ int run(const Args& args) {
                  report.peak);
     }
   }
-  frugal::Trainer student_eval(student, student_adam, F::cross_entropy);
+  frugal::Trainer student_eval(student, student_adam, F::cross_entropy, on_device);
   const auto eval = student_eval.evaluate(test, 1000);
   fmt::print("student accuracy {:.4f} after {} steps; teacher unchanged {}\n", eval.accuracy,
              args.steps, checksum(*teacher) == teacher_sum ? "yes" : "no");
@@ -124,6 +130,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", args.seed, "random seed");
   app.add_option("--log-every", args.log_every, "print every N steps")->check(CLI::PositiveNumber);
   app.add_option("--threads", args.threads, "LibTorch threads (0: its default)");
+  app.add_option("--device", args.device, "cpu, cuda or cuda:N")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     return run(args);

@@ -1,18 +1,19 @@
 // Trains a CNN or an MLP on Fashion-MNIST with frugal's step engine and memory probe.
 //
 //   fashion_mnist --data-dir /usr/share/datasets/fashion-mnist --model cnn --epochs 1
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <optional>
 
 #include "cli_checks.h"
+#include "device.h"
 #include "models.h"
 #include "run_args.h"
 
@@ -49,8 +50,11 @@ class Progress {
 int run(Args args) {
   // Under torchrun every rank trains its share of each --batch; rank 0 speaks for the run.
   std::shared_ptr<frugal::distributed::Group> group;
+  int local_rank = -1;
   if (args.distributed) {
-    group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
+    const auto env = frugal::distributed::LaunchEnv::from_environment();
+    local_rank = env.local_rank;
+    group = frugal::distributed::Group::join(env);
     if (group->rank() != 0) {
       args.quiet = true;
       args.report.clear();
@@ -60,24 +64,23 @@ int run(Args args) {
   if (args.threads > 0) {
     torch::set_num_threads(args.threads);
   }
-  const torch::Device device(args.device);
-  if (device.is_cuda() && !torch::cuda::is_available()) {
-    throw std::invalid_argument("--device cuda: CUDA is not available on this machine");
-  }
+  const auto device = examples::pick_device(args.device, local_rank);
   auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
   if (args.eval_samples > 0 && args.eval_samples < test.inputs.size(0)) {
     test = test.slice(0, args.eval_samples);  // a quick run's evaluation: the first samples
   }
   if (args.batch > train.inputs.size(0)) {
-    throw std::invalid_argument(fmt::format("--batch {} is larger than the training set ({} "
-                                            "samples)", args.batch, train.inputs.size(0)));
+    throw std::invalid_argument(
+        fmt::format("--batch {} is larger than the training set ({} "
+                    "samples)",
+                    args.batch, train.inputs.size(0)));
   }
   // Counted from here: the model and training, not the data set held in memory.
   frugal::CountingAllocator::install();
 
-  auto model = args.model == "cnn" ? fashion::make_cnn(args.dropout)
-                                   : fashion::make_mlp(args.dropout);
+  auto model =
+      args.model == "cnn" ? fashion::make_cnn(args.dropout) : fashion::make_mlp(args.dropout);
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (args.zero > 0) {  // each rank steps its 1/N of the parameters with the chosen optimizer
@@ -98,9 +101,9 @@ int run(Args args) {
   if (args.micro_batch > 0) {
     options.micro_batch(args.micro_batch);
   }
-  std::optional<frugal::ScopedCpuCap> cap;
+  std::optional<frugal::ScopedMemoryCap> cap;  // the device's: a smaller card on CUDA
   if (args.memory_cap > 0) {
-    cap.emplace(args.memory_cap);
+    cap.emplace(device, args.memory_cap);
   }
   frugal::Trainer trainer(
       model, *optimizer,
@@ -132,17 +135,18 @@ int run(Args args) {
   const std::int64_t per_epoch = (n - 1) / args.batch + 1;
   const bool terminal = !args.quiet && isatty(fileno(stderr));
   if (!args.quiet) {
-    fmt::print("fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
-             "autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
-             args.model, device.str(), n, test.inputs.size(0), args.batch,
-             args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
-             args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
-             args.optimizer, args.step_in_backward ? " stepped in backward" : "",
-             torch::get_num_threads(),
-             group ? fmt::format(" x {} ranks{}", group->size(),
-                                 args.zero > 0 ? fmt::format(", ZeRO-{}", args.zero) : "")
-                   : std::string(),
-             TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+    fmt::print(
+        "fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
+        "autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
+        args.model, device.str(), n, test.inputs.size(0), args.batch,
+        args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
+        args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
+        args.optimizer, args.step_in_backward ? " stepped in backward" : "",
+        torch::get_num_threads(),
+        group ? fmt::format(" x {} ranks{}", group->size(),
+                            args.zero > 0 ? fmt::format(", ZeRO-{}", args.zero) : "")
+              : std::string(),
+        TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
   }
 
   const auto start = std::chrono::steady_clock::now();
@@ -184,8 +188,10 @@ int run(Args args) {
   });
   fit_options.on_step([&](const frugal::StepReport& report, const frugal::FitPosition& at) {
     if (!std::isfinite(report.loss)) {
-      throw std::runtime_error(fmt::format("the training loss is {} at step {}; lower --lr "
-                                           "(now {})", report.loss, at.step, args.lr));
+      throw std::runtime_error(
+          fmt::format("the training loss is {} at step {}; lower --lr "
+                      "(now {})",
+                      report.loss, at.step, args.lr));
     }
     peak = std::max(peak, report.peak);
     // The loss is the global batch's (DataParallel), weighted by the global batch's samples.
@@ -303,10 +309,12 @@ int main(int argc, char** argv) {
   app.add_option("--set-to-none", args.set_to_none, "Release gradients after each step: on|off")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
-  app.add_option("--device", args.device, "cpu or cuda")
-      ->check(CLI::IsMember({"cpu", "cuda"}))
+  app.add_option("--device", args.device,
+                 "cpu, cuda or cuda:N (under --distributed, cuda is each rank's cuda:LOCAL_RANK)")
       ->capture_default_str();
-  app.add_option("--memory-cap", args.memory_cap, "Cap on CPU tensor bytes (0: none)")
+  app.add_option(
+         "--memory-cap", args.memory_cap,
+         "Cap on the device's tensor bytes (0: none; on CUDA the caching allocator's fraction)")
       ->check(kNonNegative)
       ->capture_default_str();
   app.add_option("--threads", args.threads, "Intra-op threads (0: LibTorch's choice)")
@@ -318,7 +326,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", args.max_steps, "Stop after this many steps (0: no limit)")
       ->check(kNonNegative)
       ->capture_default_str();
-  app.add_option("--autocast", args.autocast, "Mixed precision: off|bf16|fp16 (fp16 adds a GradScaler)")
+  app.add_option("--autocast", args.autocast,
+                 "Mixed precision: off|bf16|fp16 (fp16 adds a GradScaler)")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");

@@ -14,8 +14,10 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include "corpus.h"
+#include "device.h"
 #include "model.h"
 
 namespace {
@@ -38,6 +40,7 @@ struct Args {
   std::int64_t eval_every = 200;
   std::int64_t eval_samples = 1000;
   std::int64_t memory_cap = 0;
+  std::string device = "cpu";
   std::string tokens = "chars";
   std::int64_t vocab = 16384;
   std::string loss_head = "plain";
@@ -104,7 +107,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--eval-samples", a.eval_samples, "Held-out sequences evaluated")
       ->check(CLI::PositiveNumber);
-  app.add_option("--memory-cap", a.memory_cap, "Cap on counted CPU bytes, in MiB (0: none)")
+  app.add_option("--device", a.device, "cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option("--memory-cap", a.memory_cap,
+                 "Cap on the device's tensor bytes, in MiB (0: none; on CUDA the caching "
+                 "allocator's fraction)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--report", a.report, "Write a JSON-lines report here");
   app.add_flag("--quiet", a.quiet, "Print only the result line");
@@ -119,6 +125,7 @@ int main(int argc, char** argv) {
       torch::set_num_threads(a.threads);
     }
     torch::manual_seed(a.seed);
+    const auto device = examples::pick_device(a.device);
     const auto texts = tiny_lm::read_fortune_texts(a.data_dir);
     const auto tokenizer = a.tokens == "words" ? tiny_lm::Tokenizer::words(texts, a.vocab)
                                                : tiny_lm::Tokenizer::characters();
@@ -128,9 +135,10 @@ int main(int argc, char** argv) {
 
     tiny_lm::TinyLM model(
         tiny_lm::ModelOptions{tokenizer.size(), a.max_len, a.dim, a.heads, a.layers, a.dropout});
+    model->to(device);
     frugal::optim::AdamW adamw(model->parameters(),
                                torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
-    auto options = frugal::TrainerOptions().count(tiny_lm::tokens).eval_batch(250);
+    auto options = frugal::TrainerOptions().device(device).count(tiny_lm::tokens).eval_batch(250);
     if (a.micro_batch > 0) {
       options.micro_batch(a.micro_batch);
     }
@@ -180,9 +188,9 @@ int main(int argc, char** argv) {
     if (!a.report.empty()) {
       trainer->add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
     }
-    std::unique_ptr<frugal::ScopedCpuCap> cap;
+    std::optional<frugal::ScopedMemoryCap> cap;
     if (a.memory_cap > 0) {
-      cap = std::make_unique<frugal::ScopedCpuCap>(frugal::MiB(a.memory_cap));
+      cap.emplace(device, frugal::MiB(a.memory_cap));
     }
     if (!a.quiet) {
       fmt::print(

@@ -21,6 +21,7 @@
 #include "frugal/memory/format.h"
 #include "frugal/memory/leak_check.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/memory/memory_cap.h"
 #include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/nn/linear_cross_entropy.h"

@@ -48,10 +48,10 @@ class Measurement : public CheckpointObserver {
     auto& b = block(name);
     switch (phase) {
       case CheckpointPhase::ForwardBegin:
-        b.started = Clock::now();
+        b.started = now();
         break;
       case CheckpointPhase::ForwardEnd:
-        b.cost.forward_ms += ms_since(b.started);
+        b.cost.forward_ms += ms_since(b.started, probe_.device());
         b.cost.output_bytes = std::max(b.cost.output_bytes, bytes_of(outputs));
         break;
       case CheckpointPhase::RecomputeBegin:
@@ -59,17 +59,17 @@ class Measurement : public CheckpointObserver {
         b.base = probe_.allocated();
         b.cost.backward_base = std::max(b.cost.backward_base, b.base);
         b.whole = std::make_unique<ScopedPeak>(probe_);
-        b.started = Clock::now();
+        b.started = now();
         break;
       case CheckpointPhase::RecomputeEnd:
-        b.cost.recompute_ms += ms_since(b.started);
+        b.cost.recompute_ms += ms_since(b.started, probe_.device());
         b.recomputed = probe_.allocated();
         b.recomputed_outputs = bytes_of(outputs);
         b.backward = std::make_unique<ScopedPeak>(probe_);
-        b.started = Clock::now();
+        b.started = now();
         break;
       case CheckpointPhase::BackwardEnd: {
-        b.cost.backward_ms += ms_since(b.started);
+        b.cost.backward_ms += ms_since(b.started, probe_.device());
         const auto kept = b.recomputed - b.base;
         const auto backward_peak = b.backward->end() - b.recomputed;
         b.cost.kept_bytes = std::max(b.cost.kept_bytes, kept - b.recomputed_outputs);
@@ -103,6 +103,12 @@ class Measurement : public CheckpointObserver {
     std::int64_t base = 0, recomputed = 0, recomputed_outputs = 0;
     std::unique_ptr<ScopedPeak> whole, backward;
   };
+
+  // The clock once the device has done the work queued before (on CUDA).
+  Clock::time_point now() const {
+    detail::wait_for(probe_.device());
+    return Clock::now();
+  }
 
   Block& block(const std::string& name) {
     auto found = blocks_.find(name);

@@ -7,6 +7,7 @@
 
 #include "frugal/error.h"
 #include "frugal/state/archive.h"
+#include "state/state_parts.h"
 
 namespace frugal::distributed {
 
@@ -190,6 +191,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
                " with ", layout_->total, " elements");
   auto inner = state::read_archive(archive, "zero/inner");
   inner_->load(inner);
+  detail::place_state_with_parameters(*inner_);  // the shard's state beside the shard
 }
 
 }  // namespace frugal::distributed

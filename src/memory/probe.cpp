@@ -85,8 +85,8 @@ torch::Device resolve(torch::Device device) {
   FRUGAL_CHECK(device.is_cuda(), "frugal: MemoryProbe supports cpu and cuda devices, not ",
                device.str());
 #ifdef FRUGAL_WITH_CUDA
-  FRUGAL_CHECK(torch::cuda::is_available(),
-               "frugal: MemoryProbe(", device.str(), "): CUDA is not available here");
+  FRUGAL_CHECK(torch::cuda::is_available(), "frugal: MemoryProbe(", device.str(),
+               "): CUDA is not available here");
   const int index = device.has_index() ? device.index() : 0;
   FRUGAL_CHECK(index < static_cast<int>(torch::cuda::device_count()), "frugal: MemoryProbe(",
                device.str(), "): there are only ", torch::cuda::device_count(), " CUDA devices");
@@ -170,7 +170,7 @@ struct ProbeState {
   // Open regions and their peaks before the last reset: a few at a time (a step and its
   // phases), so a list that keeps its capacity, searched in place, allocates nothing.
   std::vector<std::pair<std::uint64_t, Peaks>> open;
-  Peaks user;                           // the probe user's peak before the last reset
+  Peaks user;  // the probe user's peak before the last reset
   std::uint64_t next_id = 0;
 };
 
@@ -199,12 +199,14 @@ std::shared_ptr<ProbeState> state_for(torch::Device device, MemoryScope scope) {
 }
 
 // Reading the caching allocator's statistics before CUDA has allocated anything crashed
-// in some releases: one small allocation initialises it.
+// in some releases: CUDA is initialised first.
 void initialise(torch::Device device) {
   if (device.is_cpu()) {
     CountingAllocator::install();
   } else {
-    (void)torch::empty({1}, torch::TensorOptions().device(device));
+#ifdef FRUGAL_WITH_CUDA
+    compat::cuda_initialise(device.index());
+#endif
   }
 }
 }  // namespace
@@ -251,8 +253,8 @@ void empty_cache(torch::Device device) {
 std::string MemorySnapshot::summary() const {
   return fmt::format("{}{}: allocated {} (peak {}), reserved {} (peak {}), {} allocations{}",
                      device.str(), scope == MemoryScope::Thread ? " (this thread)" : "",
-                     format_bytes(allocated), format_bytes(peak_allocated),
-                     format_bytes(reserved), format_bytes(peak_reserved), allocations,
+                     format_bytes(allocated), format_bytes(peak_allocated), format_bytes(reserved),
+                     format_bytes(peak_reserved), allocations,
                      ooms > 0 ? fmt::format(", {} OOMs", ooms) : std::string());
 }
 

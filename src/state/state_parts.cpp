@@ -134,6 +134,15 @@ void set_cpu_rng_state(const torch::Tensor& state) {
   generator.set_state(state);
 }
 
+// A generator's saved state must have the type and size of this LibTorch's (set_state
+// checks them only when it is called, after other parts of a load have been put back).
+void check_generator_state(const torch::Tensor& saved, const torch::Tensor& mine,
+                           const std::string& whose, const std::string& path) {
+  FRUGAL_CHECK(saved.scalar_type() == mine.scalar_type() && saved.sizes() == mine.sizes(),
+               "frugal: '", path, "' holds ", whose, " state of ", saved.scalar_type(),
+               saved.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
+}
+
 std::int64_t cuda_devices() {
 #ifdef FRUGAL_WITH_CUDA
   return torch::cuda::is_available() ? static_cast<std::int64_t>(torch::cuda::device_count()) : 0;
@@ -208,6 +217,28 @@ std::string optimizer_bytes(torch::optim::Optimizer& optimizer) {
 void load_optimizer(torch::optim::Optimizer& optimizer, InputArchive& archive) {
   optimizer.state().clear();  // a load adds to the state; nothing stale may stay
   optimizer.load(archive);
+  place_state_with_parameters(optimizer);
+}
+
+void place_state_with_parameters(torch::optim::Optimizer& optimizer) {
+  // Every state type serializes itself: written out and read back onto the parameter's
+  // device, whatever tensors the type holds (frugal's quantized states included).
+  for (auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = optimizer.state().find(compat::optimizer_state_key(p));
+      if (it == optimizer.state().end() || !it->second) {
+        continue;
+      }
+      OutputArchive out;
+      it->second->serialize(out);
+      std::ostringstream bytes;
+      out.save_to(bytes);
+      std::istringstream in_bytes(bytes.str());
+      InputArchive in;
+      in.load_from(in_bytes, p.device());
+      it->second->serialize(in);
+    }
+  }
 }
 
 void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes) {
@@ -230,14 +261,18 @@ void write_rng(OutputArchive& archive) {
 SavedRng read_rng(InputArchive& archive, const std::string& path) {
   SavedRng out;
   out.cpu = state::read_tensor(archive, "rng/cpu");
-  const auto mine = cpu_rng_state();
-  FRUGAL_CHECK(out.cpu.scalar_type() == mine.scalar_type() && out.cpu.sizes() == mine.sizes(),
-               "frugal: '", path, "' holds a CPU generator state of ", out.cpu.scalar_type(),
-               out.cpu.sizes(), ", this LibTorch's is ", mine.scalar_type(), mine.sizes());
+  check_generator_state(out.cpu, cpu_rng_state(), "a CPU generator", path);
   const auto cuda = std::min(state::read_int(archive, "rng/cuda_devices"), cuda_devices());
+#ifdef FRUGAL_WITH_CUDA
   for (std::int64_t d = 0; d < cuda; ++d) {
     out.cuda.push_back(state::read_tensor(archive, "rng/cuda/" + std::to_string(d)));
+    // Checked before anything is set: a refused state must leave every generator as it was.
+    check_generator_state(out.cuda.back(), compat::cuda_rng_state(static_cast<int>(d)),
+                          "the CUDA generator of device " + std::to_string(d), path);
   }
+#else
+  (void)cuda;
+#endif
   return out;
 }
 

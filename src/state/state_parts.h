@@ -42,10 +42,14 @@ SavedModel read_model(torch::serialize::InputArchive& archive, const std::string
 /// Copies the saved parameters and buffers into the module.
 void put_back_tensors(torch::nn::Module& module, const SavedModel& saved);
 
-/// The optimizer's state as bytes, and loading it from an archive (state cleared first).
+/// The optimizer's state as bytes, and loading it from an archive (state cleared first;
+/// each parameter's state then on the parameter's device).
 std::string optimizer_bytes(torch::optim::Optimizer& optimizer);
 void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive);
 void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes);
+/// Moves each parameter's state to the device of its parameter: a loaded state lies where it
+/// was saved (a state saved on the CPU, loaded into a model on CUDA, stays on the CPU).
+void place_state_with_parameters(torch::optim::Optimizer& optimizer);
 
 /// The CPU generator's and every CUDA generator's state.
 struct SavedRng {

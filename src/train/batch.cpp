@@ -92,9 +92,8 @@ std::int64_t Batch::size() const {
       first_tensor = t;
       return;
     }
-    FRUGAL_CHECK(t.size(0) == n, "frugal: ", first, " hold ", n, " samples but ", name,
-                 " hold ", t.size(0), " (shapes ", first_tensor.sizes(),
-                 " and ", t.sizes(), ")");
+    FRUGAL_CHECK(t.size(0) == n, "frugal: ", first, " hold ", n, " samples but ", name, " hold ",
+                 t.size(0), " (shapes ", first_tensor.sizes(), " and ", t.sizes(), ")");
   };
   check("inputs", inputs);
   check("targets", targets);
@@ -110,7 +109,18 @@ Batch Batch::slice(std::int64_t start, std::int64_t length) const {
 }
 
 Batch Batch::to(torch::Device device) const {
-  return map(*this, [&](const torch::Tensor& t) { return t.device() == device ? t : t.to(device); });
+  return map(*this, [&](const torch::Tensor& t) {
+    if (t.device() == device) {
+      return t;
+    }
+    if (device.is_cuda() && t.is_cpu()) {
+      // Through page-locked memory, the copy is queued on the stream and the host goes on
+      // (the pinned block is reused only once the copy is done); from pageable memory
+      // the host would wait for it.
+      return (t.is_pinned() ? t : t.pin_memory()).to(device, /*non_blocking=*/true);
+    }
+    return t.to(device);
+  });
 }
 
 }  // namespace frugal

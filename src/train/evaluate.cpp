@@ -187,7 +187,7 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
   if (options_.ledger()) {
     report.ledger = detail::measure_ledger(probe_, *parts_->module_tensors, &optimizer_);
   }
-  report.time_ms = detail::ms_since(start);
+  report.time_ms = detail::ms_since(start, options_.device());
   return report;
 }
 

@@ -162,18 +162,18 @@ void Trainer::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* as
       }  // AfterForward hooks see ctx.loss
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
     }
-    report.time.forward_ms += ms_since(t);
+    report.time.forward_ms += ms_since(t, options_.device());
 
     t = Clock::now();
     const bool last = i + 1 == split.micros.size();
     if (completes_step && last && skips_last_backward(ctx, log)) {
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
-      report.time.backward_ms += ms_since(t);
+      report.time.backward_ms += ms_since(t, options_.device());
       break;
     }
     backward(ctx, completes_step && last, aside, ready_scale);
-    report.time.backward_ms += ms_since(t);
+    report.time.backward_ms += ms_since(t, options_.device());
   }
   report.loss = log.value() / static_cast<double>(split.total);
   if (!ctx.trial && !std::isfinite(report.loss)) {

@@ -76,7 +76,7 @@ void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool 
   for (auto& policy : policies_) {
     policy->after_zero_grad(ctx);
   }
-  ctx.report.time.optimizer_ms = ms_since(t);
+  ctx.report.time.optimizer_ms = ms_since(t, options_.device());
 }
 
 void Trainer::drop_window() {

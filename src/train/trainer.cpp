@@ -156,7 +156,7 @@ StepReport Trainer::step(const Batch& batch) {
   }
   report.batch = batches_;
   report.peak = step_peak.end();
-  report.time.total_ms = ms_since(start);
+  report.time.total_ms = ms_since(start, options_.device());
   finish_report(report);
   for (auto& policy : policies_) {
     policy->on_step_end(ctx);
@@ -196,7 +196,7 @@ StepReport Trainer::trial(const Batch& batch) {
     report.peak = peak.end();
   }
   window.put_back(std::move(aside), /*add=*/false);
-  report.time.total_ms = ms_since(start);
+  report.time.total_ms = ms_since(start, options_.device());
   report.step = steps_;
   report.memory = probe_.snapshot();
   return report;

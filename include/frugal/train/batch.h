@@ -47,7 +47,8 @@ struct Batch {
   std::int64_t size() const;
   /// Samples [start, start + length) of every tensor, as views.
   Batch slice(std::int64_t start, std::int64_t length) const;
-  /// The batch on `device` (no copy of a tensor that is there already).
+  /// The batch on `device` (no copy of a tensor that is there already). From the host to
+  /// a CUDA device the copies go through page-locked memory without blocking the host.
   Batch to(torch::Device device) const;
 };
 

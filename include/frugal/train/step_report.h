@@ -10,10 +10,12 @@
 
 namespace frugal {
 
-/// Wall time of a step and of its phases, in milliseconds. On CUDA these are host times:
-/// kernels still queued at a phase's end count in a later phase.
+/// Wall time of a step and of its phases, in milliseconds. On CUDA the trainer waits for
+/// the device at the end of the forward, backward and optimizer phases and of the step, so
+/// that each phase counts its kernels, not their launches (the planner's times rest on
+/// them); host-to-device copies are queued without waiting and count in the forward.
 struct PhaseTimes {
-  double data_ms = 0;       ///< splitting the batch and moving micro-batches to the device
+  double data_ms = 0;       ///< splitting the batch and queuing micro-batches to the device
   double forward_ms = 0;    ///< forward passes and loss, all micro-batches
   double backward_ms = 0;   ///< backward passes, all micro-batches
   double optimizer_ms = 0;  ///< unscale/clip, optimizer step and zeroing
@@ -53,15 +55,15 @@ struct StepReport {
 
 /// One call of Trainer::evaluate.
 struct EvalReport {
-  std::int64_t step = 0;      ///< optimizer steps taken before it
-  double loss = 0;            ///< mean loss over the samples
+  std::int64_t step = 0;  ///< optimizer steps taken before it
+  double loss = 0;        ///< mean loss over the samples
   /// Share of argmax hits among the scored targets (class targets, per sample or per
   /// position, those equal to TrainerOptions::ignore_index left out); -1 when n/a.
   double accuracy = -1;
-  std::int64_t scored = 0;    ///< targets the accuracy counts
+  std::int64_t scored = 0;  ///< targets the accuracy counts
   std::int64_t samples = 0;
-  std::int64_t count = 0;        ///< what the loss is averaged over (samples, or the count's)
-  std::int64_t batch_size = 0;   ///< evaluation batch size at the end
+  std::int64_t count = 0;       ///< what the loss is averaged over (samples, or the count's)
+  std::int64_t batch_size = 0;  ///< evaluation batch size at the end
   std::int64_t batches = 0;
   std::int64_t oom_retries = 0;  ///< chunks retried with a smaller batch
   double time_ms = 0;
