@@ -33,6 +33,13 @@ function(frugal_find_torch)
     set(link_options "LINKER:--disable-new-dtags" "LINKER:-rpath,${joined}"
                      "LINKER:-rpath-link,${joined}")
   endif()
+  # Some wheels' libtorch.so (2.11.0's) export a copy of libstdc++'s std::filesystem, and
+  # the dynamic linker binds a program's calls to the first library in its list that defines
+  # them: there std::filesystem::remove_all jumps through a null pointer. Python has loaded
+  # libstdc++ before torch; a C++ program names it first for the same order.
+  if(FRUGAL_PYTHON)
+    list(APPEND link_options "SHELL:-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
+  endif()
   set(FRUGAL_TORCH_LINK_OPTIONS "${link_options}" PARENT_SCOPE)
   set(Torch_DIR "${Torch_DIR}" PARENT_SCOPE)
   set(TORCH_LIBRARIES "${TORCH_LIBRARIES}" PARENT_SCOPE)
