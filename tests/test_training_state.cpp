@@ -239,30 +239,24 @@ TEST(TrainingState, SavingInsideAnAccumulationWindowIsRefused) {
 // parameter (saved on the CPU, resumed on CUDA). The meta device stands in for another one.
 TEST(TrainingState, ALoadedOptimizerStateGoesToItsParametersDevice) {
   for (const bool quantized : {false, true}) {
+    auto optimizer_of = [&](const torch::Tensor& w) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (quantized) {
+        return std::make_unique<frugal::optim::Adam8bit>(
+            std::vector<torch::Tensor>{w}, torch::optim::AdamOptions(1e-2),
+            frugal::optim::QuantizedStateOptions().min_elements(64));
+      }
+      return std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{w});
+    };
     torch::manual_seed(4);
     auto w = torch::randn({300}, torch::requires_grad());
-    std::unique_ptr<torch::optim::Optimizer> saved;
-    if (quantized) {
-      saved = std::make_unique<frugal::optim::Adam8bit>(
-          std::vector<torch::Tensor>{w}, torch::optim::AdamOptions(1e-2),
-          frugal::optim::QuantizedStateOptions().min_elements(64));
-    } else {
-      saved = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{w});
-    }
+    auto saved = optimizer_of(w);
     w.square().sum().backward();
     saved->step();
     const auto bytes = frugal::detail::optimizer_bytes(*saved);
 
     auto elsewhere =
         torch::empty({300}, torch::TensorOptions().device(torch::kMeta)).requires_grad_();
-    std::unique_ptr<torch::optim::Optimizer> loaded;
-    if (quantized) {
-      loaded = std::make_unique<frugal::optim::Adam8bit>(
-          std::vector<torch::Tensor>{elsewhere}, torch::optim::AdamOptions(1e-2),
-          frugal::optim::QuantizedStateOptions().min_elements(64));
-    } else {
-      loaded = std::make_unique<torch::optim::Adam>(std::vector<torch::Tensor>{elsewhere});
-    }
+    auto loaded = optimizer_of(elsewhere);
     frugal::detail::load_optimizer_bytes(*loaded, bytes);
     std::int64_t placed = 0;
     for (const auto& t : state_tensors_of(*loaded, elsewhere)) {
