@@ -12,6 +12,7 @@
 #include "compat.h"
 #include "frugal/error.h"
 #include "frugal/state/archive.h"
+#include "memory/state_tensors.h"
 #include "state_file.h"
 
 namespace frugal::detail {
@@ -222,11 +223,19 @@ void load_optimizer(torch::optim::Optimizer& optimizer, InputArchive& archive) {
 
 void place_state_with_parameters(torch::optim::Optimizer& optimizer) {
   // Every state type serializes itself: written out and read back onto the parameter's
-  // device, whatever tensors the type holds (frugal's quantized states included).
+  // device, whatever tensors the type holds (frugal's quantized states included). A state
+  // already there (the usual load) is left as it is.
   for (auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       const auto it = optimizer.state().find(compat::optimizer_state_key(p));
       if (it == optimizer.state().end() || !it->second) {
+        continue;
+      }
+      bool elsewhere = false;
+      for_each_state_tensor(*it->second, [&](const torch::Tensor& t) {
+        elsewhere = elsewhere || (t.defined() && t.device() != p.device());
+      });
+      if (!elsewhere) {
         continue;
       }
       OutputArchive out;
