@@ -35,11 +35,11 @@ TEST(ModuleTensors, LedgerMatchesAWalkOfTheModuleThroughATrainingStep) {
                               torch::nn::ReLU(), torch::nn::Linear(32, 2));
   torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
   ModuleTensors tensors(*model);
-  expect_same(frugal::detail::measure_ledger(probe, tensors, &adam),
+  expect_same(frugal::detail::measure_ledger(probe.snapshot(), tensors, &adam),
               frugal::measure_ledger(probe, *model, &adam));
   model->forward(torch::randn({6, 8})).sum().backward();
   adam.step();
-  const auto cached = frugal::detail::measure_ledger(probe, tensors, &adam);
+  const auto cached = frugal::detail::measure_ledger(probe.snapshot(), tensors, &adam);
   expect_same(cached, frugal::measure_ledger(probe, *model, &adam));
   EXPECT_GT(cached.gradients, 0);
   EXPECT_EQ(cached.optimizer, 2 * (cached.gradients));  // Adam: two moments a parameter
@@ -49,13 +49,13 @@ TEST(ModuleTensors, AReplacedBufferIsNotKeptAliveAndIsCountedAfresh) {
   frugal::MemoryProbe probe(torch::kCPU);
   auto module = std::make_shared<WithBuffer>();
   ModuleTensors tensors(*module);
-  const auto before = frugal::detail::measure_ledger(probe, tensors, nullptr);
+  const auto before = frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr);
   const auto allocated = probe.allocated();
 
   module->table = torch::zeros({3000});  // the old one has no owner left
   // The old 4000 bytes are gone: the list held them weakly.
   EXPECT_EQ(probe.allocated(), allocated - 4 * 1000 + 4 * 3000);
-  const auto after = frugal::detail::measure_ledger(probe, tensors, nullptr);
+  const auto after = frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr);
   EXPECT_EQ(after.weights, before.weights - 4 * 1000 + 4 * 3000);
   expect_same(after, frugal::measure_ledger(probe, *module));
 }
@@ -64,12 +64,13 @@ TEST(ModuleTensors, RefreshReadsParametersRegisteredLater) {
   frugal::MemoryProbe probe(torch::kCPU);
   auto module = std::make_shared<WithBuffer>();
   ModuleTensors tensors(*module);
-  const auto before = frugal::detail::measure_ledger(probe, tensors, nullptr).weights;
+  const auto before = frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr).weights;
   module->register_parameter("extra", torch::ones({50}));
   // Nothing it held was freed, so the list stands as read, until refreshed.
-  EXPECT_EQ(frugal::detail::measure_ledger(probe, tensors, nullptr).weights, before);
+  EXPECT_EQ(frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr).weights, before);
   tensors.refresh();
-  EXPECT_EQ(frugal::detail::measure_ledger(probe, tensors, nullptr).weights, before + 4 * 50);
+  EXPECT_EQ(frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr).weights,
+            before + 4 * 50);
 }
 
 TEST(Ledger, ManyTensorsAndTheirViewsCountEachStorageOnce) {
@@ -84,7 +85,7 @@ TEST(Ledger, ManyTensorsAndTheirViewsCountEachStorageOnce) {
   }
   EXPECT_EQ(frugal::measure_ledger(probe, many).weights, bytes);
   ModuleTensors tensors(many);
-  EXPECT_EQ(frugal::detail::measure_ledger(probe, tensors, nullptr).weights, bytes);
+  EXPECT_EQ(frugal::detail::measure_ledger(probe.snapshot(), tensors, nullptr).weights, bytes);
 }
 
 std::vector<const void*> impls(const std::vector<torch::Tensor>& tensors) {

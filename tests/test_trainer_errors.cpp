@@ -26,12 +26,15 @@ using frugal::testing::mse;
 TEST(TrainerErrors, BadOptionsNameTheValue) {
   auto model = make_mlp(4, 8, 2);
   torch::optim::SGD sgd(model->parameters(), 0.1);
-  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(0)); },
-                      "micro_batch must be >= 1, got 0");
-  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().accumulate(0)); },
-                      "accumulate must be >= 1, got 0");
-  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batches(-2)); },
-                      "got -2");
+  expect_error_naming(
+      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(0)); },
+      "micro_batch must be >= 1, got 0");
+  expect_error_naming(
+      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().accumulate(0)); },
+      "accumulate must be >= 1, got 0");
+  expect_error_naming(
+      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batches(-2)); },
+      "got -2");
   expect_error_naming(
       [&] {
         frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(4).micro_batches(2));
@@ -73,34 +76,67 @@ class FailedStepLeavesStateAlone : public ::testing::Test {
 };
 
 TEST_F(FailedStepLeavesStateAlone, EmptyBatch) {
-  expect_error_naming([&] { trainer->step({torch::randn({0, 4}), torch::randn({0, 2})}); },
-                      "empty (0 samples)");
+  expect_error_naming(
+      [&] {
+        trainer->step({torch::randn({0, 4}), torch::randn({0, 2})});
+      },
+      "empty (0 samples)");
   expect_unchanged();
 }
 
 TEST_F(FailedStepLeavesStateAlone, InputsAndTargetsOfDifferentSizes) {
-  expect_error_naming([&] { trainer->step({torch::randn({8, 4}), torch::randn({6, 2})}); },
-                      "inputs hold 8 samples but targets hold 6");
+  expect_error_naming(
+      [&] {
+        trainer->step({torch::randn({8, 4}), torch::randn({6, 2})});
+      },
+      "inputs hold 8 samples but targets hold 6");
+  expect_unchanged();
+}
+
+TEST_F(FailedStepLeavesStateAlone, ANamedTensorOfAnotherSize) {
+  frugal::Batch batch{torch::randn({8, 4}), torch::randn({8, 2})};
+  batch.set("mask", torch::ones({5}));
+  expect_error_naming([&] { trainer->step(batch); },
+                      "inputs hold 8 samples but 'mask' hold 5 (shapes [8, 4] and [5])");
+  frugal::Batch fields_only;
+  fields_only.set("tokens", torch::ones({3, 2})).set("mask", torch::ones({4}));
+  expect_error_naming([&] { (void)fields_only.size(); },
+                      "'tokens' hold 3 samples but 'mask' hold 4");
+  frugal::Batch scalar{torch::randn({8, 4}), torch::tensor(1.0)};
+  expect_error_naming([&] { trainer->step(scalar); },
+                      "batch targets must have a sample dimension, got a 0-d tensor");
   expect_unchanged();
 }
 
 TEST_F(FailedStepLeavesStateAlone, LossThatIsNotAScalar) {
-  frugal::Trainer unreduced(model, *sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
-    return F::mse_loss(o, t, F::MSELossFuncOptions().reduction(torch::kNone));
-  }, frugal::TrainerOptions().micro_batch(4));
-  expect_error_naming([&] { unreduced.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
-                      "the loss must be a scalar, got a tensor of shape [4, 2]");
+  frugal::Trainer unreduced(
+      model, *sgd,
+      [](const torch::Tensor& o, const torch::Tensor& t) {
+        return F::mse_loss(o, t, F::MSELossFuncOptions().reduction(torch::kNone));
+      },
+      frugal::TrainerOptions().micro_batch(4));
+  expect_error_naming(
+      [&] {
+        unreduced.step({torch::randn({8, 4}), torch::randn({8, 2})});
+      },
+      "the loss must be a scalar, got a tensor of shape [4, 2]");
   expect_unchanged();
 }
 
 TEST_F(FailedStepLeavesStateAlone, LossThatFailsInTheSecondMicroBatch) {
   int calls = 0;
-  frugal::Trainer failing(model, *sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
-    TORCH_CHECK(++calls < 2, "second micro-batch refused");
-    return F::mse_loss(o, t);
-  }, frugal::TrainerOptions().micro_batch(4));
-  expect_error_naming([&] { failing.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
-                      "second micro-batch refused");
+  frugal::Trainer failing(
+      model, *sgd,
+      [&](const torch::Tensor& o, const torch::Tensor& t) {
+        TORCH_CHECK(++calls < 2, "second micro-batch refused");
+        return F::mse_loss(o, t);
+      },
+      frugal::TrainerOptions().micro_batch(4));
+  expect_error_naming(
+      [&] {
+        failing.step({torch::randn({8, 4}), torch::randn({8, 2})});
+      },
+      "second micro-batch refused");
   expect_unchanged();
 }
 
@@ -109,8 +145,11 @@ TEST(TrainerErrors, NegativeCountIsNamed) {
   torch::optim::SGD sgd(model->parameters(), 0.1);
   frugal::Trainer trainer(model, sgd, mse,
                           frugal::TrainerOptions().count([](const frugal::Batch&) { return -3; }));
-  expect_error_naming([&] { trainer.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
-                      "returned -3");
+  expect_error_naming(
+      [&] {
+        trainer.step({torch::randn({8, 4}), torch::randn({8, 2})});
+      },
+      "returned -3");
 }
 
 }  // namespace

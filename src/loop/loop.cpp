@@ -241,7 +241,7 @@ LoopReport Loop::end() {
   report.metrics = std::move(metrics_);
   metrics_.clear();
   report.memory = probe_.snapshot();
-  report.peak = probe_.peak();
+  report.peak = report.memory.peak_allocated;
 
   for (auto& m : models_) {
     auto& it = m->parts_->iteration;
@@ -249,7 +249,8 @@ LoopReport Loop::end() {
     report.models.push_back(it);
     it = LoopModelReport{m->name()};
     if (options_.ledger()) {
-      const auto ledger = detail::measure_ledger(probe_, m->parts_->tensors, &m->optimizer());
+      const auto ledger =
+          detail::measure_ledger(report.memory, m->parts_->tensors, &m->optimizer());
       report.ledger.weights += ledger.weights;
       report.ledger.gradients += ledger.gradients;
       report.ledger.optimizer += ledger.optimizer;

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 #include <torch/optim.h>
 
-#include <nlohmann/json.hpp>
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <typeinfo>
 #include <unordered_set>
 #include <vector>
@@ -55,10 +55,10 @@ class StorageCounter {
   std::unordered_set<const void*> set_;
 };
 
-Ledger measure_parts(const MemoryProbe& probe, const std::vector<torch::Tensor>& parameters,
+Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>& parameters,
                      const std::vector<torch::Tensor>& buffers,
                      const torch::optim::Optimizer* optimizer) {
-  StorageCounter counter(probe.device());
+  StorageCounter counter(now.device);
   Ledger ledger;
   for (const auto& p : parameters) {
     ledger.weights += counter.add(p);
@@ -71,9 +71,8 @@ Ledger measure_parts(const MemoryProbe& probe, const std::vector<torch::Tensor>&
   }
   if (optimizer != nullptr) {
     for (const auto& entry : optimizer->state()) {
-      detail::for_each_state_tensor(*entry.second, [&](const torch::Tensor& t) {
-        ledger.optimizer += counter.add(t);
-      });
+      detail::for_each_state_tensor(
+          *entry.second, [&](const torch::Tensor& t) { ledger.optimizer += counter.add(t); });
     }
     if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
       for (const auto& t : parts->ledger_gradients()) {
@@ -84,7 +83,7 @@ Ledger measure_parts(const MemoryProbe& probe, const std::vector<torch::Tensor>&
       }
     }
   }
-  ledger.allocated = probe.snapshot().process_allocated;
+  ledger.allocated = now.process_allocated;
   ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;
   return ledger;
 }
@@ -130,11 +129,11 @@ void ModuleTensors::read(std::vector<torch::Tensor>& parameters,
   }
 }
 
-Ledger measure_ledger(const MemoryProbe& probe, ModuleTensors& tensors,
+Ledger measure_ledger(const MemorySnapshot& now, ModuleTensors& tensors,
                       const torch::optim::Optimizer* optimizer) {
   std::vector<torch::Tensor> parameters, buffers;
   tensors.read(parameters, buffers);
-  return measure_parts(probe, parameters, buffers, optimizer);
+  return measure_parts(now, parameters, buffers, optimizer);
 }
 
 namespace {
@@ -215,7 +214,7 @@ std::vector<torch::Tensor> optimizer_state_tensors(const torch::optim::Optimizer
 
 Ledger measure_ledger(const MemoryProbe& probe, const torch::nn::Module& module,
                       const torch::optim::Optimizer* optimizer) {
-  return measure_parts(probe, module.parameters(), module.buffers(), optimizer);
+  return measure_parts(probe.snapshot(), module.parameters(), module.buffers(), optimizer);
 }
 
 std::string Ledger::summary() const {

@@ -20,7 +20,7 @@ namespace frugal::detail {
 ///
 /// Example:
 ///   frugal::detail::ModuleTensors tensors(*model);
-///   auto ledger = frugal::detail::measure_ledger(probe, tensors, &optimizer);
+///   auto ledger = frugal::detail::measure_ledger(probe.snapshot(), tensors, &optimizer);
 class ModuleTensors {
  public:
   explicit ModuleTensors(const torch::nn::Module& module);
@@ -40,8 +40,9 @@ class ModuleTensors {
   std::vector<Weak> buffers_;
 };
 
-/// measure_ledger over the tensors of `module` as `tensors` holds them.
-Ledger measure_ledger(const MemoryProbe& probe, ModuleTensors& tensors,
+/// measure_ledger over the tensors of `module` as `tensors` holds them, on the device of
+/// `now` and against its process-wide allocated bytes (a snapshot the caller took already).
+Ledger measure_ledger(const MemorySnapshot& now, ModuleTensors& tensors,
                       const torch::optim::Optimizer* optimizer);
 
 }  // namespace frugal::detail

@@ -77,31 +77,37 @@ const torch::Tensor& Batch::get(const std::string& name) const {
 }
 
 std::int64_t Batch::size() const {
-  std::int64_t n = -1;
-  std::string first;
-  torch::Tensor first_tensor;
-  auto check = [&](const std::string& name, const torch::Tensor& t) {
+  // Names are written only for an error: this runs for every batch and micro-batch.
+  struct Seen {
+    const char* name;        // inputs or targets
+    const std::string* key;  // or a named field
+    const torch::Tensor* tensor;
+    std::string text() const { return key != nullptr ? "'" + *key + "'" : std::string(name); }
+  };
+  c10::optional<Seen> first;
+  auto check = [&](const Seen& seen) {
+    const auto& t = *seen.tensor;
     if (!t.defined()) {
       return;
     }
-    FRUGAL_CHECK(t.dim() >= 1, "frugal: batch ", name,
+    FRUGAL_CHECK(t.dim() >= 1, "frugal: batch ", seen.text(),
                  " must have a sample dimension, got a 0-d tensor");
-    if (n < 0) {
-      n = t.size(0);
-      first = name;
-      first_tensor = t;
+    if (!first) {
+      first = seen;
       return;
     }
-    FRUGAL_CHECK(t.size(0) == n, "frugal: ", first, " hold ", n, " samples but ", name, " hold ",
-                 t.size(0), " (shapes ", first_tensor.sizes(), " and ", t.sizes(), ")");
+    const auto& f = *first->tensor;
+    FRUGAL_CHECK(t.size(0) == f.size(0), "frugal: ", first->text(), " hold ", f.size(0),
+                 " samples but ", seen.text(), " hold ", t.size(0), " (shapes ", f.sizes(), " and ",
+                 t.sizes(), ")");
   };
-  check("inputs", inputs);
-  check("targets", targets);
+  check({"inputs", nullptr, &inputs});
+  check({"targets", nullptr, &targets});
   for (const auto& [key, t] : fields) {
-    check("'" + key + "'", t);
+    check({nullptr, &key, &t});
   }
-  FRUGAL_CHECK(n >= 0, "frugal: the batch has no inputs (and no named tensors)");
-  return n;
+  FRUGAL_CHECK(first.has_value(), "frugal: the batch has no inputs (and no named tensors)");
+  return first->tensor->size(0);
 }
 
 Batch Batch::slice(std::int64_t start, std::int64_t length) const {

@@ -166,9 +166,8 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
       offset += n;
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
-        return p->on_eval_error(*this, size, error);
-      });
+      const bool retry = std::any_of(policies_.begin(), policies_.end(),
+                                     [&](auto& p) { return p->on_eval_error(*this, size, error); });
       if (!retry) {
         throw;
       }
@@ -185,7 +184,7 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
   report.peak = peak.end();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = detail::measure_ledger(probe_, *parts_->module_tensors, &optimizer_);
+    report.ledger = detail::measure_ledger(report.memory, *parts_->module_tensors, &optimizer_);
   }
   report.time_ms = detail::ms_since(start, options_.device());
   return report;

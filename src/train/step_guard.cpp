@@ -9,18 +9,41 @@
 namespace frugal::detail {
 namespace {
 
-OptimizerStepGuard::Versions versions_of(const torch::optim::OptimizerParamState& state) {
-  OptimizerStepGuard::Versions out;
-  for_each_state_tensor(state, [&](const torch::Tensor& t) {
-    out.push_back(t.defined() ? static_cast<std::int64_t>(t._version()) : -1);
-  });
-  return out;
+using torch::optim::AdamParamState;
+using torch::optim::AdamWParamState;
+using torch::optim::OptimizerParamState;
+using torch::optim::SGDParamState;
+
+// Whether a state of this exact type is recorded by its counter alone: LibTorch's states
+// whose only other fields are tensors (held and compared by the guard).
+bool by_counter(const std::type_info& type) {
+  return type == typeid(AdamParamState) || type == typeid(AdamWParamState) ||
+         type == typeid(SGDParamState);
+}
+
+std::int64_t counter_of(const OptimizerParamState& state) {
+  const auto& type = typeid(state);
+  if (type == typeid(AdamParamState)) {
+    return static_cast<const AdamParamState&>(state).step();
+  }
+  if (type == typeid(AdamWParamState)) {
+    return static_cast<const AdamWParamState&>(state).step();
+  }
+  return 0;
+}
+
+void set_counter(OptimizerParamState& state, std::int64_t step) {
+  const auto& type = typeid(state);
+  if (type == typeid(AdamParamState)) {
+    static_cast<AdamParamState&>(state).step(step);
+  } else if (type == typeid(AdamWParamState)) {
+    static_cast<AdamWParamState&>(state).step(step);
+  }
 }
 
 }  // namespace
 
-OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
-    : optimizer_(optimizer) {
+OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {
   auto& state = optimizer_.state();
   std::size_t count = 0;
   for (const auto& group : optimizer_.param_groups()) {
@@ -29,13 +52,24 @@ OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
   entries_.reserve(count);
   for (auto& group : optimizer_.param_groups()) {
     for (auto& p : group.params()) {
-      Entry entry{p, static_cast<std::int64_t>(p._version()), nullptr, {}};
+      entries_.emplace_back();
+      auto& entry = entries_.back();
+      entry.param = p;
+      entry.version = static_cast<std::int64_t>(p._version());
       const auto it = state.find(compat::optimizer_state_key(p));
-      if (it != state.end()) {
-        entry.state = it->second->clone();
-        entry.state_versions = versions_of(*it->second);
+      if (it == state.end()) {
+        continue;
       }
-      entries_.push_back(std::move(entry));
+      const auto& live = *it->second;
+      entry.type = &typeid(live);
+      if (by_counter(*entry.type)) {
+        entry.step = counter_of(live);
+      } else {
+        entry.copy = live.clone();
+      }
+      for_each_state_tensor(live, [&](const torch::Tensor& t) {
+        entry.tensors.push_back({t, t.defined() ? static_cast<std::int64_t>(t._version()) : -1});
+      });
     }
   }
 }
@@ -46,10 +80,27 @@ bool OptimizerStepGuard::changed(const Entry& entry) const {
   }
   const auto& state = optimizer_.state();
   const auto it = state.find(compat::optimizer_state_key(entry.param));
-  if (it == state.end() || entry.state == nullptr) {
+  if (entry.type == nullptr) {
     return false;  // new state is undone by restore_unchanged
   }
-  return versions_of(*it->second) != entry.state_versions;
+  if (it == state.end()) {
+    return entry.copy == nullptr;  // a copy can be put back; a counter cannot
+  }
+  if (typeid(*it->second) != *entry.type) {
+    return true;  // the step replaced the state object
+  }
+  std::size_t i = 0;
+  bool moved = false;
+  for_each_state_tensor(*it->second, [&](const torch::Tensor& t) {
+    if (moved || i >= entry.tensors.size()) {
+      moved = true;
+      return;
+    }
+    const auto& held = entry.tensors[i++];
+    const std::int64_t version = t.defined() ? static_cast<std::int64_t>(t._version()) : -1;
+    moved = !t.is_same(held.tensor) || version != held.version;
+  });
+  return moved || i != entry.tensors.size();
 }
 
 std::vector<torch::Tensor> OptimizerStepGuard::changed() const {
@@ -69,10 +120,15 @@ void OptimizerStepGuard::restore_unchanged() {
       continue;
     }
     const auto key = compat::optimizer_state_key(entry.param);
-    if (entry.state == nullptr) {
+    if (entry.type == nullptr) {
       state.erase(key);
+    } else if (entry.copy != nullptr) {
+      state[key] = std::move(entry.copy);
     } else {
-      state[key] = std::move(entry.state);
+      const auto it = state.find(key);
+      if (it != state.end()) {
+        set_counter(*it->second, entry.step);
+      }
     }
   }
 }

@@ -9,21 +9,20 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace frugal::detail {
 
 /// Taken just before an optimizer step, it tells afterwards which parameters the step
 /// changed (the parameter's values or its optimizer-state tensors: their version counters
-/// moved) and puts the optimizer state of every other parameter back as it was: state the
-/// step created is removed, and state objects are restored from a shallow copy (counters
-/// such as Adam's step; their tensors were not written, or the parameter counts as
-/// changed). Costs one version read per tensor and one small copy per state object.
+/// moved, or the state holds other tensors) and puts the optimizer state of every other
+/// parameter back as it was: state the step created is removed, and the counters of the
+/// state objects (such as Adam's step) are restored. LibTorch's Adam, AdamW and SGD states
+/// are recorded by their counter, with no allocation; other states by a shallow copy.
+/// Costs one version read per tensor, taken every step.
 class OptimizerStepGuard {
  public:
-  /// The versions of one parameter's state tensors (-1: undefined); most states hold few.
-  using Versions = c10::SmallVector<std::int64_t, 4>;
-
   explicit OptimizerStepGuard(torch::optim::Optimizer& optimizer);
 
   /// The parameters whose values or state tensors the step wrote.
@@ -32,11 +31,18 @@ class OptimizerStepGuard {
   void restore_unchanged();
 
  private:
+  // One state tensor as it was: held, so that its address names it alone during the step.
+  struct Held {
+    torch::Tensor tensor;
+    std::int64_t version;
+  };
   struct Entry {
     torch::Tensor param;
     std::int64_t version = 0;
-    std::unique_ptr<torch::optim::OptimizerParamState> state;  // null: none before
-    Versions state_versions;
+    const std::type_info* type = nullptr;  // the state's type; null: no state before
+    std::int64_t step = 0;                 // Adam's and AdamW's counter
+    std::unique_ptr<torch::optim::OptimizerParamState> copy;  // states of other types
+    c10::SmallVector<Held, 4> tensors;
   };
   bool changed(const Entry& entry) const;
 

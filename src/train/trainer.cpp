@@ -69,7 +69,7 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
     optimizer_traits_ = sharded->traits();
   }
   parts_ = std::make_unique<Parts>(*module_, optimizer_, options_, whole_batch);
-  const auto ledger = detail::measure_ledger(probe_, *parts_->module_tensors, nullptr);
+  const auto ledger = detail::measure_ledger(probe_.snapshot(), *parts_->module_tensors, nullptr);
   if (ledger.weights > ledger.allocated) {
     TORCH_WARN("frugal: the module's weights (", ledger.weights,
                " bytes) were allocated "
@@ -221,7 +221,7 @@ void Trainer::finish_report(StepReport& report) {
   report.lr = groups.empty() ? 0.0 : groups.front().options().get_lr();
   report.memory = probe_.snapshot();
   if (options_.ledger()) {
-    report.ledger = detail::measure_ledger(probe_, *parts_->module_tensors, &optimizer_);
+    report.ledger = detail::measure_ledger(report.memory, *parts_->module_tensors, &optimizer_);
   }
 }
 
