@@ -9,12 +9,15 @@
 // Each with LibTorch's Adam (a loop over parameters, ops per parameter) and, on LibTorch 2.4
 // and later, Adam through the fused kernel (at::_fused_adam_, what PyTorch-Python's
 // Adam(fused=True) runs). bench/python/overhead_twin.py runs this binary beside the same
-// loops in PyTorch-Python.
+// loops in PyTorch-Python. Rounds are short (20 steps) and many: on a shared machine a slow
+// spell then falls on every loop alike. `--only LOOP` runs one loop alone, for a profiler or
+// for counting instructions a step with callgrind (two runs of different lengths).
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -148,7 +151,7 @@ std::vector<Loop> make_loops(const Shape& s, std::int64_t batch, const std::stri
 }  // namespace
 
 int main(int argc, char** argv) {
-  int rounds = 21, steps = 200, threads = 1;
+  int rounds = 101, steps = 20, threads = 1;  // short rounds: a slow spell hits every loop alike
   std::vector<std::string> models = {"32-64-1", "784-128-10"};
   std::vector<std::int64_t> batches = {1, 8, 32};
   std::vector<std::string> optimizers = {"adam"};
@@ -174,6 +177,12 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  std::string only;
+  const std::vector<std::string> loop_keys = {"hand", "trainer", "no-ledger", "policies"};
+  app.add_option("--only", only,
+                 "Run one loop alone, rounds x steps steps, for a profiler or callgrind: hand, "
+                 "trainer, no-ledger or policies")
+      ->check(CLI::IsMember(loop_keys));
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(threads);
   frugal::CountingAllocator::install();  // every loop runs on the same allocator
@@ -182,15 +191,33 @@ int main(int argc, char** argv) {
       "Per-step cost on small MLPs, Adam 1e-3, {} rounds x {} steps, {}; medians of "
       "the rounds, in microseconds a step\n\n",
       rounds, steps, bench::machine_line());
-  fmt::print(
-      "| model | batch | Adam | hand-written | Trainer | x | frugal's own | no ledger | x | "
-      "+ policies | x |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  fmt::print("{}", only.empty()
+                       ? "| model | batch | Adam | hand-written | Trainer | x | frugal's own | "
+                         "no ledger | x | + policies | x |\n|---|---|---|---|---|---|---|---|"
+                         "---|---|---|\n"
+                       : "| model | batch | Adam | loop | alone |\n|---|---|---|---|---|\n");
   std::vector<nlohmann::json> rows;
   for (const auto& adam : optimizers) {
     for (const auto& text : models) {
       const Shape s = parse_shape(text);
       for (const auto batch : batches) {
         auto loops = make_loops(s, batch, adam, rounds * steps + 10);
+        if (!only.empty()) {
+          const auto at = std::find(loop_keys.begin(), loop_keys.end(), only) - loop_keys.begin();
+          auto& l = loops.at(static_cast<std::size_t>(at));
+          for (int i = 0; i < 10; ++i) {
+            l.loss = l.step();
+          }
+          const double us = 1e3 * bench::ms_per_call([&l] { l.loss = l.step(); }, rounds * steps);
+          fmt::print("| {} | {} | {} | {} | {:.1f} |\n", s.name, batch, adam, l.name, us);
+          rows.push_back({{"model", s.name},
+                          {"batch", batch},
+                          {"optimizer", adam},
+                          {"loop", only},
+                          {"alone_us", us},
+                          {"loss", l.loss}});
+          continue;
+        }
         std::vector<std::pair<std::string, std::function<double()>>> variants;
         for (auto& l : loops) {
           for (int i = 0; i < 10; ++i) {

@@ -144,7 +144,8 @@ def runs(tmp):
             ["rows.4.frugal_ms", "rows.4.modules_ms", "rows.4.functional_ms", "rows.4.ratio",
              "rows.0.fastest_on_frugal_allocator_ms", "split.own_ms"], True, True),
         "overhead_twin.py": (py("overhead_twin.py") + [
-            "--binary", b("bench_overhead"), "--rounds", "1", "--steps", "2", "--models", "8-4-1",
+            "--binary", b("bench_overhead"), "--rounds", "1", "--inner", "2", "--steps", "2",
+            "--models", "8-4-1",
             "--batches", "2"], ["rows.0.trainer_us", "rows.0.trainer_over_python",
                                 "rows.0.fastest_python", "rows.0.trainer_over_fastest_python"],
             True, True),

@@ -1,18 +1,20 @@
 """Small steps against PyTorch in Python: bench_overhead's loops beside the same MLPs trained
 in this Python process, alternating round by round in one run.
 
-Each round runs `bench_overhead` once (its four C++ loops interleaved: hand-written LibTorch,
-the Trainer, the Trainer without the ledger, the Trainer with common policies), then the
-Python loops: the MLP as `nn.Sequential` modules and as functional ops, each with
+Each round runs `bench_overhead` once (its four C++ loops interleaved in `--inner` short
+rounds of `--steps` steps, each starting one loop later: hand-written LibTorch, the Trainer,
+the Trainer without the ledger, the Trainer with common policies), then the Python loops in
+the same way: the MLP as `nn.Sequential` modules and as functional ops, each with
 torch.optim.Adam's three implementations (the default per-parameter loop, foreach and
-fused). Each C++ row is compared with the Python loop on the same Adam kernels (LibTorch's
-C++ Adam with the per-parameter loop, the fused kernel with fused=True) and with the fastest
-Python loop of all. Every loop zeroes with
-set_to_none, steps Adam 1e-3 and reads the loss as a number each step; figures are medians
-over rounds of microseconds a step.
+fused), each loop made once a round and timed in `--inner` short rounds in rotation. Short
+interleaved rounds spread a noisy machine's slow spells over every loop alike. Each C++ row
+is compared with the Python loop on the same Adam kernels (LibTorch's C++ Adam with the
+per-parameter loop, the fused kernel with fused=True) and with the fastest Python loop of
+all. Every loop zeroes with set_to_none, steps Adam 1e-3 and reads the loss as a number each
+step; figures are medians over rounds of microseconds a step.
 
     python bench/python/overhead_twin.py --binary build/torch2/bench/bench_overhead \
-        [--rounds 7] [--steps 200] [--models 32-64-1 784-128-10] [--batches 1 8 32]
+        [--rounds 7] [--inner 20] [--steps 20] [--models 32-64-1 784-128-10] [--batches 1 8 32]
 """
 import argparse
 import json
@@ -59,7 +61,8 @@ def adam_kinds():
     return kinds
 
 
-def python_us(model, batch, form, adam_kwargs, steps):
+def python_loop(model, batch, form, adam_kwargs):
+    """One Python training loop's step, warmed up."""
     inputs, hidden, outputs = shape_of(model)
     torch.manual_seed(0)
     x = torch.randn(batch, inputs)
@@ -79,15 +82,19 @@ def python_us(model, batch, form, adam_kwargs, steps):
 
     for _ in range(WARMUP):
         step()
+    return step
+
+
+def us_per_step(step, steps):
     start = time.perf_counter()
     for _ in range(steps):
         step()
     return (time.perf_counter() - start) * 1e6 / steps
 
 
-def frugal_rows(binary, model, batch, steps, threads):
+def frugal_rows(binary, model, batch, inner, steps, threads):
     """bench_overhead's rows for one model and batch, one an optimizer it has."""
-    run = subprocess.run([binary, "--rounds", "1", "--steps", str(steps), "--models", model,
+    run = subprocess.run([binary, "--rounds", str(inner), "--steps", str(steps), "--models", model,
                           "--batches", str(batch), "--threads", str(threads)],
                          check=True, capture_output=True, text=True)
     return {r["optimizer"]: r for r in json.loads(run.stdout.strip().splitlines()[-1])["rows"]}
@@ -101,7 +108,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--binary", default="build/torch2/bench/bench_overhead")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--inner", type=int, default=20,
+                        help="short interleaved rounds inside each round, on each side")
+    parser.add_argument("--steps", type=int, default=20, help="steps of a short round")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", nargs="+", default=["32-64-1", "784-128-10"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
@@ -112,9 +121,10 @@ def main():
     keys = ("hand_us", "trainer_us", "trainer_no_ledger_us", "trainer_policies_us")
 
     print(f"Small MLP steps, Adam 1e-3, LibTorch {torch.__version__} on both sides, "
-          f"{args.threads} thread(s), {args.rounds} rounds of {args.steps} steps, medians of "
-          f"the rounds in microseconds a step. PyTorch: the faster of the module and functional "
-          f"forms with the same Adam kernels (C++ adam = Python's per-parameter loop)\n")
+          f"{args.threads} thread(s), {args.rounds} rounds of {args.inner} x {args.steps} steps, "
+          f"medians of the rounds in microseconds a step. PyTorch: the faster of the module and "
+          f"functional forms with the same Adam kernels (C++ adam = Python's per-parameter "
+          f"loop)\n")
     print("| model | batch | Adam | hand-written C++ | Trainer | x hand | frugal's own | "
           "Trainer + policies | PyTorch, same kernels | Trainer / PyTorch | fastest PyTorch | "
           "Trainer / fastest |")
@@ -124,12 +134,18 @@ def main():
         for batch in args.batches:
             cpp, py = {}, {loop: [] for loop in loops}
             for _ in range(args.rounds):
-                for adam, row in frugal_rows(args.binary, model, batch, args.steps,
+                for adam, row in frugal_rows(args.binary, model, batch, args.inner, args.steps,
                                              args.threads).items():
                     for key in keys:
                         cpp.setdefault(adam, {k: [] for k in keys})[key].append(row[key])
-                for form, kind in loops:
-                    py[(form, kind)].append(python_us(model, batch, form, kinds[kind], args.steps))
+                steps = {loop: python_loop(model, batch, loop[0], kinds[loop[1]]) for loop in loops}
+                inner = {loop: [] for loop in loops}
+                for r in range(args.inner):
+                    for i in range(len(loops)):
+                        loop = loops[(i + r) % len(loops)]
+                        inner[loop].append(us_per_step(steps[loop], args.steps))
+                for loop, times in inner.items():
+                    py[loop].append(statistics.median(times))
             p = {loop: statistics.median(v) for loop, v in py.items()}
             best = min(p, key=p.get)
             for adam, values in cpp.items():
