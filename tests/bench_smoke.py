@@ -145,8 +145,7 @@ def runs(tmp):
              "rows.0.fastest_on_frugal_allocator_ms", "split.own_ms"], True, True),
         "overhead_twin.py": (py("overhead_twin.py") + [
             "--binary", b("bench_overhead"), "--rounds", "1", "--inner", "2", "--steps", "2",
-            "--models", "8-4-1",
-            "--batches", "2"], ["rows.0.trainer_us", "rows.0.trainer_over_python",
+            "--models", "8-4-1", "--batches", "2"], ["rows.0.trainer_us", "rows.0.trainer_over_python",
                                 "rows.0.fastest_python", "rows.0.trainer_over_fastest_python"],
             True, True),
         "tiny_lm_twin.py": (py("tiny_lm_twin.py") + [

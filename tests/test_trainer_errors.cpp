@@ -26,15 +26,12 @@ using frugal::testing::mse;
 TEST(TrainerErrors, BadOptionsNameTheValue) {
   auto model = make_mlp(4, 8, 2);
   torch::optim::SGD sgd(model->parameters(), 0.1);
-  expect_error_naming(
-      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(0)); },
-      "micro_batch must be >= 1, got 0");
-  expect_error_naming(
-      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().accumulate(0)); },
-      "accumulate must be >= 1, got 0");
-  expect_error_naming(
-      [&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batches(-2)); },
-      "got -2");
+  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(0)); },
+                      "micro_batch must be >= 1, got 0");
+  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().accumulate(0)); },
+                      "accumulate must be >= 1, got 0");
+  expect_error_naming([&] { frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batches(-2)); },
+                      "got -2");
   expect_error_naming(
       [&] {
         frugal::Trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(4).micro_batches(2));
@@ -76,20 +73,14 @@ class FailedStepLeavesStateAlone : public ::testing::Test {
 };
 
 TEST_F(FailedStepLeavesStateAlone, EmptyBatch) {
-  expect_error_naming(
-      [&] {
-        trainer->step({torch::randn({0, 4}), torch::randn({0, 2})});
-      },
-      "empty (0 samples)");
+  expect_error_naming([&] { trainer->step({torch::randn({0, 4}), torch::randn({0, 2})}); },
+                      "empty (0 samples)");
   expect_unchanged();
 }
 
 TEST_F(FailedStepLeavesStateAlone, InputsAndTargetsOfDifferentSizes) {
-  expect_error_naming(
-      [&] {
-        trainer->step({torch::randn({8, 4}), torch::randn({6, 2})});
-      },
-      "inputs hold 8 samples but targets hold 6");
+  expect_error_naming([&] { trainer->step({torch::randn({8, 4}), torch::randn({6, 2})}); },
+                      "inputs hold 8 samples but targets hold 6");
   expect_unchanged();
 }
 
@@ -109,34 +100,22 @@ TEST_F(FailedStepLeavesStateAlone, ANamedTensorOfAnotherSize) {
 }
 
 TEST_F(FailedStepLeavesStateAlone, LossThatIsNotAScalar) {
-  frugal::Trainer unreduced(
-      model, *sgd,
-      [](const torch::Tensor& o, const torch::Tensor& t) {
-        return F::mse_loss(o, t, F::MSELossFuncOptions().reduction(torch::kNone));
-      },
-      frugal::TrainerOptions().micro_batch(4));
-  expect_error_naming(
-      [&] {
-        unreduced.step({torch::randn({8, 4}), torch::randn({8, 2})});
-      },
-      "the loss must be a scalar, got a tensor of shape [4, 2]");
+  frugal::Trainer unreduced(model, *sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
+    return F::mse_loss(o, t, F::MSELossFuncOptions().reduction(torch::kNone));
+  }, frugal::TrainerOptions().micro_batch(4));
+  expect_error_naming([&] { unreduced.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
+                      "the loss must be a scalar, got a tensor of shape [4, 2]");
   expect_unchanged();
 }
 
 TEST_F(FailedStepLeavesStateAlone, LossThatFailsInTheSecondMicroBatch) {
   int calls = 0;
-  frugal::Trainer failing(
-      model, *sgd,
-      [&](const torch::Tensor& o, const torch::Tensor& t) {
-        TORCH_CHECK(++calls < 2, "second micro-batch refused");
-        return F::mse_loss(o, t);
-      },
-      frugal::TrainerOptions().micro_batch(4));
-  expect_error_naming(
-      [&] {
-        failing.step({torch::randn({8, 4}), torch::randn({8, 2})});
-      },
-      "second micro-batch refused");
+  frugal::Trainer failing(model, *sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
+    TORCH_CHECK(++calls < 2, "second micro-batch refused");
+    return F::mse_loss(o, t);
+  }, frugal::TrainerOptions().micro_batch(4));
+  expect_error_naming([&] { failing.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
+                      "second micro-batch refused");
   expect_unchanged();
 }
 
@@ -145,11 +124,8 @@ TEST(TrainerErrors, NegativeCountIsNamed) {
   torch::optim::SGD sgd(model->parameters(), 0.1);
   frugal::Trainer trainer(model, sgd, mse,
                           frugal::TrainerOptions().count([](const frugal::Batch&) { return -3; }));
-  expect_error_naming(
-      [&] {
-        trainer.step({torch::randn({8, 4}), torch::randn({8, 2})});
-      },
-      "returned -3");
+  expect_error_naming([&] { trainer.step({torch::randn({8, 4}), torch::randn({8, 2})}); },
+                      "returned -3");
 }
 
 }  // namespace

@@ -3,8 +3,8 @@
 #include <fmt/format.h>
 #include <torch/optim.h>
 
-#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <algorithm>
 #include <typeinfo>
 #include <unordered_set>
 #include <vector>
@@ -71,8 +71,9 @@ Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>
   }
   if (optimizer != nullptr) {
     for (const auto& entry : optimizer->state()) {
-      detail::for_each_state_tensor(
-          *entry.second, [&](const torch::Tensor& t) { ledger.optimizer += counter.add(t); });
+      detail::for_each_state_tensor(*entry.second, [&](const torch::Tensor& t) {
+        ledger.optimizer += counter.add(t);
+      });
     }
     if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
       for (const auto& t : parts->ledger_gradients()) {

@@ -14,22 +14,19 @@ using torch::optim::AdamWParamState;
 using torch::optim::OptimizerParamState;
 using torch::optim::SGDParamState;
 
-// Whether a state of this exact type is recorded by its counter alone: LibTorch's states
-// whose only other fields are tensors (held and compared by the guard).
-bool by_counter(const std::type_info& type) {
-  return type == typeid(AdamParamState) || type == typeid(AdamWParamState) ||
-         type == typeid(SGDParamState);
-}
-
-std::int64_t counter_of(const OptimizerParamState& state) {
+// LibTorch's states whose only field besides tensors is a step counter (SGD's has none):
+// true, with the counter in `step`; false for any other type, which the guard copies.
+bool read_counter(const OptimizerParamState& state, std::int64_t& step) {
   const auto& type = typeid(state);
   if (type == typeid(AdamParamState)) {
-    return static_cast<const AdamParamState&>(state).step();
+    step = static_cast<const AdamParamState&>(state).step();
+  } else if (type == typeid(AdamWParamState)) {
+    step = static_cast<const AdamWParamState&>(state).step();
+  } else {
+    step = 0;
+    return type == typeid(SGDParamState);
   }
-  if (type == typeid(AdamWParamState)) {
-    return static_cast<const AdamWParamState&>(state).step();
-  }
-  return 0;
+  return true;
 }
 
 void set_counter(OptimizerParamState& state, std::int64_t step) {
@@ -43,7 +40,8 @@ void set_counter(OptimizerParamState& state, std::int64_t step) {
 
 }  // namespace
 
-OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {
+OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
+    : optimizer_(optimizer) {
   auto& state = optimizer_.state();
   std::size_t count = 0;
   for (const auto& group : optimizer_.param_groups()) {
@@ -62,9 +60,7 @@ OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer) : opt
       }
       const auto& live = *it->second;
       entry.type = &typeid(live);
-      if (by_counter(*entry.type)) {
-        entry.step = counter_of(live);
-      } else {
+      if (!read_counter(live, entry.step)) {
         entry.copy = live.clone();
       }
       for_each_state_tensor(live, [&](const torch::Tensor& t) {
