@@ -35,9 +35,11 @@ struct ResumeSetup {
 /// The configurations: LibTorch's Adam plain; frugal's SGD with micro-batches, an
 /// accumulation window and OomRecovery; bf16 autocast; fp16 with a GradScaler where the CPU
 /// has fp16 autocast; checkpointed blocks with dropout and a cosine schedule; 8-bit Adam
-/// with step decay; the optimizer step in backward.
+/// with step decay; the optimizer step in backward; bfloat16 weights with stochastic rounding
+/// (the inputs cast to bfloat16 before each forward).
 inline std::vector<std::string> resume_configs() {
-  std::vector<std::string> out{"plain", "micro", "bf16", "checkpoint", "adam8bit", "in-backward"};
+  std::vector<std::string> out{"plain",    "micro",       "bf16",        "checkpoint",
+                               "adam8bit", "in-backward", "bf16-weights"};
   if (compat::autocast_supports(c10::DeviceType::CPU, torch::kHalf)) {
     out.push_back("fp16");
   }
@@ -62,6 +64,9 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   out->model =
       nn::Sequential(ResumeBlock(16, hidden), ResumeBlock(hidden, hidden), nn::Linear(hidden, 4));
   out->model->to(device);
+  if (config == "bf16-weights") {
+    out->model->to(torch::kBFloat16);
+  }
   auto params = out->model->parameters();
   namespace to = torch::optim;
   if (config == "plain") {
@@ -70,6 +75,9 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
     out->optimizer = std::make_unique<optim::SGD>(params, to::SGDOptions(0.05).momentum(0.9));
   } else if (config == "checkpoint") {
     out->optimizer = std::make_unique<optim::AdamW>(params, to::AdamWOptions(1e-2));
+  } else if (config == "bf16-weights") {
+    out->optimizer = std::make_unique<optim::AdamW>(params, to::AdamWOptions(1e-2),
+                                                    optim::InPlaceOptions().seed(3));
   } else if (config == "adam8bit") {
     out->optimizer = std::make_unique<optim::Adam8bit>(
         params, to::AdamOptions(1e-2), optim::QuantizedStateOptions().min_elements(64));
@@ -83,7 +91,7 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   out->trainer = std::make_unique<Trainer>(
       out->model, *out->optimizer,
       [](const torch::Tensor& o, const torch::Tensor& y) {
-        return torch::nn::functional::cross_entropy(o, y);
+        return torch::nn::functional::cross_entropy(o.to(torch::kFloat32), y);
       },
       options);
   auto& trainer = *out->trainer;
@@ -102,6 +110,9 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
         LrScheduleOptions().decay(LrDecay::Step).step_size(30).gamma(0.5)));
   } else if (config == "in-backward") {
     trainer.add_policy(std::make_shared<StepInBackward>());
+  } else if (config == "bf16-weights") {
+    trainer.add_hook(Phase::BeforeForward,
+                     [](StepContext& c) { c.micro.inputs = c.micro.inputs.to(torch::kBFloat16); });
   }
   return out;
 }

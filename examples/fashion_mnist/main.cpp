@@ -81,6 +81,9 @@ int run(Args args) {
 
   auto model =
       args.model == "cnn" ? fashion::make_cnn(args.dropout) : fashion::make_mlp(args.dropout);
+  if (args.weights == "bf16") {
+    model = fashion::with_bf16_weights(model);
+  }
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (args.zero > 0) {  // each rank steps its 1/N of the parameters with the chosen optimizer
@@ -137,9 +140,11 @@ int run(Args args) {
   if (!args.quiet) {
     fmt::print(
         "fashion_mnist: {} on {}, {} train / {} test samples, batch {}, micro-batch {}, "
-        "autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
+        "{} weights, autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
         args.model, device.str(), n, test.inputs.size(0), args.batch,
-        args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off", args.autocast,
+        args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off",
+        args.weights == "bf16" ? "bf16 (" + args.rounding + " rounding)" : args.weights,
+        args.autocast,
         args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
         args.optimizer, args.step_in_backward ? " stepped in backward" : "",
         torch::get_num_threads(),
@@ -329,6 +334,16 @@ int main(int argc, char** argv) {
   app.add_option("--autocast", args.autocast,
                  "Mixed precision: off|bf16|fp16 (fp16 adds a GradScaler)")
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--weights", args.weights,
+                 "The weights' dtype: float32|bf16 (bf16: gradients and Adam's moments too, "
+                 "inputs cast on the way in)")
+      ->check(CLI::IsMember({"float32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--rounding", args.rounding,
+                 "How bf16 weights take frugal's optimizer updates: "
+                 "stochastic|nearest|compensated")
+      ->check(CLI::IsMember({"stochastic", "nearest", "compensated"}))
       ->capture_default_str();
   app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");
   app.add_option("--report", args.report, "Write a JSON-lines report to this file");

@@ -34,8 +34,20 @@ inline torch::nn::Sequential make_mlp(double dropout) {
   namespace nn = torch::nn;
   return nn::Sequential(
       Block(nn::Flatten(), nn::Linear(784, 512), nn::ReLU(), nn::Dropout(dropout)),
-      Block(nn::Linear(512, 256), nn::ReLU(), nn::Dropout(dropout)),
-      nn::Linear(256, 10));
+      Block(nn::Linear(512, 256), nn::ReLU(), nn::Dropout(dropout)), nn::Linear(256, 10));
+}
+
+/// `model` with bfloat16 weights: its inputs cast to bfloat16 on the way in and its
+/// outputs to float32 on the way out (the loss and the accuracy in float32).
+inline torch::nn::Sequential with_bf16_weights(const torch::nn::Sequential& model) {
+  namespace nn = torch::nn;
+  nn::Sequential out(nn::Functional([](torch::Tensor x) { return x.to(torch::kBFloat16); }));
+  for (const auto& layer : *model) {
+    out->push_back(layer);
+  }
+  out->push_back(nn::Functional([](torch::Tensor x) { return x.to(torch::kFloat32); }));
+  out->to(torch::kBFloat16);
+  return out;
 }
 
 }  // namespace fashion

@@ -31,6 +31,8 @@ struct Args {
   std::int64_t max_steps = 0;
   std::string report;
   std::string autocast = "off";
+  std::string weights = "float32";
+  std::string rounding = "stochastic";
   bool checkpoint = false;
   std::string optimizer = "adam";
   bool torch_optimizer = false;
@@ -49,35 +51,44 @@ struct Args {
 inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
                                                         std::vector<torch::Tensor> params) {
   namespace to = torch::optim;
+  // How bfloat16 weights (--weights bf16) take their updates.
+  const auto in_place = frugal::optim::InPlaceOptions().seed(args.seed).rounding(
+      args.rounding == "nearest"       ? frugal::optim::Rounding::Nearest
+      : args.rounding == "compensated" ? frugal::optim::Rounding::Compensated
+                                       : frugal::optim::Rounding::Stochastic);
   const bool adamw = args.optimizer == "adamw" || args.optimizer == "adamw8bit";
   if (args.optimizer == "adam8bit" || args.optimizer == "adamw8bit") {
     if (args.torch_optimizer) {
       throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
     }
     if (adamw) {
-      return std::make_unique<frugal::optim::AdamW8bit>(std::move(params), to::AdamWOptions(args.lr));
+      return std::make_unique<frugal::optim::AdamW8bit>(
+          std::move(params), to::AdamWOptions(args.lr), frugal::optim::QuantizedStateOptions(),
+          in_place);
     }
-    return std::make_unique<frugal::optim::Adam8bit>(std::move(params), to::AdamOptions(args.lr));
+    return std::make_unique<frugal::optim::Adam8bit>(std::move(params), to::AdamOptions(args.lr),
+                                                     frugal::optim::QuantizedStateOptions(),
+                                                     in_place);
   }
   if (args.optimizer == "sgd") {
     const auto options = to::SGDOptions(args.lr).momentum(0.9);
     if (args.torch_optimizer) {
       return std::make_unique<to::SGD>(std::move(params), options);
     }
-    return std::make_unique<frugal::optim::SGD>(std::move(params), options);
+    return std::make_unique<frugal::optim::SGD>(std::move(params), options, in_place);
   }
   if (adamw) {
     const auto options = to::AdamWOptions(args.lr);
     if (args.torch_optimizer) {
       return std::make_unique<to::AdamW>(std::move(params), options);
     }
-    return std::make_unique<frugal::optim::AdamW>(std::move(params), options);
+    return std::make_unique<frugal::optim::AdamW>(std::move(params), options, in_place);
   }
   const auto options = to::AdamOptions(args.lr);
   if (args.torch_optimizer) {
     return std::make_unique<to::Adam>(std::move(params), options);
   }
-  return std::make_unique<frugal::optim::Adam>(std::move(params), options);
+  return std::make_unique<frugal::optim::Adam>(std::move(params), options, in_place);
 }
 
 // The schedule --lr-schedule names: linear and cosine decay to 0 at the run's last step,

@@ -32,10 +32,12 @@ void adam_update(ParamUpdate& u, bool decoupled) {
   // Scratch: the denominator, and Adam's decayed gradient when it has weight decay.
   const std::size_t decayed = !decoupled && o.weight_decay() != 0 ? 1 : 0;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
-    detail::adam_chunk(u.part(u.param, offset, n), u.part(u.grad, offset, n),
-                       u.part(state.exp_avg(), offset, n), u.part(state.exp_avg_sq(), offset, n),
+    auto p = u.weights(offset, n);
+    detail::adam_chunk(p, u.part(u.grad, offset, n), u.part(state.exp_avg(), offset, n),
+                       u.part(state.exp_avg_sq(), offset, n),
                        o.amsgrad() ? u.part(state.max_exp_avg_sq(), offset, n) : torch::Tensor(),
                        u.scratch_part(decayed, n), u.scratch_part(0, n), step);
+    u.store_weights(p, offset, n);
   });
 }
 

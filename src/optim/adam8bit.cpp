@@ -185,8 +185,8 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::optim::OptimizerOptions&
   return 4;  // the two moments in float32, the denominator, the codes' indices
 }
 
-// The fused CPU loop needs no scratch; float32 states need the denominator only; parameters
-// of other dtypes are updated on float32 copies.
+// The fused CPU loop needs no scratch; float32 states need the denominator only; gradients
+// of other dtypes are read from float32 copies.
 template <typename Options>
 int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat,
                                            const torch::optim::OptimizerParamState* state,
@@ -196,7 +196,9 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
                              ? static_cast<const Adam8bitParamState*>(state)->quantized()
                              : enabled_ && param.numel() >= quantized_.min_elements();
   const bool is_float = param.scalar_type() == torch::kFloat32;
-  const int copies = is_float ? 0 : 2;  // the parameter and its gradient in float32
+  // Float32 copies: the gradient, and a float64 parameter (bfloat16 and float16 weights
+  // come in float32 from the base, ParamUpdate::weights).
+  const int copies = is_float ? 0 : (param.scalar_type() == torch::kFloat64 ? 2 : 1);
   if (!quantized) {
     return 1 + copies;
   }
@@ -236,18 +238,23 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
                          s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(), a);
     return;
   }
-  const bool cast = u.param.scalar_type() != torch::kFloat32;
+  const bool cast = u.grad.scalar_type() != torch::kFloat32;
+  const bool wide = u.param.scalar_type() == torch::kFloat64;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
-    auto p = u.part(u.param, offset, n);
+    // Weights of another dtype than float32 are computed on in float32, as the states are:
+    // bfloat16 and float16 ones by the base (ParamUpdate::weights), float64 ones here.
+    auto p = u.weights(offset, n);
+    const auto param_out = p;
     auto grad = u.part(u.grad, offset, n);
     // Buffers: the moments, the work buffer and the indices when quantized, the work buffer
-    // alone when not; then float32 copies of a parameter and gradient of another dtype.
+    // alone when not; then float32 copies of a gradient and a float64 parameter.
     auto work = u.scratch_part(b != nullptr ? 2 : 0, n);
-    const auto param_out = p;
+    const std::size_t first = b != nullptr ? 4 : 1;
     if (cast) {
-      const std::size_t first = b != nullptr ? 4 : 1;
-      p = u.scratch_part(first, n).copy_(p);
-      grad = u.scratch_part(first + 1, n).copy_(grad);
+      grad = u.scratch_part(first, n).copy_(grad);
+    }
+    if (wide) {
+      p = u.scratch_part(first + 1, n).copy_(p);
     }
     torch::Tensor m, v, index, m_codes, v_codes, m_scales, v_scales;
     if (b != nullptr) {
@@ -268,9 +275,10 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       v = u.part(s.exp_avg_sq(), offset, n);
     }
     detail::adam_chunk(p, grad, m, v, torch::Tensor(), work, work, step);
-    if (cast) {
+    if (wide) {
       param_out.copy_(p);
     }
+    u.store_weights(p, offset, n);
     if (b != nullptr) {
       quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1), index);
       quantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), work.view(-1),
@@ -282,6 +290,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
 template <typename Options>
 void Adam8bitBase<Options>::save(torch::serialize::OutputArchive& archive) const {
   torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
+  save_rounding(archive);
 }
 
 template <typename Options>
@@ -296,9 +305,11 @@ void Adam8bitBase<Options>::load(torch::serialize::InputArchive& archive) {
   for (auto& group : param_groups()) {
     kept_options.push_back(group.options().clone());
   }
+  auto commit_rounding = load_rounding(archive);
   try {
     torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
     adopt_loaded();
+    commit_rounding();
   } catch (...) {
     state().clear();
     for (auto& [key, s] : kept_state) {

@@ -9,6 +9,7 @@
 
 #include "compat.h"
 #include "frugal/error.h"
+#include "rounding.h"
 
 namespace frugal::optim {
 
@@ -27,6 +28,45 @@ torch::Tensor ParamUpdate::scratch_part(std::size_t i, std::int64_t length) cons
   return flat ? buffer : buffer.view(param.sizes());
 }
 
+namespace {
+
+bool low_precision(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+}
+
+}  // namespace
+
+torch::Tensor ParamUpdate::weights(std::int64_t offset, std::int64_t length) {
+  auto p = part(param, offset, length);
+  if (low == nullptr) {
+    return p;
+  }
+  auto w = low->buffers.at(0).narrow(0, 0, length);
+  w = flat ? w : w.view(param.sizes());
+  w.copy_(p);
+  if (low->rounding == Rounding::Compensated) {
+    w.add_(part(low->compensation, offset, length));
+  }
+  return w;
+}
+
+void ParamUpdate::store_weights(torch::Tensor& w, std::int64_t offset, std::int64_t length) {
+  if (low == nullptr) {
+    return;
+  }
+  auto p = part(param, offset, length);
+  if (low->rounding == Rounding::Stochastic) {
+    const auto bits = low->buffers.size() > 1
+                          ? low->buffers[1].narrow(0, 0, length).view(torch::kInt32)
+                          : torch::Tensor();
+    detail::round_stochastic(w, bits.defined() ? bits.view(w.sizes()) : bits, low->key, offset);
+  }
+  p.copy_(w);  // exact after stochastic rounding: w holds bfloat16 values
+  if (low->rounding == Rounding::Compensated) {
+    part(low->compensation, offset, length).copy_(w.sub_(p));
+  }
+}
+
 struct InPlaceOptimizer::Planned {
   Planned(torch::Tensor p, torch::optim::OptimizerParamGroup* g)
       : param(std::move(p)), group(g), key(compat::optimizer_state_key(param)) {}
@@ -38,6 +78,12 @@ struct InPlaceOptimizer::Planned {
   bool flat = true;
   std::int64_t chunk = 0;
   int buffers = 0;
+  // A bfloat16 or float16 parameter: its float32 weights' buffers (from `weights_from` in
+  // the float32 buffers of its device) and a compensation buffer the step makes.
+  bool low = false;
+  std::size_t weights_from = 0;
+  torch::Tensor new_compensation;
+  ParamUpdate::LowPrecision low_precision;
 };
 
 InPlaceOptimizer::InPlaceOptimizer(InPlaceOptions options) : in_place_(options) {
@@ -80,6 +126,9 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   // Everything that can fail comes first: checks, new state and scratch.
   using Kind = std::tuple<c10::DeviceType, c10::DeviceIndex, c10::ScalarType>;
   std::map<Kind, std::pair<std::int64_t, int>> sizes;  // elements, buffers
+  const auto kind_of = [](const torch::Tensor& p, c10::ScalarType type) {
+    return Kind{p.device().type(), p.device().index(), type};
+  };
   for (auto& w : work) {
     const auto& p = w.param;
     const auto& g = p.grad();
@@ -97,9 +146,20 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     w.chunk = chunk_of(p, w.flat);
     const auto* param_state = w.has_state ? state.find(w.key)->second.get() : w.new_state.get();
     w.buffers = scratch_buffers(p, w.flat, param_state, w.group->options());
-    auto& size = sizes[Kind{p.device().type(), p.device().index(), scratch_type(p)}];
+    auto& size = sizes[kind_of(p, scratch_type(p))];
     size.first = std::max(size.first, w.chunk);
     size.second = std::max(size.second, w.buffers);
+    w.low = low_precision(p);
+    if (w.low) {
+      plan_low_precision(w);
+      // The float32 weights (and random bits off the CPU) follow the update's own buffers
+      // where those are float32 too.
+      w.weights_from = scratch_type(p) == torch::kFloat32 ? static_cast<std::size_t>(w.buffers) : 0;
+      auto& weights = sizes[kind_of(p, torch::kFloat32)];
+      weights.first = std::max(weights.first, w.chunk);
+      weights.second = std::max(weights.second,
+                                static_cast<int>(w.weights_from + w.low_precision.buffers.size()));
+    }
   }
   std::map<Kind, std::vector<torch::Tensor>> scratch;
   for (const auto& [kind, size] : sizes) {
@@ -116,6 +176,9 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     if (w.new_state) {
       state[w.key] = std::move(w.new_state);
     }
+    if (w.new_compensation.defined()) {
+      compensation_[w.param.unsafeGetTensorImpl()] = w.new_compensation;
+    }
   }
   for (auto& w : work) {
     const auto& p = w.param;
@@ -127,9 +190,40 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                   !w.has_state,
                   w.flat,
                   w.chunk,
-                  scratch[Kind{p.device().type(), p.device().index(), scratch_type(p)}]};
+                  scratch[kind_of(p, scratch_type(p))]};
+    if (w.low) {
+      auto& low = w.low_precision;
+      const auto& f32 = scratch[kind_of(p, torch::kFloat32)];
+      for (std::size_t i = 0; i < low.buffers.size(); ++i) {
+        low.buffers[i] = f32.at(w.weights_from + i);
+      }
+      if (low.rounding == Rounding::Stochastic) {
+        low.key = detail::rounding_key(in_place_.seed(), updates_++);
+      }
+      u.low = &low;
+    }
     update(u);
   }
+}
+
+void InPlaceOptimizer::plan_low_precision(Planned& w) {
+  auto& low = w.low_precision;
+  low.rounding = in_place_.rounding();
+  if (low.rounding == Rounding::Stochastic && w.param.scalar_type() != torch::kBFloat16) {
+    low.rounding = Rounding::Nearest;  // float16: see Rounding::Stochastic
+  }
+  if (low.rounding == Rounding::Compensated) {
+    const auto it = compensation_.find(w.param.unsafeGetTensorImpl());
+    if (it != compensation_.end() && it->second.sizes() == w.param.sizes() &&
+        it->second.dtype() == w.param.dtype() && it->second.device() == w.param.device()) {
+      low.compensation = it->second;
+    } else {  // none yet, or the parameter was replaced: nothing lost to carry over
+      w.new_compensation = torch::zeros_like(w.param, torch::MemoryFormat::Preserve);
+      low.compensation = w.new_compensation;
+    }
+  }
+  const bool bits = low.rounding == Rounding::Stochastic && !w.param.device().is_cpu();
+  low.buffers.resize(bits ? 2 : 1);
 }
 
 torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tensor& param) {
@@ -168,6 +262,71 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
     }
   }
   return most;
+}
+
+}  // namespace frugal::optim
+
+namespace frugal::optim {
+
+std::vector<torch::Tensor> InPlaceOptimizer::all_params() {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : optimizer().param_groups()) {
+    out.insert(out.end(), group.params().begin(), group.params().end());
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> InPlaceOptimizer::ledger_optimizer_state() const {
+  std::vector<torch::Tensor> out;
+  out.reserve(compensation_.size());
+  for (const auto& [impl, buffer] : compensation_) {
+    out.push_back(buffer);
+  }
+  return out;
+}
+
+void InPlaceOptimizer::save_rounding(torch::serialize::OutputArchive& archive) const {
+  torch::serialize::OutputArchive rounding;
+  rounding.write("updates", torch::tensor(static_cast<std::int64_t>(updates_), torch::kLong));
+  const auto params = const_cast<InPlaceOptimizer*>(this)->all_params();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto it = compensation_.find(params[i].unsafeGetTensorImpl());
+    if (it != compensation_.end()) {
+      rounding.write("compensation_" + std::to_string(i), it->second);
+    }
+  }
+  archive.write("frugal_rounding", rounding);
+}
+
+std::function<void()> InPlaceOptimizer::load_rounding(torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive rounding;
+  std::uint64_t updates = 0;
+  std::unordered_map<const void*, torch::Tensor> compensation;
+  if (archive.try_read("frugal_rounding", rounding)) {
+    torch::Tensor count;
+    rounding.read("updates", count);
+    FRUGAL_CHECK(count.numel() == 1 && count.scalar_type() == torch::kLong,
+                 "frugal: the saved count of rounded updates is ", count.scalar_type(), " ",
+                 count.sizes(), ", not one int64");
+    updates = static_cast<std::uint64_t>(count.item<std::int64_t>());
+    const auto params = all_params();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& p = params[i];
+      torch::Tensor buffer;
+      if (!rounding.try_read("compensation_" + std::to_string(i), buffer)) {
+        continue;
+      }
+      FRUGAL_CHECK(buffer.sizes() == p.sizes() && buffer.scalar_type() == p.scalar_type(),
+                   "frugal: the saved compensation of parameter ", i, " is ", buffer.scalar_type(),
+                   " ", buffer.sizes(), " where its parameter is ", p.scalar_type(), " ",
+                   p.sizes());
+      compensation[p.unsafeGetTensorImpl()] = buffer.to(p.device()).contiguous();
+    }
+  }
+  return [this, updates, compensation = std::move(compensation)]() mutable {
+    updates_ = updates;
+    compensation_ = std::move(compensation);
+  };
 }
 
 }  // namespace frugal::optim

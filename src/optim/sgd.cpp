@@ -27,7 +27,7 @@ void SGD::update(ParamUpdate& u) const {
   const auto& o = static_cast<const SGDOptions&>(u.options);
   const auto* state = static_cast<SGDParamState*>(u.state);
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
-    auto p = u.part(u.param, offset, n);
+    auto p = u.weights(offset, n);
     auto d = u.part(u.grad, offset, n);
     if (o.weight_decay() != 0) {
       auto decayed = u.scratch_part(0, n);
@@ -50,6 +50,7 @@ void SGD::update(ParamUpdate& u) const {
       }
     }
     p.add_(d, -1 * o.lr());
+    u.store_weights(p, offset, n);
   });
 }
 

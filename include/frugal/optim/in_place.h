@@ -8,11 +8,33 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <vector>
 
+#include "frugal/memory/ledger.h"
+
 namespace frugal::optim {
+
+/// How the update of a bfloat16 (or float16) parameter, computed in float32, is written back.
+/// An update smaller than half the gap between two bfloat16 values around the weight (2^-9
+/// of it) is lost when rounded to nearest: after the first steps of training, most are.
+enum class Rounding {
+  /// To the nearest value: what a cast does, and what LibTorch's optimizers do on bfloat16
+  /// parameters. Small updates are lost.
+  Nearest,
+  /// Up or down at random, up with probability (x - down) / (up - down): the weight equals
+  /// the float32 result in expectation, so small updates add up. The random bits come from
+  /// InPlaceOptions::seed and a count of updates that the optimizer saves, so a resumed run
+  /// rounds as the uninterrupted one would. bfloat16 parameters only; float16 ones round to
+  /// nearest.
+  Stochastic,
+  /// To nearest, keeping what rounding lost in a compensation buffer of the parameter's
+  /// dtype that joins the weight at the next update (Kahan summation): deterministic, and
+  /// about 16 bits of precision, at 2 bytes a parameter more (optimizer state in the ledger).
+  Compensated,
+};
 
 /// Options of the in-place update, beside the optimizer's own (torch's) options.
 ///
@@ -23,6 +45,11 @@ struct InPlaceOptions {
   /// Elements updated at a time. The step's scratch is a few buffers of this many elements
   /// (at most the largest parameter's), instead of whole-parameter temporaries.
   TORCH_ARG(std::int64_t, chunk) = 1 << 16;
+  /// How bfloat16 and float16 parameters take their update (computed in float32); float32
+  /// and float64 parameters are updated exactly as LibTorch's optimizer would.
+  TORCH_ARG(Rounding, rounding) = Rounding::Stochastic;
+  /// The seed of stochastic rounding's random bits.
+  TORCH_ARG(std::uint64_t, seed) = 0;
 };
 
 /// One parameter's update, as an optimizer's `update` receives it: the tensors, the
@@ -32,16 +59,34 @@ struct ParamUpdate {
   torch::Tensor grad;
   torch::optim::OptimizerOptions& options;
   torch::optim::OptimizerParamState* state = nullptr;  ///< null where the update keeps none
-  bool fresh = false;  ///< the state was just made: its buffers hold no values yet
-  bool flat = true;    ///< contiguous: chunks are ranges of the flattened tensors
-  std::int64_t chunk = 0;  ///< elements per chunk (the whole parameter if not flat)
+  bool fresh = false;                  ///< the state was just made: its buffers hold no values yet
+  bool flat = true;                    ///< contiguous: chunks are ranges of the flattened tensors
+  std::int64_t chunk = 0;              ///< elements per chunk (the whole parameter if not flat)
   std::vector<torch::Tensor> scratch;  ///< buffers of at least `chunk` elements
 
   std::int64_t numel() const { return param.numel(); }
+  /// The parameter's elements [offset, offset + length) to compute the update on: `part` of
+  /// the parameter itself for float32 and float64 ones; for bfloat16 and float16 ones a
+  /// float32 copy (with the compensation added, under Rounding::Compensated), which
+  /// store_weights writes back. An update reads the weights through this and nothing else.
+  torch::Tensor weights(std::int64_t offset, std::int64_t length);
+  /// Writes `w`, what weights(offset, length) returned, updated, back into the parameter
+  /// with the optimizer's Rounding; nothing to do for a parameter updated in place. May
+  /// overwrite `w`.
+  void store_weights(torch::Tensor& w, std::int64_t offset, std::int64_t length);
   /// Elements [offset, offset + length) of `t`, a tensor shaped like the parameter.
   torch::Tensor part(const torch::Tensor& t, std::int64_t offset, std::int64_t length) const;
   /// The first `length` elements of scratch buffer `i`, shaped like `part` returns.
   torch::Tensor scratch_part(std::size_t i, std::int64_t length) const;
+
+  /// Set by the optimizer for a bfloat16 or float16 parameter.
+  struct LowPrecision {
+    Rounding rounding = Rounding::Nearest;
+    std::uint64_t key = 0;               ///< this update's stream of random bits (Stochastic)
+    torch::Tensor compensation;          ///< shaped like the parameter (Compensated)
+    std::vector<torch::Tensor> buffers;  ///< float32 weights; random bits off the CPU
+  };
+  LowPrecision* low = nullptr;  ///< null: the parameter is updated in place
 };
 
 /// The base of frugal's optimizers (frugal::optim::SGD, Adam, AdamW). Each is a subclass
@@ -55,7 +100,7 @@ struct ParamUpdate {
 ///   leaves parameters and optimizer state as they were;
 /// - `step_parameter` updates one parameter as the step would: the optimizer step in
 ///   backward (frugal::StepInBackward) calls it as each gradient becomes ready.
-class InPlaceOptimizer {
+class InPlaceOptimizer : public LedgerParts {
  public:
   virtual ~InPlaceOptimizer() = default;
 
@@ -68,12 +113,21 @@ class InPlaceOptimizer {
   virtual torch::optim::Optimizer& optimizer() = 0;
   /// Bytes of scratch one step needs at most: the buffers of the largest parameter's chunks.
   std::int64_t scratch_bytes();
+  /// The compensation buffers of Rounding::Compensated: optimizer state to the ledger.
+  std::vector<torch::Tensor> ledger_optimizer_state() const override;
 
  protected:
   explicit InPlaceOptimizer(InPlaceOptions options);
 
   /// The whole step: what step() overrides call.
   torch::Tensor run_step(const torch::optim::Optimizer::LossClosure& closure);
+  /// What the rounding of low-precision parameters keeps (the count of updates that keys
+  /// the random bits, the compensation buffers), beside the optimizer's own archive.
+  void save_rounding(torch::serialize::OutputArchive& archive) const;
+  /// Reads what save_rounding wrote (nothing, from an archive without it), checked against
+  /// the parameters; throws naming what does not fit and changes nothing. `commit` then
+  /// puts it in place, after the optimizer's own state loaded.
+  std::function<void()> load_rounding(torch::serialize::InputArchive& archive);
 
   /// A new state for `param` whose buffers are allocated, not filled (`fresh`); null when
   /// these options keep no state (SGD without momentum).
@@ -102,11 +156,16 @@ class InPlaceOptimizer {
  private:
   struct Planned;
   void apply(std::vector<Planned>& work);
+  void plan_low_precision(Planned& w);
   torch::optim::OptimizerParamGroup& group_of(const torch::Tensor& param);
   std::int64_t chunk_of(const torch::Tensor& param, bool flat) const;
 
+  std::vector<torch::Tensor> all_params();
+
   InPlaceOptions in_place_;
   std::unordered_map<const void*, std::size_t> group_index_;  // TensorImpl -> group
+  std::uint64_t updates_ = 0;  // low-precision updates stochastically rounded so far
+  std::unordered_map<const void*, torch::Tensor> compensation_;  // TensorImpl -> buffer
 };
 
 /// LibTorch's optimizer `Torch` with the in-place step: the constructors and overrides that
@@ -126,6 +185,15 @@ class InPlace : public Torch, public InPlaceOptimizer {
     return run_step(closure);
   }
   torch::optim::Optimizer& optimizer() override { return *this; }
+  void save(torch::serialize::OutputArchive& archive) const override {
+    Torch::save(archive);
+    save_rounding(archive);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    auto commit = load_rounding(archive);
+    Torch::load(archive);
+    commit();
+  }
 };
 
 /// Calls `fn(offset, length)` for consecutive chunks covering `u`'s parameter.

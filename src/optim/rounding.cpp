@@ -1,0 +1,95 @@
+#include "rounding.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "frugal/error.h"
+
+// Written to vectorize: the hash is 32-bit multiplies and shifts.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FRUGAL_NO_CLONES)
+#define FRUGAL_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FRUGAL_VECTOR_CLONES
+#endif
+
+namespace frugal::optim::detail {
+namespace {
+
+// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds; "lowbias32").
+inline std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352DU;
+  x ^= x >> 15;
+  x *= 0x846CA68BU;
+  x ^= x >> 16;
+  return x;
+}
+
+inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  x ^= x >> 31;
+  return x;
+}
+
+FRUGAL_VECTOR_CLONES
+void round_range(std::uint32_t* bits, std::int64_t n, std::uint32_t low_key, std::uint32_t high_key,
+                 std::uint32_t first) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint32_t noise =
+        mix32(mix32(first + static_cast<std::uint32_t>(i) + low_key) ^ high_key) & 0xFFFFU;
+    const std::uint32_t b = bits[i];
+    // Adding up to one unit of bfloat16's last place to the float32's bits and cutting the
+    // 16 low bits rounds the magnitude up with probability (low bits) / 2^16.
+    const std::uint32_t rounded = (b + noise) & 0xFFFF0000U;
+    const bool special = (b & 0x7F800000U) == 0x7F800000U;  // infinity or NaN
+    bits[i] = special ? b : rounded;
+  }
+}
+
+}  // namespace
+
+std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update) {
+  return mix64(mix64(seed + 0x9E3779B97F4A7C15ULL) ^ update);
+}
+
+void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first) {
+  static_assert(sizeof(float) == sizeof(std::uint32_t));
+  // Indices past 2^32 elements reuse a key's stream with the high half of the key changed.
+  const auto low_key = static_cast<std::uint32_t>(key);
+  const auto high_key = static_cast<std::uint32_t>(key >> 32) ^
+                        static_cast<std::uint32_t>(static_cast<std::uint64_t>(first) >> 32);
+  auto* bits = reinterpret_cast<std::uint32_t*>(x);
+  at::parallel_for(0, n, 1 << 16, [&](std::int64_t begin, std::int64_t end) {
+    round_range(bits + begin, end - begin, low_key, high_key,
+                static_cast<std::uint32_t>(first + begin));
+  });
+}
+
+void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first) {
+  FRUGAL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
+               "frugal: stochastic rounding needs contiguous float32 values, got ", x.scalar_type(),
+               " ", x.sizes());
+  if (x.device().is_cpu()) {
+    round_stochastic_cpu(x.data_ptr<float>(), x.numel(), key, first);
+    return;
+  }
+  FRUGAL_CHECK(bits.defined() && bits.scalar_type() == at::kInt && bits.numel() == x.numel() &&
+                   bits.is_contiguous() && bits.device() == x.device(),
+               "frugal: stochastic rounding on ", x.device(), " needs an int32 buffer of ",
+               x.numel(), " elements there");
+  auto generator = at::globalContext().defaultGenerator(x.device()).clone();
+  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
+  at::randint_out(bits, 1 << 16, bits.sizes(), generator);
+  auto as_bits = x.view(at::kInt);
+  // NaNs and infinities: the exponent's bits all set. Infinity + noise, cut, is infinity;
+  // a NaN keeps its high payload bits, the ones arithmetic sets.
+  bits.add_(as_bits).bitwise_and_(
+      static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)));
+  as_bits.copy_(bits);
+}
+
+}  // namespace frugal::optim::detail

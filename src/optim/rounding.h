@@ -1,0 +1,27 @@
+// Stochastic rounding of float32 values to bfloat16: the low-precision weights' update.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace frugal::optim::detail {
+
+/// The key of one parameter update's random bits: from the optimizer's seed and the count
+/// of updates before it.
+std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update);
+
+/// Rounds each of `x[0..n)` (float32, in place) to one of the two bfloat16 values around
+/// it, up with probability (x - down) / (up - down), so each result is a bfloat16 value held
+/// exactly in float32 and equals x in expectation. The random bits of element i are a hash
+/// of `key` and `first + i` (its index in the parameter), the same whatever the chunks.
+/// Infinities and NaN stay as they are.
+void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first);
+
+/// The same for a contiguous float32 tensor `x`: round_stochastic_cpu on the CPU; elsewhere
+/// tensor operations, with `bits` an int32 buffer of x's element count on x's device for
+/// the random bits (drawn from a generator of that device seeded from `key` and `first`,
+/// other bits than the CPU's).
+void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first);
+
+}  // namespace frugal::optim::detail
