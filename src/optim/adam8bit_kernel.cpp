@@ -9,16 +9,12 @@
 
 #include "codebook.h"
 #include "frugal/optim/blockwise.h"
+#include "vector_clones.h"
 
 // The loops are written to vectorize; on x86-64 a second copy is built for AVX2 and chosen
 // at load time. Both round alike: the file is compiled without FMA contraction (and without
 // errno for sqrt, which would keep the loops scalar), and element-wise IEEE arithmetic,
 // sqrt and division included, is exact in either.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FRUGAL_NO_CLONES)
-#define FRUGAL_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define FRUGAL_VECTOR_CLONES
-#endif
 
 namespace frugal::optim::detail {
 namespace {

@@ -5,13 +5,9 @@
 #include <cstring>
 
 #include "frugal/error.h"
+#include "vector_clones.h"
 
 // Written to vectorize: the hash is 32-bit multiplies and shifts.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(FRUGAL_NO_CLONES)
-#define FRUGAL_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define FRUGAL_VECTOR_CLONES
-#endif
 
 namespace frugal::optim::detail {
 namespace {
