@@ -58,8 +58,8 @@ void ParamUpdate::store_weights(torch::Tensor& w, std::int64_t offset, std::int6
   if (low->rounding == Rounding::Stochastic) {
     const auto bits = low->buffers.size() > 1
                           ? low->buffers[1].narrow(0, 0, length).view(torch::kInt32)
-                          : torch::Tensor();
-    detail::round_stochastic(w, bits.defined() ? bits.view(w.sizes()) : bits, low->key, offset);
+                          : torch::Tensor();  // the CPU draws its own
+    detail::round_stochastic(w, bits, low->key, offset);
   }
   p.copy_(w);  // exact after stochastic rounding: w holds bfloat16 values
   if (low->rounding == Rounding::Compensated) {
@@ -78,9 +78,10 @@ struct InPlaceOptimizer::Planned {
   bool flat = true;
   std::int64_t chunk = 0;
   int buffers = 0;
-  // A bfloat16 or float16 parameter: its float32 weights' buffers (from `weights_from` in
-  // the float32 buffers of its device) and a compensation buffer the step makes.
-  bool low = false;
+  // A bfloat16 or float16 parameter (low_precision.buffers not empty): its float32 weights'
+  // buffers (from `weights_from` in the float32 buffers of its device) and a compensation
+  // buffer the step makes.
+  bool low() const { return !low_precision.buffers.empty(); }
   std::size_t weights_from = 0;
   torch::Tensor new_compensation;
   ParamUpdate::LowPrecision low_precision;
@@ -149,8 +150,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     auto& size = sizes[kind_of(p, scratch_type(p))];
     size.first = std::max(size.first, w.chunk);
     size.second = std::max(size.second, w.buffers);
-    w.low = low_precision(p);
-    if (w.low) {
+    if (low_precision(p)) {
       plan_low_precision(w);
       // The float32 weights (and random bits off the CPU) follow the update's own buffers
       // where those are float32 too.
@@ -191,7 +191,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                   w.flat,
                   w.chunk,
                   scratch[kind_of(p, scratch_type(p))]};
-    if (w.low) {
+    if (w.low()) {
       auto& low = w.low_precision;
       const auto& f32 = scratch[kind_of(p, torch::kFloat32)];
       for (std::size_t i = 0; i < low.buffers.size(); ++i) {
@@ -263,10 +263,6 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
   }
   return most;
 }
-
-}  // namespace frugal::optim
-
-namespace frugal::optim {
 
 std::vector<torch::Tensor> InPlaceOptimizer::all_params() {
   std::vector<torch::Tensor> out;

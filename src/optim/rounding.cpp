@@ -77,9 +77,10 @@ void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, s
                    bits.is_contiguous() && bits.device() == x.device(),
                "frugal: stochastic rounding on ", x.device(), " needs an int32 buffer of ",
                x.numel(), " elements there");
+  bits = bits.view(x.sizes());
   auto generator = at::globalContext().defaultGenerator(x.device()).clone();
   generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
-  at::randint_out(bits, 1 << 16, bits.sizes(), generator);
+  at::randint_out(bits, 1 << 16, x.sizes(), generator);
   auto as_bits = x.view(at::kInt);
   // NaNs and infinities: the exponent's bits all set. Infinity + noise, cut, is infinity;
   // a NaN keeps its high payload bits, the ones arithmetic sets.
