@@ -4,6 +4,7 @@
   a memory cap between the two peaks is survived by OOM recovery with the same losses;
   the same seed gives the same losses twice;
   frugal's Adam gives LibTorch's losses with a lower peak, and so does the step in backward;
+  factored 8-bit states without a first moment take a twentieth of the 8-bit ones, and train;
   a run saved and resumed (also after SIGTERM, also past a damaged newest save) continues
   the step numbers with the losses of a run never stopped;
   two ranks under --distributed (started as torchrun starts them) report the losses of one
@@ -77,6 +78,13 @@ check(peak["in_backward"] <= forward_peak + largest_grad + (1 << 20),
       f"the step in backward peaks at the forward's plus one gradient ({peak['in_backward']} <= {forward_peak} + {largest_grad} + 1 MiB)")
 check(peak["in_backward"] < peak["frugal"], f"the step in backward peaks lower than the ordinary step ({peak['in_backward']} / {peak['frugal']}, {peak['in_backward'] / peak['torch']:.3f}x LibTorch's Adam)")
 check(len(train("sgd", "--optimizer", "sgd", "--lr", "0.01", steps=3)) == 3, "--optimizer sgd trains")
+# Factored second moments and no first moment: the CNN's matrices keep rows and columns only,
+# its vectors (under 4096 elements) float32 moments.
+eight = train("adamw8bit", "--optimizer", "adamw8bit", steps=3)
+factored = train("factored", "--optimizer", "adamw8bit", "--factored", "--beta1", "0", steps=3)
+state = {name: rows[-1]["optimizer_bytes"] for name, rows in [("8-bit", eight), ("factored", factored)]}
+check(state["factored"] < 0.05 * state["8-bit"] and factored[-1]["loss"] < factored[0]["loss"],
+      f"--factored --beta1 0 keeps < 0.05x of the 8-bit state ({state['factored']} / {state['8-bit']} B) and trains")
 
 required = {"step", "epoch", "loss", "samples", "micro_batch", "micro_batches", "oom_retries",
             "skipped", "scale", "lr", "time_ms", "allocated_bytes", "peak_bytes",
@@ -212,6 +220,7 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                       "total_steps (10) must be greater than warmup_steps (50)"),
                      (["--batch", "-3"], "must be > 0, got -3"),
                      (["--model", "rnn"], "rnn"),
+                     (["--factored", "--max-steps", "1"], "--factored needs --optimizer adam8bit or adamw8bit, not adam"),
                      (["--step-in-backward", "--torch-optimizer", "--max-steps", "1"], "frugal::optim::SGD, Adam or AdamW"),
                      # (LibTorch 1.13 refuses float16 autocast on the CPU before that.)
                      (["--step-in-backward", "--autocast", "fp16", "--max-steps", "1"],

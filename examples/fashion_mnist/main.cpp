@@ -304,6 +304,13 @@ int main(int argc, char** argv) {
                  "frugal's, in place")
       ->check(CLI::IsMember({"sgd", "adam", "adamw", "adam8bit", "adamw8bit"}))
       ->capture_default_str();
+  app.add_option("--beta1", args.beta1,
+                 "Adam's first-moment decay (adam, adamw, adam8bit, adamw8bit; 0 with the 8-bit "
+                 "ones: no first moment kept)")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
+  app.add_flag("--factored", args.factored,
+               "adam8bit/adamw8bit: keep a matrix's second moment as row and column statistics");
   app.add_flag("--torch-optimizer", args.torch_optimizer,
                "Use LibTorch's optimizer of that name instead of frugal's");
   app.add_flag("--step-in-backward", args.step_in_backward,

@@ -9,6 +9,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace fashion {
@@ -35,6 +36,8 @@ struct Args {
   std::string rounding = "stochastic";
   bool checkpoint = false;
   std::string optimizer = "adam";
+  double beta1 = 0.9;
+  bool factored = false;
   bool torch_optimizer = false;
   bool step_in_backward = false;
   bool quiet = false;
@@ -57,18 +60,23 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
       : args.rounding == "compensated" ? frugal::optim::Rounding::Compensated
                                        : frugal::optim::Rounding::Stochastic);
   const bool adamw = args.optimizer == "adamw" || args.optimizer == "adamw8bit";
-  if (args.optimizer == "adam8bit" || args.optimizer == "adamw8bit") {
+  const bool low_bit = args.optimizer == "adam8bit" || args.optimizer == "adamw8bit";
+  if (args.factored && !low_bit) {
+    throw std::invalid_argument("--factored needs --optimizer adam8bit or adamw8bit, not " +
+                                args.optimizer);
+  }
+  const std::tuple<double, double> betas{args.beta1, 0.999};
+  if (low_bit) {
     if (args.torch_optimizer) {
       throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
     }
+    const auto states = frugal::optim::QuantizedStateOptions().factored(args.factored);
     if (adamw) {
       return std::make_unique<frugal::optim::AdamW8bit>(
-          std::move(params), to::AdamWOptions(args.lr), frugal::optim::QuantizedStateOptions(),
-          in_place);
+          std::move(params), to::AdamWOptions(args.lr).betas(betas), states, in_place);
     }
-    return std::make_unique<frugal::optim::Adam8bit>(std::move(params), to::AdamOptions(args.lr),
-                                                     frugal::optim::QuantizedStateOptions(),
-                                                     in_place);
+    return std::make_unique<frugal::optim::Adam8bit>(
+        std::move(params), to::AdamOptions(args.lr).betas(betas), states, in_place);
   }
   if (args.optimizer == "sgd") {
     const auto options = to::SGDOptions(args.lr).momentum(0.9);
@@ -78,13 +86,13 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
     return std::make_unique<frugal::optim::SGD>(std::move(params), options, in_place);
   }
   if (adamw) {
-    const auto options = to::AdamWOptions(args.lr);
+    const auto options = to::AdamWOptions(args.lr).betas(betas);
     if (args.torch_optimizer) {
       return std::make_unique<to::AdamW>(std::move(params), options);
     }
     return std::make_unique<frugal::optim::AdamW>(std::move(params), options, in_place);
   }
-  const auto options = to::AdamOptions(args.lr);
+  const auto options = to::AdamOptions(args.lr).betas(betas);
   if (args.torch_optimizer) {
     return std::make_unique<to::Adam>(std::move(params), options);
   }

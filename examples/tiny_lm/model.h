@@ -66,8 +66,9 @@ struct TinyLMImpl : torch::nn::Module {
     auto x = drop((tokens(input) + positions(where)).masked_fill(padding.unsqueeze(-1), 0.0));
     // -inf above the diagonal: a position sees itself and what came before. Added to the
     // attention scores, so that it works under bf16 autocast too.
+    // In the embeddings' dtype: float32 under autocast, bfloat16 for bfloat16 weights.
     const auto mask = torch::full({len, len}, -std::numeric_limits<float>::infinity(),
-                                  torch::TensorOptions().device(input.device()))
+                                  torch::TensorOptions().device(input.device()).dtype(x.dtype()))
                           .triu(1);
     for (std::size_t i = 0; i < blocks->size(); ++i) {
       x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);

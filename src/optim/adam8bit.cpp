@@ -4,13 +4,16 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <numeric>
 #include <set>
+#include <tuple>
 #include <type_traits>
 
 #include "adam8bit_kernel.h"
 #include "adam_chunk.h"
 #include "codebook.h"
 #include "compat.h"
+#include "factored.h"
 #include "frugal/error.h"
 
 namespace frugal::optim {
@@ -60,8 +63,8 @@ std::int64_t read_int(torch::serialize::InputArchive& archive, const char* key) 
 }  // namespace
 
 std::vector<torch::Tensor> Adam8bitParamState::state_tensors() const {
-  return {exp_avg(), exp_avg_scales(), exp_avg_sq(), exp_avg_sq_scales(), signed_map(),
-          unsigned_map()};
+  return {exp_avg(),        exp_avg_scales(), exp_avg_sq(), exp_avg_sq_scales(),
+          exp_avg_sq_row(), exp_avg_sq_col(), signed_map(), unsigned_map()};
 }
 
 void Adam8bitParamState::serialize(torch::serialize::OutputArchive& archive) const {
@@ -70,7 +73,9 @@ void Adam8bitParamState::serialize(torch::serialize::OutputArchive& archive) con
   for (const auto& [key, t] : {std::pair<const char*, torch::Tensor>{"exp_avg", exp_avg()},
                                {"exp_avg_scales", exp_avg_scales()},
                                {"exp_avg_sq", exp_avg_sq()},
-                               {"exp_avg_sq_scales", exp_avg_sq_scales()}}) {
+                               {"exp_avg_sq_scales", exp_avg_sq_scales()},
+                               {"exp_avg_sq_row", exp_avg_sq_row()},
+                               {"exp_avg_sq_col", exp_avg_sq_col()}}) {
     if (t.defined()) {
       archive.write(key, c10::IValue(t));
     }
@@ -84,12 +89,51 @@ void Adam8bitParamState::serialize(torch::serialize::InputArchive& archive) {
   read_tensor(archive, "exp_avg_scales", exp_avg_scales_);
   read_tensor(archive, "exp_avg_sq", exp_avg_sq_);
   read_tensor(archive, "exp_avg_sq_scales", exp_avg_sq_scales_);
+  read_tensor(archive, "exp_avg_sq_row", exp_avg_sq_row_);
+  read_tensor(archive, "exp_avg_sq_col", exp_avg_sq_col_);
 }
 
 template <typename Options>
 struct Adam8bitBase<Options>::Books {
   CodeBook signed_book, unsigned_book;
 };
+
+template <typename Options>
+struct Adam8bitBase<Options>::Format {
+  bool quantized = false;    // codes and scales (else float32 moments)
+  bool factored = false;     // the second moment as rows and columns
+  bool first_moment = true;  // exp_avg kept
+};
+
+template <typename Options>
+typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
+    const torch::Tensor& param, const torch::optim::OptimizerParamState* state,
+    const torch::optim::OptimizerOptions& options) const {
+  Format f;
+  if (state != nullptr) {
+    const auto& s = static_cast<const Adam8bitParamState&>(*state);
+    f.quantized = s.quantized();
+    f.factored = s.factored();
+    f.first_moment = s.exp_avg().defined();
+  } else {
+    f.quantized = enabled_ && param.numel() >= quantized_.min_elements();
+    f.factored = f.quantized && quantized_.factored() && detail::worth_factoring(param);
+    f.first_moment = !f.quantized || std::get<0>(static_cast<const Options&>(options).betas()) != 0;
+  }
+  return f;
+}
+
+template <typename Options>
+std::int64_t Adam8bitBase<Options>::chunk_multiple(
+    const torch::Tensor& param, const torch::optim::OptimizerParamState* state,
+    const torch::optim::OptimizerOptions& options) const {
+  if (!format_of(param, state, options).factored) {
+    return quantized_.block();
+  }
+  // Whole rows, and whole blocks of the first moment's codes.
+  const auto cols = detail::factored_shape(param).cols;
+  return cols / std::gcd(cols, quantized_.block()) * quantized_.block();
+}
 
 template <typename Options>
 Adam8bitBase<Options>::Adam8bitBase(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -129,7 +173,16 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
       }
       const auto n = p.numel();
       if (quantized && n >= quantized_.min_elements()) {
-        bytes += 2 * (n + 4 * blocks_of(n, quantized_.block()));
+        const auto codes = n + 4 * blocks_of(n, quantized_.block());  // one moment's
+        const bool first_moment =
+            std::get<0>(static_cast<const Options&>(group.options()).betas()) != 0;
+        bytes += first_moment ? codes : 0;
+        if (quantized_.factored() && detail::worth_factoring(p)) {
+          const auto f = detail::factored_shape(p);
+          bytes += 4 * (f.rows + f.cols);
+        } else {
+          bytes += codes;
+        }
         const auto device = std::make_pair(p.device().type(), p.device().index());
         if (books_.count(device) == 0 && devices.insert(device).second) {
           bytes += kBookBytes;
@@ -163,17 +216,25 @@ std::unique_ptr<torch::optim::OptimizerParamState> Adam8bitBase<Options>::make_s
   check_options(static_cast<const Options&>(options), quantized_);
   auto state = std::make_unique<Adam8bitParamState>();
   const auto f32 = torch::TensorOptions().device(param.device()).dtype(torch::kFloat32);
-  if (enabled_ && param.numel() >= quantized_.min_elements()) {
+  const auto format = format_of(param, nullptr, options);
+  if (format.quantized) {
     const auto& b = books(param.device());
     const auto blocks = blocks_of(param.numel(), quantized_.block());
     const auto u8 = f32.dtype(torch::kUInt8);
     state->block(quantized_.block())
-        .exp_avg(torch::empty(param.sizes(), u8))
-        .exp_avg_scales(torch::empty({blocks}, f32))
-        .exp_avg_sq(torch::empty(param.sizes(), u8))
-        .exp_avg_sq_scales(torch::empty({blocks}, f32))
         .signed_map(b.signed_book.values)
         .unsigned_map(b.unsigned_book.values);
+    if (format.first_moment) {
+      state->exp_avg(torch::empty(param.sizes(), u8)).exp_avg_scales(torch::empty({blocks}, f32));
+    }
+    if (format.factored) {
+      const auto shape = detail::factored_shape(param);
+      state->exp_avg_sq_row(torch::empty({shape.rows}, f32))
+          .exp_avg_sq_col(torch::empty({shape.cols}, f32));
+    } else {
+      state->exp_avg_sq(torch::empty(param.sizes(), u8))
+          .exp_avg_sq_scales(torch::empty({blocks}, f32));
+    }
   } else {
     state->exp_avg(torch::empty(param.sizes(), f32)).exp_avg_sq(torch::empty(param.sizes(), f32));
   }
@@ -192,9 +253,12 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
                                            const torch::optim::OptimizerParamState* state,
                                            const torch::optim::OptimizerOptions& options) const {
   // Without a state yet (the planner asks before the first step): as make_state would.
-  const bool quantized = state != nullptr
-                             ? static_cast<const Adam8bitParamState*>(state)->quantized()
-                             : enabled_ && param.numel() >= quantized_.min_elements();
+  const auto format = format_of(param, state, options);
+  const double beta1 = std::get<0>(static_cast<const Options&>(options).betas());
+  FRUGAL_CHECK(format.first_moment || beta1 == 0, "frugal: the 8-bit state of a parameter of "
+               "shape ", param.sizes(), " keeps no first moment (it was made with beta1 0), "
+               "but beta1 is now ", beta1);
+  const bool quantized = format.quantized;
   const bool is_float = param.scalar_type() == torch::kFloat32;
   // Float32 copies: the gradient, and a float64 parameter (bfloat16 and float16 weights
   // come in float32 from the base, ParamUpdate::weights).
@@ -202,7 +266,10 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   if (!quantized) {
     return 1 + copies;
   }
-  const bool fused = flat && param.device().is_cpu() && is_float;
+  if (format.factored) {
+    return detail::kFactoredBuffers + copies;
+  }
+  const bool fused = flat && param.device().is_cpu() && is_float && format.first_moment;
   return fused ? 0 : scratch_buffers(options) + copies;
 }
 
@@ -216,8 +283,13 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const Books* b = s.quantized()
                        ? books_.at({u.param.device().type(), u.param.device().index()}).get()
                        : nullptr;
+  if (s.factored()) {
+    detail::factored_adam_update(u, s, step, s.exp_avg().defined() ? &b->signed_book : nullptr);
+    return;
+  }
+  const bool first_moment = s.exp_avg().defined();  // else beta1 is 0: m is the gradient
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
-  const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
+  const bool fused = b != nullptr && first_moment && u.flat && u.param.device().is_cpu() &&
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
   if (fused) {  // the whole parameter at once: it needs no scratch
     detail::AdamScalars a;
@@ -261,13 +333,19 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       m = u.scratch_part(0, n);
       v = u.scratch_part(1, n);
       index = u.scratch.at(3).narrow(0, 0, n).view(torch::kInt32);
-      m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
-      v_codes = s.exp_avg_sq().view(-1).narrow(0, offset, n);
       const auto first = offset / s.block();
-      m_scales = s.exp_avg_scales().narrow(0, first, blocks_of(n, s.block()));
+      v_codes = s.exp_avg_sq().view(-1).narrow(0, offset, n);
       v_scales = s.exp_avg_sq_scales().narrow(0, first, blocks_of(n, s.block()));
+      if (first_moment) {
+        m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
+        m_scales = s.exp_avg_scales().narrow(0, first, blocks_of(n, s.block()));
+      }
       if (!u.fresh) {
-        dequantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), index);
+        if (first_moment) {
+          dequantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), index);
+        } else {
+          m.zero_();  // times beta1 0: the gradient alone
+        }
         dequantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), index);
       }
     } else {
@@ -280,7 +358,10 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     }
     u.store_weights(p, offset, n);
     if (b != nullptr) {
-      quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1), index);
+      if (first_moment) {
+        quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1),
+                      index);
+      }
       quantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), work.view(-1),
                     index);
     }
@@ -342,21 +423,33 @@ void Adam8bitBase<Options>::adopt_loaded() {
       FRUGAL_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
                    " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
                    quantized_.block());
-      const auto moment_type = s.quantized() ? torch::kUInt8 : torch::kFloat32;
-      for (const auto& t : {s.exp_avg(), s.exp_avg_sq()}) {
-        FRUGAL_CHECK(t.defined() && t.sizes() == p.sizes() && t.scalar_type() == moment_type,
-                    name(), " holds a moment of ",
-                    t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "nothing",
-                    " where ", p.sizes(), " ", moment_type, " belongs");
+      const auto expect = [&](const torch::Tensor& t, const char* what, at::IntArrayRef sizes,
+                              c10::ScalarType type) {
+        FRUGAL_CHECK(t.defined() && t.sizes() == sizes && t.scalar_type() == type, name(),
+                     " holds ", what, " of ",
+                     t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "nothing",
+                     " where ", sizes, " ", type, " belongs");
+      };
+      if (!s.quantized()) {
+        FRUGAL_CHECK(!s.factored(), name(), " is factored but not quantized");
+        expect(s.exp_avg(), "a first moment", p.sizes(), torch::kFloat32);
+        expect(s.exp_avg_sq(), "a second moment", p.sizes(), torch::kFloat32);
+        continue;
       }
-      if (s.quantized()) {
-        const auto blocks = blocks_of(p.numel(), s.block());
-        for (const auto& t : {s.exp_avg_scales(), s.exp_avg_sq_scales()}) {
-          FRUGAL_CHECK(t.defined() && t.dim() == 1 && t.numel() == blocks &&
-                          t.scalar_type() == torch::kFloat32,
-                      name(), " needs ", blocks, " float32 scales, got ",
-                      t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "none");
-        }
+      const std::vector<std::int64_t> blocks{blocks_of(p.numel(), s.block())};
+      if (s.exp_avg().defined()) {  // else no first moment: beta1 0
+        expect(s.exp_avg(), "a first moment", p.sizes(), torch::kUInt8);
+        expect(s.exp_avg_scales(), "first-moment scales", blocks, torch::kFloat32);
+      }
+      if (s.factored()) {
+        const auto shape = detail::factored_shape(p);
+        FRUGAL_CHECK(!s.exp_avg_sq().defined(), name(), " holds both a factored and a whole "
+                     "second moment");
+        expect(s.exp_avg_sq_row(), "second-moment rows", {shape.rows}, torch::kFloat32);
+        expect(s.exp_avg_sq_col(), "second-moment columns", {shape.cols}, torch::kFloat32);
+      } else {
+        expect(s.exp_avg_sq(), "a second moment", p.sizes(), torch::kUInt8);
+        expect(s.exp_avg_sq_scales(), "second-moment scales", blocks, torch::kFloat32);
       }
     }
   }
@@ -373,6 +466,7 @@ void Adam8bitBase<Options>::adopt_loaded() {
       };
       s.exp_avg(here(s.exp_avg())).exp_avg_sq(here(s.exp_avg_sq()));
       s.exp_avg_scales(here(s.exp_avg_scales())).exp_avg_sq_scales(here(s.exp_avg_sq_scales()));
+      s.exp_avg_sq_row(here(s.exp_avg_sq_row())).exp_avg_sq_col(here(s.exp_avg_sq_col()));
       if (s.quantized()) {
         const auto& b = books(p.device());
         s.signed_map(b.signed_book.values).unsigned_map(b.unsigned_book.values);

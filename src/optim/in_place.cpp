@@ -144,8 +144,8 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
       w.new_state = make_state(p, w.group->options());
     }
     w.flat = p.is_contiguous() && g.is_contiguous();
-    w.chunk = chunk_of(p, w.flat);
     const auto* param_state = w.has_state ? state.find(w.key)->second.get() : w.new_state.get();
+    w.chunk = chunk_of(p, w.flat, param_state, w.group->options());
     w.buffers = scratch_buffers(p, w.flat, param_state, w.group->options());
     auto& size = sizes[kind_of(p, scratch_type(p))];
     size.first = std::max(size.first, w.chunk);
@@ -243,8 +243,10 @@ torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tenso
   return groups[it->second];
 }
 
-std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat) const {
-  const std::int64_t multiple = chunk_multiple();
+std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
+                                        const torch::optim::OptimizerParamState* state,
+                                        const torch::optim::OptimizerOptions& options) const {
+  const std::int64_t multiple = chunk_multiple(param, state, options);
   const std::int64_t chunk = std::max(multiple, in_place_.chunk() / multiple * multiple);
   return flat ? std::min(chunk, param.numel()) : param.numel();
 }
@@ -256,7 +258,7 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
       const auto it = optimizer().state().find(compat::optimizer_state_key(p));
       const auto* param_state = it == optimizer().state().end() ? nullptr : it->second.get();
       const int buffers = scratch_buffers(p, p.is_contiguous(), param_state, group.options());
-      const auto elements = chunk_of(p, p.is_contiguous());
+      const auto elements = chunk_of(p, p.is_contiguous(), param_state, group.options());
       const auto element = static_cast<std::int64_t>(c10::elementSize(scratch_type(p)));
       most = std::max(most, elements * element * buffers);
     }

@@ -27,14 +27,23 @@ struct QuantizedStateOptions {
   /// Parameters with fewer elements keep float32 states (biases, norms: little memory, and
   /// the most sensitive to quantization).
   TORCH_ARG(std::int64_t, min_elements) = 4096;
+  /// Adam's second moment of a matrix (a parameter of 2+ dimensions, seen as its first
+  /// dimension's rows by the rest) kept as Adafactor keeps it (Shazeer and Stern, 2018):
+  /// moving averages of the squared gradient's row and column means, whose product over
+  /// their mean stands for each element's. 4 bytes a row and a column instead of about 1 a
+  /// parameter; taken wherever that is fewer bytes than the codes.
+  TORCH_ARG(bool, factored) = false;
 };
 
 /// One parameter's state in Adam8bit and AdamW8bit. Quantized (`block` > 0): `exp_avg` and
 /// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed dynamic map and
 /// the unsigned one without zero (`signed_map`, `unsigned_map`: the 8-bit moment maps, shared
 /// by every state on a device), with
-/// one float32 scale per block of `block` elements. Not quantized (`block` 0): float32
-/// tensors shaped like the parameter, as torch's Adam keeps them.
+/// one float32 scale per block of `block` elements. Factored (QuantizedStateOptions::factored):
+/// `exp_avg_sq_row` and `exp_avg_sq_col` (float32, one per row and one per column) stand for
+/// `exp_avg_sq`, which is undefined. Without a first moment (beta1 0 when the state was made)
+/// `exp_avg` is undefined. Not quantized (`block` 0): float32 tensors shaped like the
+/// parameter, as torch's Adam keeps them.
 struct Adam8bitParamState
     : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
       public StateTensorList {
@@ -44,11 +53,14 @@ struct Adam8bitParamState
   TORCH_ARG(torch::Tensor, exp_avg_scales);
   TORCH_ARG(torch::Tensor, exp_avg_sq);
   TORCH_ARG(torch::Tensor, exp_avg_sq_scales);
+  TORCH_ARG(torch::Tensor, exp_avg_sq_row);
+  TORCH_ARG(torch::Tensor, exp_avg_sq_col);
   TORCH_ARG(torch::Tensor, signed_map);    ///< not saved: the optimizer's, attached on load
   TORCH_ARG(torch::Tensor, unsigned_map);  ///< not saved: likewise
 
  public:
   bool quantized() const { return block() > 0; }
+  bool factored() const { return exp_avg_sq_row().defined(); }
   std::vector<torch::Tensor> state_tensors() const override;
   void serialize(torch::serialize::InputArchive& archive) override;
   void serialize(torch::serialize::OutputArchive& archive) const override;
@@ -65,8 +77,9 @@ class QuantizedStateOptimizer {
   /// Chooses the states' format; refused once any state exists.
   virtual void set_quantized(bool on) = 0;
   /// Bytes of state the first step would allocate for every parameter, quantized or not:
-  /// codes (1 byte an element, two moments), scales (4 bytes a block, two moments) and the
-  /// two code books (2 x 511 float32 per device); 8 bytes an element for float32 states.
+  /// codes (1 byte an element a moment), scales (4 bytes a block a moment), a factored
+  /// moment's rows and columns (4 bytes each) and the two code books (2 x 511 float32 per
+  /// device); 8 bytes an element for float32 states.
   virtual std::int64_t pending_state_bytes(bool quantized) = 0;
 };
 
@@ -105,11 +118,19 @@ class Adam8bitBase : public torch::optim::Optimizer,
                       const torch::optim::OptimizerOptions& options) const override;
   void update(ParamUpdate& u) const override;
   c10::ScalarType scratch_type(const torch::Tensor&) const override { return torch::kFloat32; }
-  std::int64_t chunk_multiple() const override { return quantized_.block(); }
+  std::int64_t chunk_multiple(const torch::Tensor& param,
+                              const torch::optim::OptimizerParamState* state,
+                              const torch::optim::OptimizerOptions& options) const override;
 
  private:
   struct Books;  // the two moments' code books on one device
   const Books& books(torch::Device device) const;
+  // What a parameter's state holds: its own, or the one make_state would give it (`state`
+  // null) under `options`.
+  struct Format;
+  Format format_of(const torch::Tensor& param, const torch::optim::OptimizerParamState* state,
+                   const torch::optim::OptimizerOptions& options) const;
+  void update_factored(ParamUpdate& u, const Books& b) const;
   // Checks that loaded states fit these parameters, then moves them to their devices.
   void adopt_loaded();
 
@@ -124,6 +145,9 @@ extern template class Adam8bitBase<torch::optim::AdamWOptions>;
 
 /// Adam whose moments are stored in 8 bits, block-wise quantized with the dynamic map of
 /// Dettmers et al. (2021): 2 bytes a parameter (plus 8 bytes a block of 256) instead of 8.
+/// With QuantizedStateOptions::factored, a matrix's second moment costs about nothing (1 byte
+/// a parameter in all); with betas' beta1 0, the first moment is the gradient itself and is
+/// stored in quantized states (a state made so refuses a later beta1 above 0).
 /// The second moment's map has no zero (see dynamic_map): without that, training the
 /// Fashion-MNIST CNN lost 3 to 5 points of accuracy against float32 Adam.
 /// Each step dequantizes a chunk of the moments into float32 scratch, updates them and the

@@ -150,15 +150,22 @@ class InPlaceOptimizer : public LedgerParts {
   virtual c10::ScalarType scratch_type(const torch::Tensor& param) const {
     return param.scalar_type();
   }
-  /// Chunks are a multiple of this many elements (8-bit states: the quantization block).
-  virtual std::int64_t chunk_multiple() const { return 1; }
+  /// Chunks of `param` are a multiple of this many elements (8-bit states: the quantization
+  /// block; factored ones: whole rows too). `state` as for scratch_buffers.
+  virtual std::int64_t chunk_multiple(const torch::Tensor& /*param*/,
+                                      const torch::optim::OptimizerParamState* /*state*/,
+                                      const torch::optim::OptimizerOptions& /*options*/) const {
+    return 1;
+  }
 
  private:
   struct Planned;
   void apply(std::vector<Planned>& work);
   void plan_low_precision(Planned& w);
   torch::optim::OptimizerParamGroup& group_of(const torch::Tensor& param);
-  std::int64_t chunk_of(const torch::Tensor& param, bool flat) const;
+  std::int64_t chunk_of(const torch::Tensor& param, bool flat,
+                        const torch::optim::OptimizerParamState* state,
+                        const torch::optim::OptimizerOptions& options) const;
 
   std::vector<torch::Tensor> all_params();
 
