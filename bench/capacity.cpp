@@ -1,10 +1,10 @@
 // The largest model that trains under a fixed memory cap: tiny_lm's decoder (L layers of
-// width D, D / 64 heads, a byte vocabulary), D in steps of 64, two training steps on one
-// batch, for a plain LibTorch loop (AdamW, float32) and for frugal's combinations. Each trial
-// runs in a fresh process (this program, called with --trial), so that no trial inherits
+// width D, heads of 32 dimensions, a byte vocabulary), D in steps of 32, two training steps
+// on one batch, for a plain LibTorch loop (AdamW, float32) and for frugal's combinations. Each
+// trial runs in a fresh process (this program, called with --trial), so that no trial inherits
 // another's allocations or caches.
 //
-//   bench_capacity --cap-mib 256 --layers 8 --batch 4 --seq 128 --threads 2
+//   bench_capacity --cap-mib 512 --layers 8 --batch 4 --seq 128 --threads 2
 //   bench_capacity --trial plain --dim 512     (one trial: exit 0 trained, 3 out of memory)
 #include <fmt/format.h>
 #include <frugal/frugal.h>
@@ -25,7 +25,7 @@
 namespace {
 
 struct Args {
-  std::int64_t cap_mib = 256;
+  std::int64_t cap_mib = 512;
   std::int64_t layers = 8;
   std::int64_t batch = 4;
   std::int64_t seq = 128;
@@ -36,6 +36,12 @@ struct Args {
   std::string trial;  // a configuration's name: run one trial
   std::int64_t dim = 0;
 };
+
+constexpr std::int64_t kStep = 32;  // the width's step, and a head's dimensions
+
+tiny_lm::ModelOptions decoder(const Args& a, std::int64_t dim) {
+  return tiny_lm::ModelOptions{256, a.seq, dim, dim / kStep, a.layers, 0.0};
+}
 
 // One way to train, from the plain loop up; each frugal row adds to the one before.
 struct Config {
@@ -98,7 +104,7 @@ int trial(const Args& a) {
   try {
     // The cap counts the model: built first (and cast, as one loaded in bf16 would be),
     // it must fit with everything else.
-    tiny_lm::TinyLM model(tiny_lm::ModelOptions{256, a.seq, a.dim, a.dim / 64, a.layers, 0.0});
+    tiny_lm::TinyLM model(decoder(a, a.dim));
     model->to(device, config.bf16_weights ? torch::kBFloat16 : torch::kFloat32);
     frugal::ScopedMemoryCap cap(device, frugal::MiB(a.cap_mib));
     float loss = 0;
@@ -162,22 +168,23 @@ bool fits(const Args& a, const std::string& self, const Config& config, std::int
   return code == 0;
 }
 
-// The largest multiple of 64 that fits: up by half again from `start` while widths fit,
-// then halving the gap between the widest that fit and the narrowest that did not.
-std::int64_t largest_width(const Args& a, const std::string& self, const Config& config,
-                           std::int64_t start) {
-  std::int64_t lo = 0, hi = a.max_dim + 64;  // lo fits (0: none known), hi does not
-  std::int64_t dim = std::max<std::int64_t>(64, start / 64 * 64);
+// The widest width (a multiple of kStep) that fits, and the narrowest that did not (past
+// --max-dim if none failed): up by half again from `start` while widths fit, then halving
+// the gap.
+std::pair<std::int64_t, std::int64_t> widest(const Args& a, const std::string& self,
+                                             const Config& config, std::int64_t start) {
+  std::int64_t lo = 0, hi = a.max_dim + kStep;  // lo fits (0: none known), hi does not
+  std::int64_t dim = std::max(kStep, start / kStep * kStep);
   while (dim < hi && fits(a, self, config, dim)) {
     lo = dim;
-    dim = std::min(hi, (dim * 3 / 2 + 63) / 64 * 64);
+    dim = std::min(hi, (dim * 3 / 2 + kStep - 1) / kStep * kStep);
   }
   hi = std::min(hi, dim);
-  while (hi - lo > 64) {
-    const auto mid = std::max(lo + 64, (lo + hi) / 2 / 64 * 64);
+  while (hi - lo > kStep) {
+    const auto mid = std::max(lo + kStep, (lo + hi) / 2 / kStep * kStep);
     (fits(a, self, config, mid) ? lo : hi) = mid;
   }
-  return lo;
+  return {lo, hi};
 }
 
 }  // namespace
@@ -190,18 +197,19 @@ int main(int argc, char** argv) {
   app.add_option("--layers", a.layers, "Decoder blocks")->check(CLI::PositiveNumber);
   app.add_option("--batch", a.batch, "Sequences per step")->check(CLI::PositiveNumber);
   app.add_option("--seq", a.seq, "Tokens per sequence")->check(CLI::Range(8, 4096));
-  app.add_option("--max-dim", a.max_dim, "Widest width tried")->check(CLI::Range(64, 65536));
+  app.add_option("--max-dim", a.max_dim, "Widest width tried")
+      ->check(CLI::Range(kStep, std::int64_t{65536}));
   app.add_option("--threads", a.threads, "Intra-op threads")->check(CLI::Range(1, 256));
   app.add_option("--device", a.device, "cpu, cuda or cuda:N");
   app.add_option("--only", a.only, "One configuration (and the plain loop)");
   app.add_option("--trial", a.trial, "Run one trial of this configuration (internal)");
-  app.add_option("--dim", a.dim, "The trial's width (a multiple of 64)")
+  app.add_option("--dim", a.dim, "The trial's width (a multiple of 32)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   try {
     if (!a.trial.empty()) {
-      if (a.dim % 64 != 0) {
-        throw std::invalid_argument(fmt::format("--dim {}: not a multiple of 64", a.dim));
+      if (a.dim % kStep != 0) {
+        throw std::invalid_argument(fmt::format("--dim {}: not a multiple of {}", a.dim, kStep));
       }
       return trial(a);
     }
@@ -211,36 +219,40 @@ int main(int argc, char** argv) {
     const std::string exe =
         length > 0 ? std::string(path, static_cast<std::size_t>(length)) : argv[0];
     torch::set_num_threads(a.threads);
-    std::vector<std::pair<const Config*, std::int64_t>> found;
+    struct Found {
+      const Config* config;
+      std::int64_t dim, fails;
+    };
+    std::vector<Found> found;
     std::int64_t start = 256;
     for (const auto& c : configs()) {
       if (!a.only.empty() && a.only != c.name && std::string(c.name) != "plain") {
         continue;
       }
-      const auto dim = largest_width(a, exe, c, start);
-      found.emplace_back(&c, dim);
+      const auto [dim, fails] = widest(a, exe, c, start);
+      found.push_back({&c, dim, fails});
       start = std::max(start, dim);
     }
     const auto params = [&](std::int64_t dim) {
-      tiny_lm::TinyLM m(tiny_lm::ModelOptions{256, a.seq, dim, std::max<std::int64_t>(dim / 64, 1),
-                                              a.layers, 0.0});
-      return count_params(*m);
+      tiny_lm::TinyLM m(decoder(a, dim));
+      return static_cast<double>(count_params(*m));
     };
-    const double plain = static_cast<double>(params(found.front().second));
+    const double plain = found.front().dim > 0 ? params(found.front().dim) : 0;
     const double cap = static_cast<double>(frugal::MiB(a.cap_mib));
     fmt::print(
-        "\nbench_capacity: tiny_lm decoder, {} layers, width in steps of 64 (heads of 64), "
+        "\nbench_capacity: tiny_lm decoder, {} layers, width in steps of {} (heads of {}), "
         "{} x {} tokens, two steps under a {} MiB cap on {}; {}\n\n",
-        a.layers, a.batch, a.seq, a.cap_mib, a.device, bench::machine_line());
+        a.layers, kStep, kStep, a.batch, a.seq, a.cap_mib, a.device, bench::machine_line());
     fmt::print(
-        "| configuration | widest | parameters | cap bytes / parameter | x plain |\n"
-        "|---|---|---|---|---|\n");
+        "| configuration | widest (next fails) | parameters | cap bytes / parameter | "
+        "x plain |\n|---|---|---|---|---|\n");
     nlohmann::json rows = nlohmann::json::array();
-    for (const auto& [c, dim] : found) {
-      const double n = dim > 0 ? static_cast<double>(params(dim)) : 0;
-      fmt::print("| {} | {} | {:.1f} M | {:.2f} | {:.2f} |\n", c->what, dim, n / 1e6,
-                 n > 0 ? cap / n : 0.0, plain > 0 ? n / plain : 0.0);
-      rows.push_back({{"config", c->name}, {"dim", dim}, {"params", n}});
+    for (const auto& f : found) {
+      const double n = f.dim > 0 ? params(f.dim) : 0;
+      fmt::print("| {} | {} ({}) | {:.1f} M | {:.2f} | {:.2f} |\n", f.config->what, f.dim, f.fails,
+                 n / 1e6, n > 0 ? cap / n : 0.0, plain > 0 ? n / plain : 0.0);
+      rows.push_back(
+          {{"config", f.config->name}, {"dim", f.dim}, {"fails", f.fails}, {"params", n}});
     }
     const nlohmann::json j = {{"bench", "capacity"}, {"cap_mib", a.cap_mib}, {"layers", a.layers},
                               {"batch", a.batch},    {"seq", a.seq},         {"rows", rows}};

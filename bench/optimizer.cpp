@@ -1,12 +1,14 @@
-// frugal's in-place Adam and 8-bit Adam against LibTorch's Adam, and the whole step with the optimizer step in
-// backward against the ordinary one, side by side, on the Fashion-MNIST CNN (batch 64).
+// frugal's in-place Adam, 8-bit Adam (also with factored second moments) and Adam on
+// bfloat16 weights (stochastic rounding) against LibTorch's Adam, and the whole step with the
+// optimizer step in backward against the ordinary one, side by side, on the Fashion-MNIST CNN
+// (batch 64).
 //
 //   bench_optimizer --rounds 15 --calls 10 --threads 2
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_util.h"
@@ -24,16 +26,25 @@ struct Stepper {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 };
 
-template <typename Adam>
-Stepper make_stepper() {
+// `make` builds the optimizer over the parameters; `dtype` is the weights' (and gradients').
+template <typename Make>
+Stepper make_stepper(Make make, torch::Dtype dtype = torch::kFloat32) {
   torch::manual_seed(0);
   Stepper s{fashion::make_cnn(0.0), nullptr};
+  s.model->to(dtype);
   for (auto& p : s.model->parameters()) {
     p.mutable_grad() = torch::randn_like(p) * 1e-3;
   }
-  s.optimizer = std::make_unique<Adam>(s.model->parameters(), torch::optim::AdamOptions(1e-4));
+  s.optimizer = make(s.model->parameters());
   s.optimizer->step();  // the state exists: what is timed is the steady step
   return s;
+}
+
+template <typename Adam>
+Stepper make_stepper() {
+  return make_stepper([](std::vector<torch::Tensor> params) {
+    return std::make_unique<Adam>(std::move(params), torch::optim::AdamOptions(1e-4));
+  });
 }
 
 // A trainer on the CNN with frugal's Adam, with or without the step in backward.
@@ -46,8 +57,8 @@ struct Training {
 Training make_training(bool in_backward) {
   torch::manual_seed(0);
   Training t{fashion::make_cnn(0.0), nullptr, nullptr};
-  t.adam = std::make_unique<frugal::optim::Adam>(t.model->parameters(),
-                                                 torch::optim::AdamOptions(1e-4));
+  t.adam =
+      std::make_unique<frugal::optim::Adam>(t.model->parameters(), torch::optim::AdamOptions(1e-4));
   t.trainer = std::make_unique<frugal::Trainer>(t.model, *t.adam, cross_entropy);
   if (in_backward) {
     t.trainer->add_policy(std::make_shared<frugal::StepInBackward>());
@@ -70,10 +81,27 @@ int main(int argc, char** argv) {
   auto theirs = make_stepper<torch::optim::Adam>();
   auto ours = make_stepper<frugal::optim::Adam>();
   auto ours8 = make_stepper<frugal::optim::Adam8bit>();
+  auto factored = make_stepper([](std::vector<torch::Tensor> params) {
+    return std::make_unique<frugal::optim::Adam8bit>(
+        std::move(params), torch::optim::AdamOptions(1e-4),
+        frugal::optim::QuantizedStateOptions().factored(true));
+  });
+  auto bf16 = make_stepper(
+      [](std::vector<torch::Tensor> params) {
+        return std::make_unique<frugal::optim::Adam>(std::move(params),
+                                                     torch::optim::AdamOptions(1e-4));
+      },
+      torch::kBFloat16);
   const auto steps = bench::interleave(
-      {{"LibTorch Adam", [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
+      {{"LibTorch Adam",
+        [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
        {"frugal Adam", [&] { return bench::ms_per_call([&] { ours.optimizer->step(); }, calls); }},
-       {"frugal Adam8bit", [&] { return bench::ms_per_call([&] { ours8.optimizer->step(); }, calls); }}},
+       {"frugal Adam8bit",
+        [&] { return bench::ms_per_call([&] { ours8.optimizer->step(); }, calls); }},
+       {"frugal Adam8bit factored",
+        [&] { return bench::ms_per_call([&] { factored.optimizer->step(); }, calls); }},
+       {"frugal Adam bf16",
+        [&] { return bench::ms_per_call([&] { bf16.optimizer->step(); }, calls); }}},
       rounds);
 
   torch::manual_seed(1);
@@ -81,29 +109,45 @@ int main(int argc, char** argv) {
   auto ordinary = make_training(false);
   auto fused = make_training(true);
   const auto whole = bench::interleave(
-      {{"ordinary step", [&] { return bench::ms_per_call([&] { ordinary.trainer->step(batch); }, calls); }},
-       {"step in backward", [&] { return bench::ms_per_call([&] { fused.trainer->step(batch); }, calls); }}},
+      {{"ordinary step",
+        [&] { return bench::ms_per_call([&] { ordinary.trainer->step(batch); }, calls); }},
+       {"step in backward",
+        [&] { return bench::ms_per_call([&] { fused.trainer->step(batch); }, calls); }}},
       rounds);
 
   const double torch_ms = bench::median(steps.at("LibTorch Adam"));
   const double frugal_ms = bench::median(steps.at("frugal Adam"));
   const double frugal8_ms = bench::median(steps.at("frugal Adam8bit"));
+  const double factored_ms = bench::median(steps.at("frugal Adam8bit factored"));
+  const double bf16_ms = bench::median(steps.at("frugal Adam bf16"));
   const double plain_ms = bench::median(whole.at("ordinary step"));
   const double fused_ms = bench::median(whole.at("step in backward"));
-  fmt::print("bench_optimizer: Fashion-MNIST CNN (3.27 M parameters), batch 64, {} rounds of {} "
-             "calls, medians; {}\n\n", rounds, calls, bench::machine_line());
+  fmt::print(
+      "bench_optimizer: Fashion-MNIST CNN (3.27 M parameters), batch 64, {} rounds of {} "
+      "calls, medians; {}\n\n",
+      rounds, calls, bench::machine_line());
   fmt::print("| what | LibTorch / ordinary (ms) | frugal (ms) | ratio |\n|---|---|---|---|\n");
   fmt::print("| Adam step (state exists) | {:.2f} | {:.2f} | {:.2f} |\n", torch_ms, frugal_ms,
              frugal_ms / torch_ms);
   fmt::print("| Adam8bit step (8-bit states) vs LibTorch's Adam | {:.2f} | {:.2f} | {:.2f} |\n",
              torch_ms, frugal8_ms, frugal8_ms / torch_ms);
+  fmt::print(
+      "| Adam8bit, factored second moments, vs LibTorch's Adam | {:.2f} | {:.2f} | {:.2f} |\n",
+      torch_ms, factored_ms, factored_ms / torch_ms);
+  fmt::print(
+      "| Adam on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32) | {:.2f} | "
+      "{:.2f} | {:.2f} |\n",
+      torch_ms, bf16_ms, bf16_ms / torch_ms);
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);
   const nlohmann::json j = {
-      {"bench", "optimizer"}, {"threads", torch::get_num_threads()},
+      {"bench", "optimizer"},
+      {"threads", torch::get_num_threads()},
       {"rows",
        {{{"what", "adam"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal_ms}},
         {{"what", "adam8bit"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal8_ms}},
+        {{"what", "adam8bit_factored"}, {"libtorch_ms", torch_ms}, {"frugal_ms", factored_ms}},
+        {{"what", "adam_bf16_weights"}, {"libtorch_ms", torch_ms}, {"frugal_ms", bf16_ms}},
         {{"what", "step_in_backward"}, {"ordinary_ms", plain_ms}, {"in_backward_ms", fused_ms}}}}};
   fmt::print("\n{}\n", j.dump());
   return 0;

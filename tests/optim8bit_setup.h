@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <sstream>
 #include <vector>
 
 #include "compat.h"
@@ -42,6 +43,17 @@ inline double max_abs_diff(const std::vector<torch::Tensor>& a,
 
 // Chunks of three blocks: the 9000-element parameter takes four, the last one partial.
 inline const fo::InPlaceOptions kChunks = fo::InPlaceOptions().chunk(768);
+
+// A module holding `params`, for the ledger (p0, p1, ...).
+struct ParamsModule : torch::nn::Module {
+  explicit ParamsModule(const std::vector<torch::Tensor>& params) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      std::ostringstream name;
+      name << "p" << i;
+      register_parameter(name.str(), params[i]);
+    }
+  }
+};
 
 inline fo::Adam8bitParamState& state_of(to::Optimizer& o, const torch::Tensor& p) {
   return static_cast<fo::Adam8bitParamState&>(

@@ -184,21 +184,11 @@ std::int64_t formula_bytes(const std::vector<torch::Tensor>& params, std::int64_
   return bytes;
 }
 
-struct Holder : torch::nn::Module {
-  explicit Holder(const std::vector<torch::Tensor>& params) {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      std::ostringstream name;
-      name << "p" << i;
-      register_parameter(name.str(), params[i]);
-    }
-  }
-};
-
 TEST(Optim8bit, TheLedgerCountsTheFormulasBytes) {
   frugal::CountingAllocator::install();
   frugal::MemoryProbe probe(torch::kCPU);
   auto params = make_8bit_params();
-  Holder holder(params);
+  ParamsModule holder(params);
   fo::Adam8bit adam8(params, to::AdamOptions(1e-3));
   const auto expected = formula_bytes(params, 4096);
   EXPECT_EQ(adam8.pending_state_bytes(true), expected);

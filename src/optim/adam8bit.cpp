@@ -269,7 +269,7 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   if (format.factored) {
     return detail::kFactoredBuffers + copies;
   }
-  const bool fused = flat && param.device().is_cpu() && is_float && format.first_moment;
+  const bool fused = flat && param.device().is_cpu() && is_float;
   return fused ? 0 : scratch_buffers(options) + copies;
 }
 
@@ -289,25 +289,15 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   }
   const bool first_moment = s.exp_avg().defined();  // else beta1 is 0: m is the gradient
   // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
-  const bool fused = b != nullptr && first_moment && u.flat && u.param.device().is_cpu() &&
+  const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
                      u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
   if (fused) {  // the whole parameter at once: it needs no scratch
-    detail::AdamScalars a;
-    a.beta1 = static_cast<float>(step.beta1);
-    a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
-    a.beta2 = static_cast<float>(step.beta2);
-    a.one_minus_beta2 = static_cast<float>(1 - step.beta2);
-    a.eps = static_cast<float>(step.eps);
-    a.weight_decay = static_cast<float>(step.weight_decay);
-    a.decay_factor = static_cast<float>(1 - step.lr * step.weight_decay);
-    a.neg_step_size = static_cast<float>(-step.step_size);
-    a.bias_correction2_sqrt = static_cast<float>(std::sqrt(step.bias_correction2));
-    a.decoupled = step.decoupled;
-    a.fresh = step.fresh;
     detail::adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
-                         s.exp_avg().data_ptr<std::uint8_t>(), s.exp_avg_scales().data_ptr<float>(),
+                         first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
+                         first_moment ? s.exp_avg_scales().data_ptr<float>() : nullptr,
                          s.exp_avg_sq().data_ptr<std::uint8_t>(),
-                         s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(), a);
+                         s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(),
+                         detail::adam_scalars(step));
     return;
   }
   const bool cast = u.grad.scalar_type() != torch::kFloat32;

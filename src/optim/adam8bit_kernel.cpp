@@ -33,12 +33,15 @@ inline float max_magnitude(const float* x, std::int64_t n) {
   return out;
 }
 
-// One block's new moments (into `mn`, `vn`) and its parameters' update.
-FRUGAL_VECTOR_CLONES
-void update_block(float* __restrict p, const float* __restrict g, const std::uint8_t* __restrict mc,
-                  const std::uint8_t* __restrict vc, const float* __restrict m_map,
-                  const float* __restrict v_map, float* __restrict mn, float* __restrict vn,
-                  std::int64_t count, float m_scale, float v_scale, AdamScalars a) {
+// One block's new moments (into `mn`, `vn`) and its parameters' update. Without a first
+// moment (kFirst false, beta1 0) the gradient stands for it; with a factored second moment
+// (kCodedV false) `vn` holds it on entry, already updated.
+template <bool kFirst, bool kCodedV>
+inline __attribute__((always_inline)) void update_block_body(
+    float* __restrict p, const float* __restrict g, const std::uint8_t* __restrict mc,
+    const std::uint8_t* __restrict vc, const float* __restrict m_map, const float* __restrict v_map,
+    float* __restrict mn, float* __restrict vn, std::int64_t count, float m_scale, float v_scale,
+    const AdamScalars& a) {
   // Adam's L2 decay joins the gradient; AdamW's scales the parameter (1: none).
   const float l2 = a.decoupled ? 0.0F : a.weight_decay;
   const float shrink = a.decoupled ? a.decay_factor : 1.0F;
@@ -47,11 +50,47 @@ void update_block(float* __restrict p, const float* __restrict g, const std::uin
               bias_correction2_sqrt = a.bias_correction2_sqrt, eps = a.eps;
   for (std::int64_t i = 0; i < count; ++i) {
     const float grad = g[i] + l2 * p[i];  // exact when l2 is 0 (p finite)
-    const float m = m_map[mc[i]] * m_scale * beta1 + one_minus_beta1 * grad;
-    const float v = v_map[vc[i]] * v_scale * beta2 + one_minus_beta2 * grad * grad;
+    // (beta1 0 without a first moment: 1 * grad, as the tensor-ops step computes it.)
+    const float m =
+        kFirst ? m_map[mc[i]] * m_scale * beta1 + one_minus_beta1 * grad : one_minus_beta1 * grad;
+    const float v =
+        kCodedV ? v_map[vc[i]] * v_scale * beta2 + one_minus_beta2 * grad * grad : vn[i];
     p[i] = p[i] * shrink + neg_step_size * (m / (std::sqrt(v) / bias_correction2_sqrt + eps));
     mn[i] = m;
-    vn[i] = v;
+    if (kCodedV) {
+      vn[i] = v;
+    }
+  }
+}
+
+#define FRUGAL_UPDATE_BLOCK(name, first, coded)                                                  \
+  FRUGAL_VECTOR_CLONES                                                                           \
+  void name(float* p, const float* g, const std::uint8_t* mc, const std::uint8_t* vc,            \
+            const float* m_map, const float* v_map, float* mn, float* vn, std::int64_t count,    \
+            float m_scale, float v_scale, AdamScalars a) {                                       \
+    update_block_body<first, coded>(p, g, mc, vc, m_map, v_map, mn, vn, count, m_scale, v_scale, \
+                                    a);                                                          \
+  }
+FRUGAL_UPDATE_BLOCK(update_block, true, true)
+FRUGAL_UPDATE_BLOCK(update_block_no_first, false, true)
+FRUGAL_UPDATE_BLOCK(update_block_factored, true, false)
+FRUGAL_UPDATE_BLOCK(update_block_factored_no_first, false, false)
+#undef FRUGAL_UPDATE_BLOCK
+
+// A factored second moment for elements [begin, begin + count) of a matrix of `cols`
+// columns: rows[r] * col_hat[c], as the tensor-ops step multiplies them.
+void factored_moments(const float* rows, const float* col_hat, std::int64_t cols,
+                      std::int64_t begin, std::int64_t count, float* v) {
+  std::int64_t r = begin / cols, c = begin % cols;
+  for (std::int64_t i = 0; i < count;) {
+    const std::int64_t run = std::min(count - i, cols - c);  // to the end of the row
+    const float row = rows[r];
+    for (std::int64_t k = 0; k < run; ++k) {
+      v[i + k] = row * col_hat[c + k];
+    }
+    i += run;
+    c = 0;
+    ++r;
   }
 }
 
@@ -74,43 +113,71 @@ void narrow_codes(const std::int32_t* __restrict wide, std::uint8_t* __restrict 
   }
 }
 
+// What a parameter's step reads beside the parameter, its gradient and the scalars: the first
+// moment's codes (null: none kept), and the second moment's codes or, factored, its rows
+// and columns (`rows` not null).
+struct Moments {
+  std::uint8_t* m_codes = nullptr;
+  float* m_scales = nullptr;
+  std::uint8_t* v_codes = nullptr;
+  float* v_scales = nullptr;
+  const float* rows = nullptr;
+  const float* col_hat = nullptr;
+  std::int64_t cols = 0;
+};
+
+// The codes of x[0..count) under `book`, into `codes`, and their scale (the largest magnitude).
+void encode(const float* x, std::int64_t count, const NearestCode& book, std::int32_t* wide,
+            std::uint8_t* codes, float* scale) {
+  const float most = max_magnitude(x, count);
+  // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
+  // NaN and so is every value it stands for.
+  encode_block(x, most == 0 ? 1.0F : most, wide, book.bases(), book.bounds(), count);
+  narrow_codes(wide, codes, count);
+  *scale = most;
+}
+
 // Blocks [first, last) of the step; `m_new`, `v_new` and `wide` hold a block each.
-void step_blocks(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
-                 std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
+void step_blocks(float* p, const float* g, const Moments& s, std::int64_t n, std::int64_t block,
                  const AdamScalars& a, std::int64_t first, std::int64_t last, float* m_new,
                  float* v_new, std::int32_t* wide) {
   const auto& m_book = nearest_code(true);
   const auto& v_book = nearest_code(false);
+  const bool has_m = s.m_codes != nullptr, factored = s.rows != nullptr;
+  const auto update = factored ? (has_m ? update_block_factored : update_block_factored_no_first)
+                               : (has_m ? update_block : update_block_no_first);
   for (std::int64_t b = first; b < last; ++b) {
     const std::int64_t begin = b * block, count = std::min(n, begin + block) - begin;
-    if (a.fresh) {  // no moments yet: zero scales make every code stand for 0
-      std::memset(m_codes + begin, 0, static_cast<std::size_t>(count));
-      std::memset(v_codes + begin, 0, static_cast<std::size_t>(count));
+    // No moments yet: zero scales make every code stand for 0.
+    if (a.fresh && has_m) {
+      std::memset(s.m_codes + begin, 0, static_cast<std::size_t>(count));
     }
-    update_block(p + begin, g + begin, m_codes + begin, v_codes + begin, m_book.values(),
-                 v_book.values(), m_new, v_new, count, a.fresh ? 0.0F : m_scales[b],
-                 a.fresh ? 0.0F : v_scales[b], a);
-    const float m_max = max_magnitude(m_new, count), v_max = max_magnitude(v_new, count);
-    // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
-    // NaN and so is every value it stands for.
-    encode_block(m_new, m_max == 0 ? 1.0F : m_max, wide, m_book.bases(), m_book.bounds(), count);
-    narrow_codes(wide, m_codes + begin, count);
-    encode_block(v_new, v_max == 0 ? 1.0F : v_max, wide, v_book.bases(), v_book.bounds(), count);
-    narrow_codes(wide, v_codes + begin, count);
-    m_scales[b] = m_max;
-    v_scales[b] = v_max;
+    if (a.fresh && !factored) {
+      std::memset(s.v_codes + begin, 0, static_cast<std::size_t>(count));
+    }
+    if (factored) {
+      factored_moments(s.rows, s.col_hat, s.cols, begin, count, v_new);
+    }
+    update(p + begin, g + begin, has_m ? s.m_codes + begin : nullptr,
+           factored ? nullptr : s.v_codes + begin, m_book.values(), v_book.values(), m_new, v_new,
+           count, a.fresh || !has_m ? 0.0F : s.m_scales[b],
+           a.fresh || factored ? 0.0F : s.v_scales[b], a);
+    if (has_m) {
+      encode(m_new, count, m_book, wide, s.m_codes + begin, &s.m_scales[b]);
+    }
+    if (!factored) {
+      encode(v_new, count, v_book, wide, s.v_codes + begin, &s.v_scales[b]);
+    }
   }
 }
 
-}  // namespace
-
-void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
-                  std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
-                  const AdamScalars& a) {
+// The step over all blocks, shared out among LibTorch's OpenMP threads (this file is
+// compiled with OpenMP where the compiler has it, and links the libgomp LibTorch loads;
+// without it the loop runs on this thread).
+void step_all(float* p, const float* g, const Moments& s, std::int64_t n, std::int64_t block,
+              const AdamScalars& a) {
   const std::int64_t blocks = (n + block - 1) / block;
   const std::int64_t grain = std::max<std::int64_t>(1, 16384 / block);
-  // LibTorch's OpenMP threads (this file is compiled with OpenMP where the compiler has
-  // it, and links the libgomp LibTorch loads; without it the loop runs on this thread).
   at::parallel_for(0, blocks, grain, [&](std::int64_t first, std::int64_t last) {
     // The new moments of one block, between the pass that finds their maxima and the pass
     // that encodes them, and their codes (host memory, three blocks per thread).
@@ -118,9 +185,34 @@ void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scal
     thread_local std::vector<std::int32_t> wide;
     moments.resize(static_cast<std::size_t>(2 * block));
     wide.resize(static_cast<std::size_t>(block));
-    step_blocks(p, g, m_codes, m_scales, v_codes, v_scales, n, block, a, first, last,
-                moments.data(), moments.data() + block, wide.data());
+    step_blocks(p, g, s, n, block, a, first, last, moments.data(), moments.data() + block,
+                wide.data());
   });
+}
+
+}  // namespace
+
+void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+                  std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
+                  const AdamScalars& a) {
+  Moments s;
+  s.m_codes = m_codes;
+  s.m_scales = m_scales;
+  s.v_codes = v_codes;
+  s.v_scales = v_scales;
+  step_all(p, g, s, n, block, a);
+}
+
+void adam8bit_factored_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+                           const float* rows, const float* col_hat, std::int64_t cols,
+                           std::int64_t n, std::int64_t block, const AdamScalars& a) {
+  Moments s;
+  s.m_codes = m_codes;
+  s.m_scales = m_scales;
+  s.rows = rows;
+  s.col_hat = col_hat;
+  s.cols = cols;
+  step_all(p, g, s, n, block, a);
 }
 
 }  // namespace frugal::optim::detail

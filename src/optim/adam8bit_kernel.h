@@ -1,8 +1,12 @@
 // The 8-bit Adam step on the CPU for float32 parameters, fused: each element's moments are
-// decoded, updated, used and encoded again in one pass over a block, with no scratch.
+// decoded, updated, used and encoded again in one pass over a block, with no scratch (and
+// the second pass of the factored step, whose second moment comes from rows and columns).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+
+#include "adam_chunk.h"
 
 namespace frugal::optim::detail {
 
@@ -15,11 +19,35 @@ struct AdamScalars {
   bool fresh = false;      ///< no moments yet: start from zeros
 };
 
+/// The scalars of a step whose constants are `step`.
+inline AdamScalars adam_scalars(const AdamChunkStep& step) {
+  AdamScalars a;
+  a.beta1 = static_cast<float>(step.beta1);
+  a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
+  a.beta2 = static_cast<float>(step.beta2);
+  a.one_minus_beta2 = static_cast<float>(1 - step.beta2);
+  a.eps = static_cast<float>(step.eps);
+  a.weight_decay = static_cast<float>(step.weight_decay);
+  a.decay_factor = static_cast<float>(1 - step.lr * step.weight_decay);
+  a.neg_step_size = static_cast<float>(-step.step_size);
+  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(step.bias_correction2));
+  a.decoupled = step.decoupled;
+  a.fresh = step.fresh;
+  return a;
+}
+
 /// A parameter of `n` elements (`p`) with its gradient (`g`) and moments as codes
 /// (`m_codes`, `v_codes`) with one scale per block of `block` elements; blocks are shared
-/// out among at::get_num_threads() threads.
+/// out among at::get_num_threads() threads. `m_codes` null: no first moment (beta1 0).
 void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
                   const AdamScalars& a);
+
+/// The same with a factored second moment, the update of factored_adam_update's second
+/// pass: element k's second moment is rows[k / cols] * col_hat[k % cols] (the statistics
+/// already updated, the columns divided by the rows' mean).
+void adam8bit_factored_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+                           const float* rows, const float* col_hat, std::int64_t cols,
+                           std::int64_t n, std::int64_t block, const AdamScalars& a);
 
 }  // namespace frugal::optim::detail

@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include "adam8bit_kernel.h"
+
 namespace frugal::optim::detail {
 
 FactoredShape factored_shape(const torch::Tensor& param) {
@@ -111,6 +113,17 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
   row_mean.clamp_min_(std::numeric_limits<float>::min());
   at::div_out(columns, col, row_mean);
 
+  const bool has_m = m_book != nullptr;
+  if (u.flat && u.param.device().is_cpu() && u.param.scalar_type() == torch::kFloat32) {
+    // The second pass fused, as Adam8bit's step on the CPU (the gradient is float32 too).
+    adam8bit_factored_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
+                          has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
+                          has_m ? s.exp_avg_scales().data_ptr<float>() : nullptr,
+                          row.data_ptr<float>(), columns.data_ptr<float>(), shape.cols, u.numel(),
+                          s.block(), adam_scalars(step));
+    return;
+  }
+
   // Adam's step with the moment row x column / mean of the rows.
   const double bias_correction2_sqrt = std::sqrt(step.bias_correction2);
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
@@ -120,11 +133,11 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     const auto work = u.scratch_part(2, n);
     const auto index = u.scratch.at(3).narrow(0, 0, n).view(torch::kInt32);
     torch::Tensor m_codes, m_scales;
-    if (m_book != nullptr) {
+    if (has_m) {
       m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
       m_scales = s.exp_avg_scales().narrow(0, offset / s.block(), (n + s.block() - 1) / s.block());
     }
-    if (m_book != nullptr && !step.fresh) {
+    if (has_m && !step.fresh) {
       dequantize_into(m.view(-1), m_codes, m_scales, *m_book, s.block(), index);
     } else {
       m.zero_();
@@ -143,7 +156,7 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
       x.out.copy_(p);
     }
     u.store_weights(p, offset, n);
-    if (m_book != nullptr) {
+    if (has_m) {
       quantize_into(m.view(-1), m_codes, m_scales, *m_book, s.block(), work.view(-1), index);
     }
   });
