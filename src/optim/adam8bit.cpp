@@ -17,6 +17,30 @@
 #include "frugal/error.h"
 
 namespace frugal::optim {
+namespace detail {
+
+// What a new state holds: codes and scales (else float32 moments), the second moment as rows
+// and columns, a first moment.
+struct StateFormat {
+  bool quantized = false;
+  bool factored = false;
+  bool first_moment = true;
+};
+
+// The format a state made now for `param` takes under `options`, quantized if `quantize`.
+template <typename Options>
+StateFormat new_state_format(const torch::Tensor& param,
+                             const torch::optim::OptimizerOptions& options, bool quantize,
+                             const QuantizedStateOptions& q) {
+  StateFormat f;
+  f.quantized = quantize && param.numel() >= q.min_elements();
+  f.factored = f.quantized && q.factored() && worth_factoring(param);
+  f.first_moment = !f.quantized || std::get<0>(static_cast<const Options&>(options).betas()) != 0;
+  return f;
+}
+
+}  // namespace detail
+
 namespace {
 
 using torch::optim::AdamOptions;
@@ -99,11 +123,7 @@ struct Adam8bitBase<Options>::Books {
 };
 
 template <typename Options>
-struct Adam8bitBase<Options>::Format {
-  bool quantized = false;    // codes and scales (else float32 moments)
-  bool factored = false;     // the second moment as rows and columns
-  bool first_moment = true;  // exp_avg kept
-};
+struct Adam8bitBase<Options>::Format : detail::StateFormat {};
 
 template <typename Options>
 typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
@@ -116,9 +136,7 @@ typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
     f.factored = s.factored();
     f.first_moment = s.exp_avg().defined();
   } else {
-    f.quantized = enabled_ && param.numel() >= quantized_.min_elements();
-    f.factored = f.quantized && quantized_.factored() && detail::worth_factoring(param);
-    f.first_moment = !f.quantized || std::get<0>(static_cast<const Options&>(options).betas()) != 0;
+    static_cast<detail::StateFormat&>(f) = detail::new_state_format<Options>(param, options, enabled_, quantized_);
   }
   return f;
 }
@@ -172,17 +190,12 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
         continue;
       }
       const auto n = p.numel();
-      if (quantized && n >= quantized_.min_elements()) {
+      const auto f = detail::new_state_format<Options>(p, group.options(), quantized, quantized_);
+      if (f.quantized) {
         const auto codes = n + 4 * blocks_of(n, quantized_.block());  // one moment's
-        const bool first_moment =
-            std::get<0>(static_cast<const Options&>(group.options()).betas()) != 0;
-        bytes += first_moment ? codes : 0;
-        if (quantized_.factored() && detail::worth_factoring(p)) {
-          const auto f = detail::factored_shape(p);
-          bytes += 4 * (f.rows + f.cols);
-        } else {
-          bytes += codes;
-        }
+        const auto shape = detail::factored_shape(p);
+        bytes += f.first_moment ? codes : 0;
+        bytes += f.factored ? 4 * (shape.rows + shape.cols) : codes;
         const auto device = std::make_pair(p.device().type(), p.device().index());
         if (books_.count(device) == 0 && devices.insert(device).second) {
           bytes += kBookBytes;
