@@ -92,6 +92,12 @@ int main(int argc, char** argv) {
                                                      torch::optim::AdamOptions(1e-4));
       },
       torch::kBFloat16);
+  auto bf16_8bit = make_stepper(
+      [](std::vector<torch::Tensor> params) {
+        return std::make_unique<frugal::optim::Adam8bit>(std::move(params),
+                                                         torch::optim::AdamOptions(1e-4));
+      },
+      torch::kBFloat16);
   const auto steps = bench::interleave(
       {{"LibTorch Adam",
         [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
@@ -101,7 +107,9 @@ int main(int argc, char** argv) {
        {"frugal Adam8bit factored",
         [&] { return bench::ms_per_call([&] { factored.optimizer->step(); }, calls); }},
        {"frugal Adam bf16",
-        [&] { return bench::ms_per_call([&] { bf16.optimizer->step(); }, calls); }}},
+        [&] { return bench::ms_per_call([&] { bf16.optimizer->step(); }, calls); }},
+       {"frugal Adam8bit bf16",
+        [&] { return bench::ms_per_call([&] { bf16_8bit.optimizer->step(); }, calls); }}},
       rounds);
 
   torch::manual_seed(1);
@@ -120,6 +128,7 @@ int main(int argc, char** argv) {
   const double frugal8_ms = bench::median(steps.at("frugal Adam8bit"));
   const double factored_ms = bench::median(steps.at("frugal Adam8bit factored"));
   const double bf16_ms = bench::median(steps.at("frugal Adam bf16"));
+  const double bf16_8bit_ms = bench::median(steps.at("frugal Adam8bit bf16"));
   const double plain_ms = bench::median(whole.at("ordinary step"));
   const double fused_ms = bench::median(whole.at("step in backward"));
   fmt::print(
@@ -138,6 +147,10 @@ int main(int argc, char** argv) {
       "| Adam on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32) | {:.2f} | "
       "{:.2f} | {:.2f} |\n",
       torch_ms, bf16_ms, bf16_ms / torch_ms);
+  fmt::print(
+      "| Adam8bit on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32) | {:.2f} | "
+      "{:.2f} | {:.2f} |\n",
+      torch_ms, bf16_8bit_ms, bf16_8bit_ms / torch_ms);
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);
   const nlohmann::json j = {
@@ -148,6 +161,7 @@ int main(int argc, char** argv) {
         {{"what", "adam8bit"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal8_ms}},
         {{"what", "adam8bit_factored"}, {"libtorch_ms", torch_ms}, {"frugal_ms", factored_ms}},
         {{"what", "adam_bf16_weights"}, {"libtorch_ms", torch_ms}, {"frugal_ms", bf16_ms}},
+        {{"what", "adam8bit_bf16_weights"}, {"libtorch_ms", torch_ms}, {"frugal_ms", bf16_8bit_ms}},
         {{"what", "step_in_backward"}, {"ordinary_ms", plain_ms}, {"in_backward_ms", fused_ms}}}}};
   fmt::print("\n{}\n", j.dump());
   return 0;

@@ -11,10 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/memory/probe.h"
 #include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/sgd.h"
+#include "helpers.h"
 #include "optim/rounding.h"
 
 namespace {
@@ -277,6 +280,141 @@ TEST(StochasticRounding, ChunksDrawTheBitsTheWholeWouldAndSpecialValuesStay) {
   // Every finite result is a bfloat16 value.
   const auto finite = whole.narrow(0, 20, 9980);
   EXPECT_TRUE(torch::equal(finite, finite.to(torch::kBFloat16).to(torch::kFloat32)));
+}
+
+// One 8-bit step on bfloat16 weights, on the CPU, is the same step on float32 copies of the
+// weights and gradient, rounded as the optimizer rounds: stochastically with the bits of
+// update `update` (one parameter: one update a step), or to nearest.
+void expect_rounded_float32_step(bool factored, fo::Rounding rounding) {
+  const std::uint64_t seed = 5;
+  // 3000 elements: blocks of 256 and a short last one; a matrix of 60 by 50 when factored.
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(8);
+  auto low = torch::randn({60, 50}, generator).to(torch::kBFloat16).requires_grad_();
+  auto wide = low.detach().to(torch::kFloat32).requires_grad_();
+  const auto options = to::AdamWOptions(1e-2).weight_decay(0.1);
+  const auto quantized = fo::QuantizedStateOptions().min_elements(1).factored(factored);
+  fo::AdamW8bit low_adam({low}, options, quantized,
+                         fo::InPlaceOptions().rounding(rounding).seed(seed).chunk(1000));
+  fo::AdamW8bit wide_adam({wide}, options, quantized);
+  for (std::uint64_t update = 0; update < 4; ++update) {
+    low.mutable_grad() = torch::randn({60, 50}, generator).to(torch::kBFloat16);
+    wide.mutable_grad() = low.grad().to(torch::kFloat32);
+    {
+      torch::NoGradGuard no_grad;
+      wide.copy_(low);
+    }
+    low_adam.step();
+    wide_adam.step();
+    auto expected = wide.detach().clone();
+    if (rounding == fo::Rounding::Stochastic) {
+      frugal::optim::detail::round_stochastic_cpu(
+          expected.data_ptr<float>(), expected.numel(),
+          frugal::optim::detail::rounding_key(seed, update), 0);
+    }
+    expected = expected.to(torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(low.detach(), expected))
+        << "update " << update << ": " << (low.detach() != expected).sum().item<int64_t>()
+        << " weights differ";
+    // The moments come from the gradients alone (AdamW): the same codes.
+    const auto& a = dynamic_cast<const fo::Adam8bitParamState&>(*low_adam.state().begin()->second);
+    const auto& b = dynamic_cast<const fo::Adam8bitParamState&>(*wide_adam.state().begin()->second);
+    EXPECT_TRUE(torch::equal(a.exp_avg(), b.exp_avg())) << "update " << update;
+    if (factored) {
+      EXPECT_TRUE(torch::equal(a.exp_avg_sq_row(), b.exp_avg_sq_row())) << "update " << update;
+    } else {
+      EXPECT_TRUE(torch::equal(a.exp_avg_sq(), b.exp_avg_sq())) << "update " << update;
+    }
+  }
+  // The updates moved the weights (not a step that does nothing on both sides).
+  EXPECT_GT((low.detach().to(torch::kFloat32) - wide.detach()).abs().max().item<double>(), 0)
+      << "the last float32 step should land between bfloat16 values";
+}
+
+TEST(LowPrecisionWeights, TheFusedStepOnBf16WeightsIsTheFloat32StepRounded) {
+  for (const bool factored : {false, true}) {
+    for (const auto rounding : {fo::Rounding::Stochastic, fo::Rounding::Nearest}) {
+      SCOPED_TRACE(std::string(factored ? "factored, " : "codes, ") +
+                   (rounding == fo::Rounding::Stochastic ? "stochastic" : "nearest"));
+      expect_rounded_float32_step(factored, rounding);
+    }
+  }
+}
+
+TEST(LowPrecisionWeights, TheFusedStepOnBf16WeightsAgreesWithTheTensorOpsStep) {
+  // The same values, contiguous (the fused loop) and transposed (tensor ops, the path of
+  // other devices), index for index: the same random bits. The float32 results differ in
+  // their last bits, so a weight may round to the other neighbour, rarely.
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(9);
+  auto fused = torch::randn({150, 60}, generator).to(torch::kBFloat16).requires_grad_();
+  auto strided = fused.detach().t().contiguous().t().requires_grad_();
+  ASSERT_FALSE(strided.is_contiguous());
+  const auto quantized = fo::QuantizedStateOptions().min_elements(1);
+  fo::Adam8bit a({fused}, to::AdamOptions(1e-2).weight_decay(0.01), quantized);
+  fo::Adam8bit b({strided}, to::AdamOptions(1e-2).weight_decay(0.01), quantized);
+  for (int step = 0; step < 10; ++step) {
+    fused.mutable_grad() = torch::randn({150, 60}, generator).to(torch::kBFloat16);
+    strided.mutable_grad() = fused.grad().t().contiguous().t();
+    a.step();
+    b.step();
+  }
+  const auto x = fused.detach().to(torch::kFloat32), y = strided.detach().to(torch::kFloat32);
+  const auto apart = (x - y).abs() / x.abs().clamp_min(1e-30);
+  const auto differ = (x != y).sum().item<std::int64_t>();
+  std::cout << "[ bf16     ] fused vs tensor ops after 10 steps: " << differ << " of " << x.numel()
+            << " weights differ, at most " << apart.max().item<double>() << " apart\n";
+  EXPECT_LE(differ, x.numel() / 100);
+  // A weight on the other side: a bfloat16 gap apart, 2^-7 of it at most, a few times over
+  // the steps.
+  EXPECT_LE(apart.max().item<double>(), 4 * std::ldexp(1.0, -7));
+}
+
+TEST(LowPrecisionWeights, TheFusedStepOnBf16WeightsAllocatesNoWholeParameterTemporaries) {
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  const std::int64_t big = 1 << 20;  // elements
+  std::vector<torch::Tensor> params{torch::randn({big}).to(torch::kBFloat16).requires_grad_()};
+  fo::Adam8bit adam(params, to::AdamOptions(1e-3));
+  const auto overhead = frugal::testing::step_overhead(adam, params, probe);
+  // The float32 weights' chunk the base lends every bfloat16 update (the fused loop does
+  // not use it), and LibTorch's few-byte wrappers; a float32 copy of the parameter would
+  // be 4 MiB.
+  const auto chunk_bytes = adam.in_place_options().chunk() * 4;
+  std::cout << "[ bf16     ] Adam8bit step on 2^20 bfloat16 weights allocates " << overhead
+            << " B above its start\n";
+  EXPECT_LE(overhead, chunk_bytes + 64);
+  EXPECT_LT(overhead, big * 2);
+}
+
+TEST(StochasticRounding, BfloatBitsRoundToNearestEvenAsACast) {
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(4);
+  auto x = torch::randn({5000}, generator) * 1e3;
+  // Ties both ways, the largest finite float, infinities, NaN, a subnormal.
+  const float specials[] = {1.0F + std::ldexp(1.0F, -8),
+                            1.0F + 3 * std::ldexp(1.0F, -8),
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::denorm_min() * 12345};
+  for (std::size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) {
+    x[static_cast<std::int64_t>(i)] = specials[i];
+  }
+  auto bits = torch::empty({5000}, torch::kBFloat16);
+  frugal::optim::detail::to_bfloat16_bits(
+      x.data_ptr<float>(), 5000, reinterpret_cast<std::uint16_t*>(bits.data_ptr<at::BFloat16>()));
+  const auto cast = x.to(torch::kBFloat16);
+  // Bit for bit but NaN, whose bits a cast chooses by its own path (LibTorch's vectorized
+  // cast gives all ones, its scalar one 0x7FC0): a NaN either way.
+  const auto nan = torch::isnan(x);
+  EXPECT_TRUE(torch::equal(bits.view(torch::kShort).masked_fill(nan, 0),
+                           cast.view(torch::kShort).masked_fill(nan, 0)));
+  EXPECT_TRUE(torch::isnan(bits.to(torch::kFloat32)).equal(nan));
+  auto back = torch::empty({5000}, torch::kFloat32);
+  frugal::optim::detail::from_bfloat16_bits(
+      reinterpret_cast<const std::uint16_t*>(bits.data_ptr<at::BFloat16>()), 5000,
+      back.data_ptr<float>());
+  const auto widened = bits.to(torch::kFloat32);
+  EXPECT_TRUE(torch::equal(back.view(torch::kInt), widened.view(torch::kInt)));
 }
 
 }  // namespace

@@ -282,7 +282,7 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   if (format.factored) {
     return detail::kFactoredBuffers + copies;
   }
-  const bool fused = flat && param.device().is_cpu() && is_float;
+  const bool fused = detail::fused_cpu(param, flat, this->in_place_options().rounding());
   return fused ? 0 : scratch_buffers(options) + copies;
 }
 
@@ -301,12 +301,11 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     return;
   }
   const bool first_moment = s.exp_avg().defined();  // else beta1 is 0: m is the gradient
-  // float32 on the CPU: the fused loop; elsewhere (CUDA, other dtypes, strided) tensor ops.
-  const bool fused = b != nullptr && u.flat && u.param.device().is_cpu() &&
-                     u.param.scalar_type() == torch::kFloat32;  // (the gradient's matches)
+  // float32 and bfloat16 on the CPU: the fused loop; elsewhere (CUDA, other dtypes,
+  // strided, compensated rounding) tensor ops.
+  const bool fused = b != nullptr && detail::fused_cpu(u);
   if (fused) {  // the whole parameter at once: it needs no scratch
-    detail::adam8bit_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
-                         first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
+    detail::adam8bit_cpu(detail::fused_weights(u), first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
                          first_moment ? s.exp_avg_scales().data_ptr<float>() : nullptr,
                          s.exp_avg_sq().data_ptr<std::uint8_t>(),
                          s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(),

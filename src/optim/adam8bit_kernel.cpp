@@ -9,6 +9,7 @@
 
 #include "codebook.h"
 #include "frugal/optim/blockwise.h"
+#include "rounding.h"
 #include "vector_clones.h"
 
 // The loops are written to vectorize; on x86-64 a second copy is built for AVX2 and chosen
@@ -137,13 +138,24 @@ void encode(const float* x, std::int64_t count, const NearestCode& book, std::in
   *scale = most;
 }
 
-// Blocks [first, last) of the step; `m_new`, `v_new` and `wide` hold a block each.
-void step_blocks(float* p, const float* g, const Moments& s, std::int64_t n, std::int64_t block,
-                 const AdamScalars& a, std::int64_t first, std::int64_t last, float* m_new,
-                 float* v_new, std::int32_t* wide) {
+// The thread's buffers of a block each: the new moments, the codes, and bfloat16 weights
+// and gradients widened to float32.
+struct BlockBuffers {
+  float* m_new;
+  float* v_new;
+  std::int32_t* wide;
+  float* p;
+  float* g;
+};
+
+// Blocks [first, last) of the step.
+void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::int64_t block,
+                 const AdamScalars& a, std::int64_t first, std::int64_t last,
+                 const BlockBuffers& buf) {
   const auto& m_book = nearest_code(true);
   const auto& v_book = nearest_code(false);
   const bool has_m = s.m_codes != nullptr, factored = s.rows != nullptr;
+  const bool bf16 = w.p16 != nullptr;
   const auto update = factored ? (has_m ? update_block_factored : update_block_factored_no_first)
                                : (has_m ? update_block : update_block_no_first);
   for (std::int64_t b = first; b < last; ++b) {
@@ -156,17 +168,29 @@ void step_blocks(float* p, const float* g, const Moments& s, std::int64_t n, std
       std::memset(s.v_codes + begin, 0, static_cast<std::size_t>(count));
     }
     if (factored) {
-      factored_moments(s.rows, s.col_hat, s.cols, begin, count, v_new);
+      factored_moments(s.rows, s.col_hat, s.cols, begin, count, buf.v_new);
     }
-    update(p + begin, g + begin, has_m ? s.m_codes + begin : nullptr,
-           factored ? nullptr : s.v_codes + begin, m_book.values(), v_book.values(), m_new, v_new,
-           count, a.fresh || !has_m ? 0.0F : s.m_scales[b],
-           a.fresh || factored ? 0.0F : s.v_scales[b], a);
+    float* p = bf16 ? buf.p : w.p + begin;
+    const float* g = bf16 ? buf.g : w.g + begin;
+    if (bf16) {
+      from_bfloat16_bits(w.p16 + begin, count, buf.p);
+      from_bfloat16_bits(w.g16 + begin, count, buf.g);
+    }
+    update(p, g, has_m ? s.m_codes + begin : nullptr, factored ? nullptr : s.v_codes + begin,
+           m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
+           a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b],
+           a);
+    if (bf16) {  // stochastic rounding leaves bfloat16 values: nearest then is exact
+      if (w.stochastic) {
+        round_stochastic_range(buf.p, count, w.key, begin);
+      }
+      to_bfloat16_bits(buf.p, count, w.p16 + begin);
+    }
     if (has_m) {
-      encode(m_new, count, m_book, wide, s.m_codes + begin, &s.m_scales[b]);
+      encode(buf.m_new, count, m_book, buf.wide, s.m_codes + begin, &s.m_scales[b]);
     }
     if (!factored) {
-      encode(v_new, count, v_book, wide, s.v_codes + begin, &s.v_scales[b]);
+      encode(buf.v_new, count, v_book, buf.wide, s.v_codes + begin, &s.v_scales[b]);
     }
   }
 }
@@ -174,25 +198,51 @@ void step_blocks(float* p, const float* g, const Moments& s, std::int64_t n, std
 // The step over all blocks, shared out among LibTorch's OpenMP threads (this file is
 // compiled with OpenMP where the compiler has it, and links the libgomp LibTorch loads;
 // without it the loop runs on this thread).
-void step_all(float* p, const float* g, const Moments& s, std::int64_t n, std::int64_t block,
+void step_all(const FusedWeights& w, const Moments& s, std::int64_t n, std::int64_t block,
               const AdamScalars& a) {
   const std::int64_t blocks = (n + block - 1) / block;
   const std::int64_t grain = std::max<std::int64_t>(1, 16384 / block);
   at::parallel_for(0, blocks, grain, [&](std::int64_t first, std::int64_t last) {
-    // The new moments of one block, between the pass that finds their maxima and the pass
-    // that encodes them, and their codes (host memory, three blocks per thread).
-    thread_local std::vector<float> moments;
+    // Host memory of a few blocks a thread, kept between steps.
+    thread_local std::vector<float> floats;
     thread_local std::vector<std::int32_t> wide;
-    moments.resize(static_cast<std::size_t>(2 * block));
-    wide.resize(static_cast<std::size_t>(block));
-    step_blocks(p, g, s, n, block, a, first, last, moments.data(), moments.data() + block,
-                wide.data());
+    const auto size = static_cast<std::size_t>(block);
+    floats.resize(4 * size);
+    wide.resize(size);
+    const BlockBuffers buf{floats.data(), floats.data() + size, wide.data(),
+                           floats.data() + 2 * size, floats.data() + 3 * size};
+    step_blocks(w, s, n, block, a, first, last, buf);
   });
 }
 
 }  // namespace
 
-void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding) {
+  const auto dtype = param.scalar_type();
+  return flat && param.device().is_cpu() &&
+         (dtype == at::kFloat || (dtype == at::kBFloat16 && rounding != Rounding::Compensated));
+}
+
+bool fused_cpu(const ParamUpdate& u) {
+  return fused_cpu(u.param, u.flat, u.low != nullptr ? u.low->rounding : Rounding::Nearest);
+}
+
+FusedWeights fused_weights(ParamUpdate& u) {
+  FusedWeights w;
+  if (u.param.scalar_type() == at::kFloat) {  // (the gradient's dtype is the parameter's)
+    w.p = u.param.data_ptr<float>();
+    w.g = u.grad.data_ptr<float>();
+    return w;
+  }
+  // bfloat16's bits, as 16-bit integers.
+  w.p16 = reinterpret_cast<std::uint16_t*>(u.param.data_ptr<at::BFloat16>());
+  w.g16 = reinterpret_cast<const std::uint16_t*>(u.grad.data_ptr<at::BFloat16>());
+  w.stochastic = u.low != nullptr && u.low->rounding == Rounding::Stochastic;
+  w.key = u.low != nullptr ? u.low->key : 0;
+  return w;
+}
+
+void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
                   const AdamScalars& a) {
   Moments s;
@@ -200,10 +250,10 @@ void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scal
   s.m_scales = m_scales;
   s.v_codes = v_codes;
   s.v_scales = v_scales;
-  step_all(p, g, s, n, block, a);
+  step_all(w, s, n, block, a);
 }
 
-void adam8bit_factored_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+void adam8bit_factored_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                            const float* rows, const float* col_hat, std::int64_t cols,
                            std::int64_t n, std::int64_t block, const AdamScalars& a) {
   Moments s;
@@ -212,7 +262,7 @@ void adam8bit_factored_cpu(float* p, const float* g, std::uint8_t* m_codes, floa
   s.rows = rows;
   s.col_hat = col_hat;
   s.cols = cols;
-  step_all(p, g, s, n, block, a);
+  step_all(w, s, n, block, a);
 }
 
 }  // namespace frugal::optim::detail

@@ -1,12 +1,14 @@
-// The 8-bit Adam step on the CPU for float32 parameters, fused: each element's moments are
-// decoded, updated, used and encoded again in one pass over a block, with no scratch (and
-// the second pass of the factored step, whose second moment comes from rows and columns).
+// The 8-bit Adam step on the CPU for float32 and bfloat16 parameters, fused: each element's
+// moments are decoded, updated, used and encoded again in one pass over a block, with no
+// scratch (and the second pass of the factored step, whose second moment comes from rows
+// and columns).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "adam_chunk.h"
+#include "frugal/optim/in_place.h"
 
 namespace frugal::optim::detail {
 
@@ -36,17 +38,42 @@ inline AdamScalars adam_scalars(const AdamChunkStep& step) {
   return a;
 }
 
-/// A parameter of `n` elements (`p`) with its gradient (`g`) and moments as codes
-/// (`m_codes`, `v_codes`) with one scale per block of `block` elements; blocks are shared
-/// out among at::get_num_threads() threads. `m_codes` null: no first moment (beta1 0).
-void adam8bit_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+/// A parameter's weights and gradient as the fused loop reads and writes them: float32
+/// (`p`, `g`), or bfloat16 (`p16`, `g16`, their bits) computed on in float32 a block at a
+/// time and written back as ParamUpdate::store_weights would: rounded stochastically (the
+/// random bits of round_stochastic_cpu under `key`, element k's from its index) or to
+/// nearest, ties to even.
+struct FusedWeights {
+  float* p = nullptr;
+  const float* g = nullptr;
+  std::uint16_t* p16 = nullptr;
+  const std::uint16_t* g16 = nullptr;
+  bool stochastic = false;
+  std::uint64_t key = 0;
+};
+
+/// Whether the fused loop takes a parameter of this dtype, device and layout (flat:
+/// contiguous) whose low-precision weights round as `rounding` says: float32 ones, and
+/// bfloat16 ones rounded stochastically or to nearest, on the CPU.
+bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding);
+
+/// The same for one update.
+bool fused_cpu(const ParamUpdate& u);
+
+/// The fused loop's view of `u` (fused_cpu must hold for it).
+FusedWeights fused_weights(ParamUpdate& u);
+
+/// A parameter of `n` elements (`w`) and moments as codes (`m_codes`, `v_codes`) with one
+/// scale per block of `block` elements; blocks are shared out among at::get_num_threads()
+/// threads. `m_codes` null: no first moment (beta1 0).
+void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
                   const AdamScalars& a);
 
 /// The same with a factored second moment, the update of factored_adam_update's second
 /// pass: element k's second moment is rows[k / cols] * col_hat[k % cols] (the statistics
 /// already updated, the columns divided by the rows' mean).
-void adam8bit_factored_cpu(float* p, const float* g, std::uint8_t* m_codes, float* m_scales,
+void adam8bit_factored_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                            const float* rows, const float* col_hat, std::int64_t cols,
                            std::int64_t n, std::int64_t block, const AdamScalars& a);
 

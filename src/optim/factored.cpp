@@ -114,10 +114,9 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
   at::div_out(columns, col, row_mean);
 
   const bool has_m = m_book != nullptr;
-  if (u.flat && u.param.device().is_cpu() && u.param.scalar_type() == torch::kFloat32) {
-    // The second pass fused, as Adam8bit's step on the CPU (the gradient is float32 too).
-    adam8bit_factored_cpu(u.param.data_ptr<float>(), u.grad.data_ptr<float>(),
-                          has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
+  if (fused_cpu(u)) {
+    // The second pass fused, as Adam8bit's step on the CPU.
+    adam8bit_factored_cpu(fused_weights(u), has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
                           has_m ? s.exp_avg_scales().data_ptr<float>() : nullptr,
                           row.data_ptr<float>(), columns.data_ptr<float>(), shape.cols, u.numel(),
                           s.block(), adam_scalars(step));

@@ -46,21 +46,59 @@ void round_range(std::uint32_t* bits, std::int64_t n, std::uint32_t low_key, std
   }
 }
 
+// The two halves of a key for elements from index `first` on: indices past 2^32 elements
+// reuse a key's stream with the high half of the key changed.
+struct SplitKey {
+  SplitKey(std::uint64_t key, std::int64_t first)
+      : low(static_cast<std::uint32_t>(key)),
+        high(static_cast<std::uint32_t>(key >> 32) ^
+             static_cast<std::uint32_t>(static_cast<std::uint64_t>(first) >> 32)) {}
+  std::uint32_t low, high;
+};
+
+FRUGAL_VECTOR_CLONES
+void nearest_even(const std::uint32_t* __restrict x, std::int64_t n, std::uint16_t* __restrict out) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint32_t b = x[i];
+    const bool nan = (b & 0x7FFFFFFFU) > 0x7F800000U;
+    const std::uint32_t rounded = (b + 0x7FFFU + ((b >> 16) & 1U)) >> 16;
+    out[i] = static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
+  }
+}
+
+FRUGAL_VECTOR_CLONES
+void widen(const std::uint16_t* __restrict x, std::int64_t n, std::uint32_t* __restrict out) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<std::uint32_t>(x[i]) << 16;
+  }
+}
+
 }  // namespace
 
 std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update) {
   return mix64(mix64(seed + 0x9E3779B97F4A7C15ULL) ^ update);
 }
 
-void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first) {
+void round_stochastic_range(float* x, std::int64_t n, std::uint64_t key, std::int64_t first) {
   static_assert(sizeof(float) == sizeof(std::uint32_t));
-  // Indices past 2^32 elements reuse a key's stream with the high half of the key changed.
-  const auto low_key = static_cast<std::uint32_t>(key);
-  const auto high_key = static_cast<std::uint32_t>(key >> 32) ^
-                        static_cast<std::uint32_t>(static_cast<std::uint64_t>(first) >> 32);
+  const SplitKey k(key, first);
+  round_range(reinterpret_cast<std::uint32_t*>(x), n, k.low, k.high,
+              static_cast<std::uint32_t>(first));
+}
+
+void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out) {
+  nearest_even(reinterpret_cast<const std::uint32_t*>(x), n, out);
+}
+
+void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out) {
+  widen(x, n, reinterpret_cast<std::uint32_t*>(out));
+}
+
+void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first) {
+  const SplitKey k(key, first);
   auto* bits = reinterpret_cast<std::uint32_t*>(x);
   at::parallel_for(0, n, 1 << 16, [&](std::int64_t begin, std::int64_t end) {
-    round_range(bits + begin, end - begin, low_key, high_key,
+    round_range(bits + begin, end - begin, k.low, k.high,
                 static_cast<std::uint32_t>(first + begin));
   });
 }
