@@ -177,6 +177,48 @@ TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
 }
 
+TEST(Planner, ChoosesFactoredStatesOnlyWhenEightBitStatesDoNotFit) {
+  // The residual MLP's matrices: a factored second moment takes 4 (rows + columns) bytes
+  // each instead of a byte an element.
+  const auto options = frugal::MemoryPlannerOptions().quantized_states(true).factored_states(true);
+  const auto run = plan_between(Optimizer::Adam8bit, options,
+                                [](const frugal::PlanOption& o) { return o.factored_states; });
+  EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
+  EXPECT_LT(run.survey.factored_optimizer_bytes, run.survey.quantized_optimizer_bytes);
+  ASSERT_TRUE(run.plan.chosen.factored_states) << run.plan.table();
+  EXPECT_TRUE(run.plan.chosen.quantized_states);
+  EXPECT_NE(run.plan.table().find("factored 8-bit states"), std::string::npos);
+  EXPECT_LE(run.peak, run.budget);
+  // The state the plan counted is the state the steps made, byte for byte.
+  EXPECT_EQ(run.optimizer_bytes, run.plan.factored_optimizer_bytes);
+  // An optimizer without 8-bit states cannot offer them.
+  auto plain = setup();
+  EXPECT_THROW(
+      frugal::MemoryPlanner(*plain.trainer, frugal::MemoryPlannerOptions().factored_states(true)),
+      c10::Error);
+}
+
+TEST(Planner, FactoredStatesAloneStartFromTheOptimizersOwnFormat) {
+  // Without quantized_states the first format is the optimizer's as made (8-bit here), and
+  // a plan that needs no other leaves it so.
+  auto s = setup(Optimizer::Adam8bit);
+  auto& adam = dynamic_cast<frugal::optim::Adam8bit&>(*s.optimizer);
+  const auto plan =
+      frugal::MemoryPlanner(*s.trainer, frugal::MemoryPlannerOptions().factored_states(true))
+          .plan(std::int64_t{1} << 40, small_batch());
+  EXPECT_FALSE(plan.chosen.factored_states) << plan.table();
+  EXPECT_TRUE(adam.quantized());
+  EXPECT_FALSE(adam.factored());
+  EXPECT_EQ(plan.optimizer_bytes, adam.pending_state_bytes(true));
+  EXPECT_GT(plan.optimizer_bytes, plan.factored_optimizer_bytes);
+  // Once a state exists the format is fixed, and the planner refuses to choose it.
+  s.trainer->step(small_batch());
+  EXPECT_THROW(adam.set_factored(true), c10::Error);
+  EXPECT_THROW(
+      frugal::MemoryPlanner(*s.trainer, frugal::MemoryPlannerOptions().factored_states(true)),
+      c10::Error);
+}
+
 TEST(Planner, ChooseBlocksCheckpointsOnlySomeBlocksWhenThereIsRoomForTheRest) {
   frugal::MemoryPlan survey;
   {

@@ -55,13 +55,13 @@ int step_temporaries(const torch::optim::OptimizerOptions& o) {
 
 int policies_in(const PlanOption& o) {
   return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
-         (o.step_in_backward ? 1 : 0) + (o.quantized_states ? 1 : 0);
+         (o.step_in_backward ? 1 : 0) + (o.quantized_states || o.factored_states ? 1 : 0);
 }
 
 bool same_plan(const PlanOption& a, const PlanOption& b) {
   return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
          a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
-         a.quantized_states == b.quantized_states;
+         a.quantized_states == b.quantized_states && a.factored_states == b.factored_states;
 }
 
 }  // namespace
@@ -80,7 +80,9 @@ std::string PlanOption::describe() const {
   if (step_in_backward) {
     out += " + step in backward";
   }
-  if (quantized_states) {
+  if (factored_states) {
+    out += " + factored 8-bit states";
+  } else if (quantized_states) {
     out += " + 8-bit states";
   }
   return out;
@@ -97,6 +99,11 @@ std::string MemoryPlan::table() const {
     out.insert(out.find("\n\n"), fmt::format("; with 8-bit states: {}, step peak {}",
                                              format_bytes(quantized_optimizer_bytes),
                                              format_bytes(quantized_step_peak)));
+  }
+  if (factored_optimizer_bytes > 0) {
+    out.insert(out.find("\n\n"), fmt::format("; with factored 8-bit states: {}, step peak {}",
+                                             format_bytes(factored_optimizer_bytes),
+                                             format_bytes(factored_step_peak)));
   }
   for (const auto& o : options) {
     const bool is_chosen = same_plan(o, chosen);
@@ -119,27 +126,31 @@ const PlanOption* choose_plan(const std::vector<PlanOption>& options, double tim
   auto key = [](const PlanOption& o) {
     return std::make_tuple(policies_in(o), o.micro_batches, o.checkpoint, o.step_in_backward);
   };
-  // Numerics kept longest: float32 states, then 8-bit states, then autocast, then both.
-  for (const auto& [autocast, quantized] : {std::pair{false, false}, std::pair{false, true},
-                                            std::pair{true, false}, std::pair{true, true}}) {
-    const auto candidate = [&, a = autocast, q = quantized](const PlanOption& o) {
-      return o.fits && o.autocast == a && o.quantized_states == q;
-    };
-    double fastest = -1;
-    for (const auto& o : options) {
-      if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
-        fastest = o.predicted_ms;
+  // Numerics kept longest: float32 states, then 8-bit states, then factored ones, then the
+  // same with autocast.
+  for (const bool autocast : {false, true}) {
+    for (const auto& [quantized, factored] :
+         {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
+      const auto candidate = [&, q = quantized, f = factored](const PlanOption& o) {
+        return o.fits && o.autocast == autocast && o.quantized_states == q &&
+               o.factored_states == f;
+      };
+      double fastest = -1;
+      for (const auto& o : options) {
+        if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
+          fastest = o.predicted_ms;
+        }
       }
-    }
-    const PlanOption* best = nullptr;
-    for (const auto& o : options) {
-      if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
-          (best == nullptr || key(o) < key(*best))) {
-        best = &o;
+      const PlanOption* best = nullptr;
+      for (const auto& o : options) {
+        if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
+            (best == nullptr || key(o) < key(*best))) {
+          best = &o;
+        }
       }
-    }
-    if (best != nullptr) {
-      return best;
+      if (best != nullptr) {
+        return best;
+      }
     }
   }
   return nullptr;
@@ -175,23 +186,35 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
   }
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
-  if (options_.quantized_states()) {
-    FRUGAL_CHECK(quantized_ != nullptr,
-                 "frugal: MemoryPlannerOptions::quantized_states needs one of "
-                 "frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
-    FRUGAL_CHECK(trainer_.optimizer().state().empty(),
-                 "frugal: MemoryPlannerOptions::quantized_states "
-                 "needs an optimizer without state: the states' format is chosen before the "
+  factored_at_start_ = quantized_ != nullptr && quantized_->factored();
+  for (const auto& [on, name] : {std::pair{options_.quantized_states(), "quantized_states"},
+                                 std::pair{options_.factored_states(), "factored_states"}}) {
+    if (!on) {
+      continue;
+    }
+    FRUGAL_CHECK(quantized_ != nullptr, "frugal: MemoryPlannerOptions::", name,
+                 " needs one of frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
+    FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: MemoryPlannerOptions::", name,
+                 " needs an optimizer without state: the states' format is chosen before the "
                  "first step");
+  }
+  if (options_.quantized_states()) {
+    base_format_.as_made = false;  // float32 states first
   }
 }
 
-void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
-                              bool in_backward, bool quantized) {
-  trainer_.set_micro_batch(micro_batch);
-  if (options_.quantized_states()) {
-    quantized_->set_quantized(quantized);
+void MemoryPlanner::set_state_format(StateFormat format) {
+  if (!options_.quantized_states() && !options_.factored_states()) {
+    return;  // the optimizer's, as made
   }
+  quantized_->set_quantized(format.as_made ? quantized_at_start_ : format.quantized);
+  quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
+}
+
+void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
+                              bool in_backward, StateFormat format) {
+  trainer_.set_micro_batch(micro_batch);
+  set_state_format(format);
   if (checkpoint_) {
     checkpoint_->set_enabled(checkpoint);
   }
@@ -232,13 +255,19 @@ std::int64_t MemoryPlanner::optimizer_step_peak(std::int64_t pending_state,
   return trainer_.probe().allocated() - grads_alive + pending_state + grads + scratch;
 }
 
-std::int64_t MemoryPlanner::pending_optimizer_bytes(bool quantized) {
+std::int64_t MemoryPlanner::pending_optimizer_bytes(StateFormat format) {
   auto& optimizer = trainer_.optimizer();
   if (!optimizer.state().empty()) {
     return 0;  // allocated already, and part of what the trials start from
   }
   if (quantized_ != nullptr) {
-    return quantized_->pending_state_bytes(quantized);
+    // The format in place for the count (no state exists), then the one before.
+    const bool factored = quantized_->factored();
+    quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
+    const auto bytes =
+        quantized_->pending_state_bytes(format.as_made ? quantized_at_start_ : format.quantized);
+    quantized_->set_factored(factored);
+    return bytes;
   }
   double bytes = 0;
   for (auto& group : optimizer.param_groups()) {
@@ -257,8 +286,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   MemoryPlan plan;
   plan.budget = budget;
   plan.margin = options_.margin();
-  plan.optimizer_bytes =
-      pending_optimizer_bytes(quantized_at_start_ && !options_.quantized_states());
+  plan.optimizer_bytes = pending_optimizer_bytes(base_format_);
   const double limit = static_cast<double>(budget) * (1 - options_.margin());
 
   std::vector<std::int64_t> sizes;
@@ -269,15 +297,36 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
 
   plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
-  std::vector<bool> state_formats = {false};
+  // The states' formats to predict each configuration with, and their bytes and step peak.
+  const StateFormat eight_bit{false, true, false}, factored{false, true, true};
+  std::vector<StateFormat> state_formats = {base_format_};
+  std::string ignored;
   if (options_.quantized_states()) {
-    state_formats.push_back(true);
-    plan.quantized_optimizer_bytes = pending_optimizer_bytes(true);
-    std::string ignored;
+    state_formats.push_back(eight_bit);
+    plan.quantized_optimizer_bytes = pending_optimizer_bytes(eight_bit);
     plan.quantized_step_peak = optimizer_step_peak(plan.quantized_optimizer_bytes, &ignored);
   }
+  if (options_.factored_states()) {
+    state_formats.push_back(factored);
+    plan.factored_optimizer_bytes = pending_optimizer_bytes(factored);
+    plan.factored_step_peak = optimizer_step_peak(plan.factored_optimizer_bytes, &ignored);
+  }
+  const auto format_of = [&](const PlanOption& o) {
+    return o.factored_states ? factored : (o.quantized_states ? eight_bit : base_format_);
+  };
+  // The state to come and the optimizer step's peak of a plan, by its format.
+  const auto state_of = [&](const PlanOption& o) {
+    return o.factored_states
+               ? plan.factored_optimizer_bytes
+               : (o.quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
+  };
+  const auto step_peak_of = [&](const PlanOption& o) {
+    return o.factored_states
+               ? plan.factored_step_peak
+               : (o.quantized_states ? plan.quantized_step_peak : plan.optimizer_step_peak);
+  };
 
-  configure(batch, false, false, false);
+  configure(batch, false, false, false, StateFormat());
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
   std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
   for (const bool in_backward : {false, true}) {
@@ -290,15 +339,16 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
         for (const auto m : {batch, half, quarter}) {
           if (measured.count(m) == 0) {
-            configure(m, checkpoint, autocast, in_backward);
+            configure(m, checkpoint, autocast, in_backward, StateFormat());
             const auto r = trainer_.trial(sample);
             measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
           }
         }
         for (const auto m : sizes) {
-          for (const bool quantized : state_formats) {
+          for (const auto& format : state_formats) {
             PlanOption o;
-            o.quantized_states = quantized;
+            o.quantized_states = !format.as_made && format.quantized;
+            o.factored_states = !format.as_made && format.factored;
             o.micro_batch = m;
             o.micro_batches = (batch + m - 1) / m;
             o.checkpoint = checkpoint;
@@ -327,10 +377,8 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
               ms = std::max(ms, times[{m, false, autocast}]);
             }
             times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
-            const auto state = quantized ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
-            const auto step_peak = quantized ? plan.quantized_step_peak : plan.optimizer_step_peak;
-            o.predicted_peak =
-                std::max(static_cast<std::int64_t>(peak) + state, in_backward ? 0 : step_peak);
+            o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + state_of(o),
+                                        in_backward ? 0 : step_peak_of(o));
             o.predicted_ms = ms;
             o.fits = static_cast<double>(o.predicted_peak) <= limit;
             plan.options.push_back(o);
@@ -345,7 +393,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
-    configure(batch, false, false, false, quantized_at_start_);
+    configure(batch, false, false, false, StateFormat());  // the states' format as made
     FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
                  format_bytes(static_cast<std::int64_t>(limit)),
                  " with the margin); the "
@@ -354,15 +402,14 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
-            best->quantized_states);
-  const auto state = best->quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes;
+            format_of(*best));
+  const auto state = state_of(*best);
   if (best->checkpoint && options_.choose_blocks() && limit > static_cast<double>(state)) {
     // The trials do not hold the optimizer state to come: the blocks' budget leaves it room.
     plan.block_choice =
         plan_checkpoints(trainer_, *checkpoint_, static_cast<std::int64_t>(limit) - state, sample);
     if (plan.block_choice.fits) {
-      const auto step_peak =
-          best->quantized_states ? plan.quantized_step_peak : plan.optimizer_step_peak;
+      const auto step_peak = step_peak_of(*best);
       plan.chosen.checkpointed_blocks =
           static_cast<std::int64_t>(plan.block_choice.chosen().size());
       plan.chosen.blocks = static_cast<std::int64_t>(plan.block_choice.blocks.size());

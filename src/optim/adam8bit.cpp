@@ -181,6 +181,14 @@ void Adam8bitBase<Options>::set_quantized(bool on) {
 }
 
 template <typename Options>
+void Adam8bitBase<Options>::set_factored(bool on) {
+  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(",
+               on ? "true" : "false", ") after states exist (", state().size(),
+               " parameters): the states' format is chosen before the first step");
+  quantized_.factored(on);
+}
+
+template <typename Options>
 std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
   std::int64_t bytes = 0;
   std::set<std::pair<c10::DeviceType, c10::DeviceIndex>> devices;

@@ -31,6 +31,10 @@ struct MemoryPlannerOptions {
   /// (frugal::optim::Adam8bit, AdamW8bit) with no state yet. They change the numerics a
   /// little, so they are chosen only when nothing fits with float32 states.
   TORCH_ARG(bool, quantized_states) = false;
+  /// 8-bit states with factored second moments (QuantizedStateOptions::factored: a matrix's
+  /// second moment as row and column statistics) are an option, after 8-bit ones: chosen
+  /// only when nothing fits otherwise. Needs the same optimizers, with no state yet.
+  TORCH_ARG(bool, factored_states) = false;
   /// Plans whose predicted time is within this share of the fastest count as equally fast;
   /// among them a fixed order decides (fewest policies, then fewest micro-batches, then no
   /// checkpointing, then no step in backward), so timing noise on a busy machine does not
@@ -49,6 +53,7 @@ struct PlanOption {
   bool autocast = false;
   bool step_in_backward = false;
   bool quantized_states = false;    ///< 8-bit optimizer states
+  bool factored_states = false;     ///< 8-bit, with factored second moments
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
@@ -58,6 +63,7 @@ struct PlanOption {
   std::int64_t blocks = 0;
 
   /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward + 8-bit states"
+  /// (or "+ factored 8-bit states")
   std::string describe() const;
 };
 
@@ -72,6 +78,9 @@ struct MemoryPlan {
   /// The same two with 8-bit optimizer states, where they are an option (else 0).
   std::int64_t quantized_optimizer_bytes = 0;
   std::int64_t quantized_step_peak = 0;
+  /// The same with factored 8-bit states, where they are an option (else 0).
+  std::int64_t factored_optimizer_bytes = 0;
+  std::int64_t factored_step_peak = 0;
   std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;  ///< the chosen plan's peak, measured (with the state)
@@ -105,12 +114,14 @@ struct MemoryPlan {
 ///
 /// With frugal's 8-bit optimizers (Adam8bit, AdamW8bit) the state to come is counted from
 /// their format, and with MemoryPlannerOptions::quantized_states each configuration is also
-/// predicted with 8-bit states (the trials do not depend on the states' format).
+/// predicted with 8-bit states (the trials do not depend on the states' format), and with
+/// MemoryPlannerOptions::factored_states with factored 8-bit states.
 ///
 /// Cheapest: the least predicted time; plans within MemoryPlannerOptions::time_tolerance (25%)
 /// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit
 /// states and autocast change the numerics, so they are chosen only when nothing fits without them:
-/// float32 states first, then 8-bit states, then autocast, then both. The chosen plan is applied to
+/// float32 states first, then 8-bit states, then factored 8-bit states, then autocast with each
+/// of them in the same order. The chosen plan is applied to
 /// the trainer (its micro-batch and the planner's policies, added to the trainer once) and
 /// measured. With MemoryPlannerOptions::choose_blocks, a chosen plan that checkpoints then
 /// checkpoints only the blocks plan_checkpoints chooses within the budget (less the
@@ -127,9 +138,17 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
+  /// A format of the optimizer's states: as the optimizer was made (`as_made`), or 8-bit,
+  /// factored or not.
+  struct StateFormat {
+    bool as_made = true;
+    bool quantized = false;
+    bool factored = false;
+  };
   void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,
-                 bool quantized = false);
-  std::int64_t pending_optimizer_bytes(bool quantized);
+                 StateFormat format);
+  void set_state_format(StateFormat format);
+  std::int64_t pending_optimizer_bytes(StateFormat format);
   std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
   Trainer& trainer_;
@@ -138,7 +157,8 @@ class MemoryPlanner {
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
-  bool quantized_at_start_ = false;
+  StateFormat base_format_;  ///< float32 where the planner chooses 8-bit; else as made
+  bool quantized_at_start_ = false, factored_at_start_ = false;
 };
 
 /// The options' earlier name.

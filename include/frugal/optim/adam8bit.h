@@ -76,6 +76,11 @@ class QuantizedStateOptimizer {
   virtual bool quantized() const = 0;
   /// Chooses the states' format; refused once any state exists.
   virtual void set_quantized(bool on) = 0;
+  /// Whether 8-bit states made from now on keep a matrix's second moment factored
+  /// (QuantizedStateOptions::factored).
+  virtual bool factored() const = 0;
+  /// Chooses it; refused once any state exists.
+  virtual void set_factored(bool on) = 0;
   /// Bytes of state the first step would allocate for every parameter, quantized or not:
   /// codes (1 byte an element a moment), scales (4 bytes a block a moment), a factored
   /// moment's rows and columns (4 bytes each) and the two code books (2 x 511 float32 per
@@ -107,6 +112,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
   const QuantizedStateOptions& quantized_options() const { return quantized_; }
   bool quantized() const override { return enabled_; }
   void set_quantized(bool on) override;
+  bool factored() const override { return quantized_.factored(); }
+  void set_factored(bool on) override;
   std::int64_t pending_state_bytes(bool quantized) override;
 
  protected:
