@@ -3,6 +3,8 @@
   micro-batches of uneven token counts give the whole batch's losses for 10 steps;
   checkpointing its blocks (dropout on) gives bit-identical losses with a lower step peak;
   bf16 autocast trains with finite losses;
+  bf16 weights with factored 8-bit AdamW states train with finite losses, and hold fewer
+  weight and optimizer bytes than float32 AdamW;
   words (a vocabulary of 16384): the chunked loss head gives the plain head's losses with a
   step peak lower by at least 70 % of the logits and their gradient;
   bad command lines end with a clear message and a non-zero status.
@@ -60,6 +62,18 @@ bf16, out = train("bf16", "--autocast", "bf16", steps=5)
 check(all(math.isfinite(r["loss"]) for r in bf16) and "held-out perplexity" in out,
       "bf16 autocast trains with finite losses and reports the held-out perplexity")
 
+adamw, _ = train("adamw", "--dropout", "0", steps=3)
+low, _ = train("low", "--dropout", "0", "--optimizer", "adamw8bit", "--factored",
+               "--weights", "bf16", steps=3)
+check(all(math.isfinite(r["loss"]) for r in low) and low[-1]["loss"] < low[0]["loss"] + 0.5,
+      f"bf16 weights, factored 8-bit AdamW: finite losses ({low[0]['loss']:.3f} .. "
+      f"{low[-1]['loss']:.3f})")
+check(low[-1]["weights_bytes"] * 2 <= adamw[-1]["weights_bytes"] + 4096 and
+      low[-1]["optimizer_bytes"] * 4 < adamw[-1]["optimizer_bytes"],
+      f"bf16 weights take {low[-1]['weights_bytes']} B against {adamw[-1]['weights_bytes']} B; "
+      f"factored 8-bit states {low[-1]['optimizer_bytes']} B against "
+      f"{adamw[-1]['optimizer_bytes']} B")
+
 WORDS = ["--tokens", "words", "--vocab", "16384", "--max-len", "16", "--dropout", "0"]
 plain_head, _ = train("words_plain", *WORDS, steps=4)
 chunked_head, _ = train("words_chunked", *WORDS, "--loss-head", "chunked", "--loss-chunk", "32",
@@ -77,6 +91,8 @@ for flags, needle in [(["--autocast", "fp8"], "--autocast"),
                       (["--tokens", "bytes"], "--tokens"),
                       (["--tokens", "words", "--vocab", "3"], "--vocab"),
                       (["--dim", "66", "--heads", "4"], "not a multiple of --heads"),
+                      (["--factored"], "--factored needs --optimizer adamw8bit"),
+                      (["--weights", "fp8"], "--weights"),
                       (["--data-dir", os.path.join(WORK, "none")], "apt-get install fortunes"),
                       (["--device", "tpu"], "--device tpu: not a device")]:
     done = subprocess.run([BINARY, *flags], capture_output=True, text=True)

@@ -47,7 +47,25 @@ struct Args {
   std::int64_t loss_chunk = 1024;
   std::string report;
   bool quiet = false;
+  std::string optimizer = "adamw";
+  double beta1 = 0.9;
+  bool factored = false;
+  std::string weights = "float32";
 };
+
+// frugal's AdamW, on float32 states or 8-bit ones (factored or not); bfloat16 weights take
+// its updates stochastically rounded, seeded by --seed.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& a,
+                                                        std::vector<torch::Tensor> params) {
+  const auto options = torch::optim::AdamWOptions(a.lr).weight_decay(0.01).betas({a.beta1, 0.999});
+  const auto in_place = frugal::optim::InPlaceOptions().seed(a.seed);
+  if (a.optimizer == "adamw8bit") {
+    return std::make_unique<frugal::optim::AdamW8bit>(
+        std::move(params), options, frugal::optim::QuantizedStateOptions().factored(a.factored),
+        in_place);
+  }
+  return std::make_unique<frugal::optim::AdamW>(std::move(params), options, in_place);
+}
 
 // Held-out: every 10th sequence, the first `limit` of them, in one padded batch.
 frugal::Batch held_out(const std::vector<std::vector<std::int64_t>>& seqs, std::int64_t limit,
@@ -82,6 +100,17 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", a.micro_batch, "Sequences per micro-batch (0: the whole batch)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--lr", a.lr, "AdamW learning rate");
+  app.add_option("--optimizer", a.optimizer, "adamw (float32 states) or adamw8bit (8-bit states)")
+      ->check(CLI::IsMember({"adamw", "adamw8bit"}));
+  app.add_option("--beta1", a.beta1,
+                 "AdamW's first-moment decay (0 with adamw8bit: no first moment is kept)")
+      ->check(CLI::Range(0.0, 0.999999));
+  app.add_flag("--factored", a.factored,
+               "adamw8bit: keep a matrix's second moment as row and column statistics");
+  app.add_option("--weights", a.weights,
+                 "The weights' dtype: float32 or bf16 (bf16: gradients too; updates rounded "
+                 "stochastically)")
+      ->check(CLI::IsMember({"float32", "bf16"}));
   app.add_option("--dropout", a.dropout, "Dropout in the embeddings and blocks")
       ->check(CLI::Range(0.0, 0.99));
   app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every Transformer block");
@@ -115,6 +144,10 @@ int main(int argc, char** argv) {
   app.add_option("--report", a.report, "Write a JSON-lines report here");
   app.add_flag("--quiet", a.quiet, "Print only the result line");
   CLI11_PARSE(app, argc, argv);
+  if (a.factored && a.optimizer != "adamw8bit") {
+    fmt::print(stderr, "tiny_lm: --factored needs --optimizer adamw8bit, not {}\n", a.optimizer);
+    return 2;
+  }
   if (a.dim % a.heads != 0) {
     fmt::print(stderr, "tiny_lm: --dim {} is not a multiple of --heads {}\n", a.dim, a.heads);
     return 2;
@@ -135,9 +168,9 @@ int main(int argc, char** argv) {
 
     tiny_lm::TinyLM model(
         tiny_lm::ModelOptions{tokenizer.size(), a.max_len, a.dim, a.heads, a.layers, a.dropout});
-    model->to(device);
-    frugal::optim::AdamW adamw(model->parameters(),
-                               torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+    model->to(device, a.weights == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+    const auto optimizer = make_optimizer(a, model->parameters());
+    auto& adamw = *optimizer;
     auto options = frugal::TrainerOptions().device(device).count(tiny_lm::tokens).eval_batch(250);
     if (a.micro_batch > 0) {
       options.micro_batch(a.micro_batch);
