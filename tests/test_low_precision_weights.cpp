@@ -417,4 +417,83 @@ TEST(StochasticRounding, BfloatBitsRoundToNearestEvenAsACast) {
   EXPECT_TRUE(torch::equal(back.view(torch::kInt), widened.view(torch::kInt)));
 }
 
+// Adam's step, in float32 tensor operations (LibTorch's order), on bfloat16 weights,
+// gradient and moments widened: the weights after it rounded as `rounding` says with the
+// bits of update `update`, and the moments rounded to nearest.
+struct WidenedAdam {
+  torch::Tensor p, m, v;
+};
+WidenedAdam widened_adam_step(const torch::Tensor& p16, const torch::Tensor& g16,
+                              const torch::Tensor& m16, const torch::Tensor& v16, bool fresh,
+                              bool decoupled, double lr, double decay, std::int64_t step,
+                              fo::Rounding rounding, std::uint64_t seed, std::uint64_t update) {
+  const double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  auto p = p16.to(torch::kFloat32), g = g16.to(torch::kFloat32);
+  auto m = fresh ? torch::zeros_like(p) : m16.to(torch::kFloat32);
+  auto v = fresh ? torch::zeros_like(p) : v16.to(torch::kFloat32);
+  // Each product and sum rounded on its own (LibTorch's vectorized add with a factor and
+  // addcdiv may fuse them).
+  if (decoupled) {
+    p.mul_(1 - lr * decay);
+  } else {
+    g = g + p * decay;
+  }
+  m.mul_(beta1).add_(g * (1 - beta1));
+  v.mul_(beta2).add_(g * (1 - beta2) * g);
+  const auto denom =
+      v.sqrt().div_(std::sqrt(1 - std::pow(beta2, static_cast<double>(step)))).add_(eps);
+  p.add_(m.div(denom).mul_(-lr / (1 - std::pow(beta1, static_cast<double>(step)))));
+  if (rounding == fo::Rounding::Stochastic) {
+    frugal::optim::detail::round_stochastic_cpu(p.data_ptr<float>(), p.numel(),
+                                                frugal::optim::detail::rounding_key(seed, update),
+                                                0);
+  }
+  return {p.to(torch::kBFloat16), m.to(torch::kBFloat16), v.to(torch::kBFloat16)};
+}
+
+template <typename Optimizer, typename Options, typename State>
+void expect_fused_bf16_adam(bool decoupled, fo::Rounding rounding) {
+  const std::uint64_t seed = 3;
+  const double lr = 1e-2, decay = 0.1;
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(6);
+  // 5000 elements: two blocks of the fused loop and a short third.
+  auto p = torch::randn({50, 100}, generator).to(torch::kBFloat16).requires_grad_();
+  Optimizer adam({p}, Options(lr).weight_decay(decay),
+                 fo::InPlaceOptions().rounding(rounding).seed(seed));
+  torch::Tensor m, v;
+  for (std::int64_t step = 1; step <= 4; ++step) {
+    p.mutable_grad() = torch::randn({50, 100}, generator).to(torch::kBFloat16);
+    const auto expected = widened_adam_step(p.detach(), p.grad(), m, v, step == 1, decoupled, lr,
+                                            decay, step, rounding, seed,
+                                            static_cast<std::uint64_t>(step - 1));
+    adam.step();
+    const auto& state = dynamic_cast<const State&>(*adam.state().begin()->second);
+    m = state.exp_avg();
+    v = state.exp_avg_sq();
+    EXPECT_TRUE(torch::equal(p.detach(), expected.p))
+        << "step " << step << ": " << (p.detach() != expected.p).sum().item<int64_t>()
+        << " weights differ";
+    EXPECT_TRUE(torch::equal(m, expected.m)) << "step " << step;
+    EXPECT_TRUE(torch::equal(v, expected.v)) << "step " << step;
+  }
+}
+
+TEST(LowPrecisionWeights, AdamOnBf16WeightsAndMomentsRoundsOnceAStep) {
+  // The CPU's fused pass: each step the float32 step on the widened values, rounded once.
+  for (const auto rounding : {fo::Rounding::Stochastic, fo::Rounding::Nearest}) {
+    SCOPED_TRACE(rounding == fo::Rounding::Stochastic ? "stochastic" : "nearest");
+    expect_fused_bf16_adam<fo::Adam, to::AdamOptions, to::AdamParamState>(false, rounding);
+    expect_fused_bf16_adam<fo::AdamW, to::AdamWOptions, to::AdamWParamState>(true, rounding);
+  }
+  // And it allocates no whole-parameter temporaries: the base's chunks only.
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  const std::int64_t big = 1 << 20;
+  std::vector<torch::Tensor> params{torch::randn({big}).to(torch::kBFloat16).requires_grad_()};
+  fo::AdamW adamw(params, to::AdamWOptions(1e-3));
+  const auto overhead = frugal::testing::step_overhead(adamw, params, probe);
+  EXPECT_LE(overhead, adamw.scratch_bytes() + adamw.in_place_options().chunk() * 4 + 64);
+  EXPECT_LT(overhead, big * 2);
+}
+
 }  // namespace

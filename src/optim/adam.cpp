@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "adam_bf16_kernel.h"
 #include "adam_chunk.h"
 
 namespace frugal::optim {
@@ -29,6 +30,17 @@ void adam_update(ParamUpdate& u, bool decoupled) {
   auto& state = static_cast<State&>(*u.state);
   state.step(state.step() + 1);
   const auto step = detail::adam_chunk_step(o, state.step(), decoupled, u.fresh);
+  // bfloat16 weights and moments on the CPU: one fused pass (AMSGrad: tensor operations).
+  if (u.param.scalar_type() == torch::kBFloat16 && !o.amsgrad() && detail::fused_cpu(u) &&
+      state.exp_avg().scalar_type() == torch::kBFloat16 && state.exp_avg().is_contiguous() &&
+      state.exp_avg_sq().scalar_type() == torch::kBFloat16 && state.exp_avg_sq().is_contiguous()) {
+    const auto bits = [](const torch::Tensor& t) {
+      return reinterpret_cast<std::uint16_t*>(t.data_ptr<at::BFloat16>());
+    };
+    detail::adam_bf16_cpu(detail::fused_weights(u), bits(state.exp_avg()),
+                          bits(state.exp_avg_sq()), u.numel(), detail::adam_scalars(step));
+    return;
+  }
   // Scratch: the denominator, and Adam's decayed gradient when it has weight decay.
   const std::size_t decayed = !decoupled && o.weight_decay() != 0 ? 1 : 0;
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
