@@ -82,22 +82,23 @@ struct RoundingProblem {
   torch::Tensor start, grad;
 };
 
-// `steps` steps of the optimizer `make` builds on a copy of the start in `dtype`; the
-// weights after them.
+// `steps` steps of the optimizer `make` builds on a copy of the start in `dtype` on
+// `device`; the weights after them, on the CPU.
 torch::Tensor train_rounded(const RoundingCase& c, const RoundingProblem& rp,
                             torch::ScalarType dtype, fo::InPlaceOptions options,
                             int steps = kRoundedSteps,
-                            std::vector<torch::Tensor>* state = nullptr) {
-  auto p = rp.start.to(dtype).clone().requires_grad_();
+                            std::vector<torch::Tensor>* state = nullptr,
+                            torch::Device device = torch::kCPU) {
+  auto p = rp.start.to(device, dtype).clone().requires_grad_();
   auto optimizer = c.make({p}, options);
   for (int i = 0; i < steps; ++i) {
-    p.mutable_grad() = rp.grad.to(dtype).clone();
+    p.mutable_grad() = rp.grad.to(device, dtype).clone();
     optimizer->step();
   }
   if (state != nullptr) {
     *state = dynamic_cast<fo::InPlaceOptimizer&>(*optimizer).ledger_optimizer_state();
   }
-  return p.detach();
+  return p.detach().cpu();
 }
 
 class LowPrecisionWeights : public ::testing::TestWithParam<RoundingCase> {};
@@ -215,6 +216,33 @@ TEST_P(LowPrecisionWeights, TheSeedChoosesTheRandomBits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, LowPrecisionWeights, ::testing::ValuesIn(rounding_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+class CudaLowPrecisionWeights : public ::testing::TestWithParam<RoundingCase> {};
+
+TEST_P(CudaLowPrecisionWeights, StochasticRoundingKeepsTheMeanAndRepeatsItself) {
+  // CUDA's tensor-operations step and its random bits (a generator of the device seeded
+  // from the same key): the bound of the CPU's test, and the same seed twice gives the
+  // same weights.
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  const RoundingProblem rp;
+  const auto exact = compensated_sum(GetParam(), rp);  // on the CPU: the same updates
+  const auto options = fo::InPlaceOptions().seed(4);
+  const auto rounded =
+      train_rounded(GetParam(), rp, torch::kBFloat16, options, kRoundedSteps, nullptr, torch::kCUDA);
+  const auto again =
+      train_rounded(GetParam(), rp, torch::kBFloat16, options, kRoundedSteps, nullptr, torch::kCUDA);
+  EXPECT_TRUE(torch::equal(rounded, again));
+  const double tolerance = 6 * std::sqrt(kRoundedSteps) * (kBf16Gap / 2) /
+                               std::sqrt(static_cast<double>(kRoundedElements)) +
+                           kCompensatedError;
+  EXPECT_LT(std::abs((rounded.to(torch::kFloat32) - exact).mean().item<double>()), tolerance);
+  EXPECT_LE((rounded.to(torch::kFloat32) - exact).abs().max().item<double>(),
+            6 * std::sqrt(kRoundedSteps) * (kBf16Gap / 2));
+  EXPECT_FALSE(torch::equal(rounded, rp.start)) << "the updates should move the weights";
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaLowPrecisionWeights, ::testing::ValuesIn(rounding_cases()),
                          [](const auto& info) { return info.param.name; });
 
 TEST(LowPrecisionWeights, TheLedgerCountsTheCompensationExactly) {
