@@ -1,5 +1,5 @@
-// Block-wise 8-bit quantization: the dynamic maps, rounding to the nearest code (tensor
-// ops and the host table), and what blocks are for.
+// Block-wise 8-bit and 4-bit quantization: the dynamic maps, rounding to the nearest code
+// (tensor ops and the host table), 4-bit codes two to a byte, and what blocks are for.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -103,6 +103,77 @@ TEST(Blockwise, BlocksKeepOutliersFromSwampingTheRest) {
   std::cout << "[ 8-bit    ] median relative error, Cauchy sample: blocks of 256 " << blockwise
             << ", one scale " << whole << "\n";
   EXPECT_LT(blockwise * 2, whole);
+}
+
+TEST(Blockwise, FourBitMapsHaveSixteenValuesOverThreeDecades) {
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed, true, 4);
+    ASSERT_EQ(map.numel(), 16);
+    EXPECT_TRUE(torch::equal(map, std::get<0>(map.sort())));
+    EXPECT_EQ(std::get<0>(at::_unique(map)).numel(), 16);
+    EXPECT_EQ(map.max().item<float>(), 1.0F);
+    EXPECT_EQ((map == 0).sum().item<int64_t>(), 1);
+    // The smallest magnitude is the middle of the first step of the 10^-2 decade.
+    const auto smallest = map.abs().masked_select(map != 0).min().item<double>();
+    EXPECT_NEAR(smallest, is_signed ? 0.0055 : 0.01 * (0.1 + 0.225), 1e-7);
+  }
+  EXPECT_NEAR(fo::dynamic_map(true, true, 4).min().item<double>(), -0.8875, 1e-6);
+  const auto no_zero = fo::dynamic_map(false, false, 4),
+             with_zero = fo::dynamic_map(false, true, 4);
+  EXPECT_EQ(no_zero[0].item<float>(), with_zero[1].item<float>() / 2);
+  EXPECT_THROW(fo::dynamic_map(true, true, 6), c10::Error);
+}
+
+TEST(Blockwise, FourBitCodesAreTheNearestAndTwoToAByte) {
+  torch::manual_seed(24);
+  const std::int64_t n = 10 * 128 + 77;  // odd: the last byte holds one code
+  for (const bool is_signed : {true, false}) {
+    SCOPED_TRACE(is_signed ? "signed" : "unsigned");
+    const auto map = fo::dynamic_map(is_signed, true, 4);
+    const auto x = is_signed ? torch::randn({n}) : torch::randn({n}).abs();
+    const auto q = fo::quantize_blockwise(x.view({n, 1}), map, 128);
+    ASSERT_EQ(q.codes.numel(), (n + 1) / 2);
+    ASSERT_EQ(q.scales.numel(), 11);
+    const auto y = fo::dequantize_blockwise(q, map);
+    ASSERT_EQ(y.sizes(), (std::vector<std::int64_t>{n, 1}));
+    const auto scale = q.scales.repeat_interleave(128).narrow(0, 0, n);
+    const auto error = (y.view(-1) - x).abs() / scale;
+    EXPECT_LE((error - nearest_distance(x / scale, map)).max().item<double>(), 1e-6);
+    // The layout: the codes rounding picks, element 2k in byte k's low half.
+    const auto codes =
+        torch::bucketize(x / scale, (map.narrow(0, 0, 15) + map.narrow(0, 1, 15)) / 2)
+            .to(torch::kInt);
+    const auto bytes = q.codes.to(torch::kInt);
+    EXPECT_TRUE(torch::equal(bytes.bitwise_and(15), codes.slice(0, 0, n, 2)));
+    EXPECT_TRUE(
+        torch::equal(bytes.narrow(0, 0, n / 2).bitwise_right_shift(4), codes.slice(0, 1, n, 2)));
+    EXPECT_EQ(bytes[n / 2].item<int>() >> 4, 0);  // the last byte's empty half
+  }
+  // Two codes a byte need an even block; a map of another size is refused, named.
+  const auto map = fo::dynamic_map(true, true, 4);
+  EXPECT_THROW(fo::quantize_blockwise(torch::randn({10}), map, 5), c10::Error);
+  EXPECT_THROW(fo::quantize_blockwise(torch::randn({10}), torch::rand({100}), 4), c10::Error);
+}
+
+TEST(Blockwise, TheHostTableRoundsToTheNearestFourBitCode) {
+  torch::manual_seed(25);
+  for (const bool is_signed : {true, false}) {
+    const auto map = fo::dynamic_map(is_signed, is_signed, 4);
+    const fo::NearestCode table(map);
+    auto y = torch::pow(10.0, torch::rand({20000}) * -4);
+    if (is_signed) {
+      y = y * (torch::randint(0, 2, {20000}) * 2 - 1);
+    }
+    y = torch::cat({y, map});
+    auto codes = torch::empty({y.numel()}, torch::kLong);
+    for (int64_t i = 0; i < y.numel(); ++i) {
+      codes[i] = table(y[i].item<float>());
+    }
+    EXPECT_LT(codes.max().item<int64_t>(), 16);
+    const auto got = (y - map.index_select(0, codes)).abs();
+    EXPECT_LE((got - nearest_distance(y, map)).max().item<double>(), 0)
+        << (is_signed ? "signed" : "unsigned");
+  }
 }
 
 }  // namespace

@@ -36,15 +36,32 @@ void check_block(std::int64_t block) {
   FRUGAL_CHECK(block >= 1, "frugal: the quantization block must be >= 1 element, got ", block);
 }
 
+// The bits of a code of `map`: 8 for 256 values, 4 for 16.
+int map_bits(const torch::Tensor& map) {
+  FRUGAL_CHECK(map.dim() == 1 && (map.numel() == 256 || map.numel() == 16),
+               "frugal: a quantization map has 256 values (8-bit codes) or 16 (4-bit), got shape ",
+               map.sizes());
+  return map.numel() == 256 ? 8 : 4;
+}
+
+// The even and odd elements of `x` (n elements): those in the low and high halves of a
+// byte of 4-bit codes.
+torch::Tensor evens(const torch::Tensor& x, std::int64_t n) { return x.slice(0, 0, n, 2); }
+torch::Tensor odds(const torch::Tensor& x, std::int64_t n) { return x.slice(0, 1, n, 2); }
+
 }  // namespace
 
-torch::Tensor dynamic_map(bool is_signed, bool with_zero) {
-  // Exponents 10^-6 .. 10^0; at exponent i the fraction has 2^i (signed) or 2^(i+1)
-  // (unsigned) linear steps between 0.1 and 1, each value the middle of its step.
+torch::Tensor dynamic_map(bool is_signed, bool with_zero, int bits) {
+  FRUGAL_CHECK(bits == 8 || bits == 4, "frugal: dynamic maps have 8 or 4 bits, got ", bits);
+  // Exponents 10^-(levels - 1) .. 10^0, levels = bits - 1; at exponent i the fraction has
+  // 2^i (signed) or 2^(i+1) (unsigned) linear steps between 0.1 and 1, each value the
+  // middle of its step: 2^bits - 2 values, with 0 and 1.
+  const int levels = bits - 1;
+  const auto size = static_cast<std::size_t>(1) << bits;
   std::vector<float> values;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < levels; ++i) {
     const int steps = is_signed ? (1 << i) : (1 << (i + 1));
-    const double scale = std::pow(10.0, i - 6);
+    const double scale = std::pow(10.0, i - (levels - 1));
     for (int k = 0; k < steps; ++k) {
       const double lo = 0.1 + 0.9 * k / steps;
       const double hi = 0.1 + 0.9 * (k + 1) / steps;
@@ -57,7 +74,7 @@ torch::Tensor dynamic_map(bool is_signed, bool with_zero) {
   values.push_back(0.0F);
   values.push_back(1.0F);
   std::sort(values.begin(), values.end());
-  TORCH_INTERNAL_ASSERT(values.size() == 256);
+  TORCH_INTERNAL_ASSERT(values.size() == size);
   if (!with_zero) {
     FRUGAL_CHECK(!is_signed, "frugal: only the unsigned dynamic map can leave out zero");
     values[0] = values[1] / 2;
@@ -73,9 +90,13 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
   const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
   const std::int64_t n = flat.numel();
   const auto options = flat.options();
-  BlockwiseCodes q{torch::empty(x.sizes(), options.dtype(torch::kUInt8)),
-                   torch::empty({(n + block - 1) / block}, options), block};
   const CodeBook book(map.to(x.device()));
+  FRUGAL_CHECK(book.bits == 8 || block % 2 == 0,
+               "frugal: 4-bit codes need an even block (two codes a byte), got ", block);
+  const auto u8 = options.dtype(torch::kUInt8);
+  BlockwiseCodes q{
+      book.bits == 8 ? torch::empty(x.sizes(), u8) : torch::empty({code_bytes(n, 4)}, u8),
+      torch::empty({(n + block - 1) / block}, options), block, x.sizes().vec()};
   quantize_into(flat, q.codes.view(-1), q.scales, book, block, torch::empty({n}, options),
                 torch::empty({n}, options.dtype(torch::kInt32)));
   return q;
@@ -83,25 +104,31 @@ BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& m
 
 torch::Tensor dequantize_blockwise(const BlockwiseCodes& q, const torch::Tensor& map) {
   check_block(q.block);
-  const std::int64_t n = q.codes.numel();
+  const CodeBook book(map.to(q.codes.device()));
+  const auto sizes = q.sizes.empty() ? q.codes.sizes().vec() : q.sizes;
+  std::int64_t n = 1;
+  for (const auto d : sizes) {
+    n *= d;
+  }
+  FRUGAL_CHECK(q.codes.numel() == code_bytes(n, book.bits), "frugal: ", n, " elements of ",
+               book.bits, "-bit codes take ", code_bytes(n, book.bits), " bytes, got ",
+               q.codes.numel());
   FRUGAL_CHECK(q.scales.numel() == (n + q.block - 1) / q.block, "frugal: ", n,
                " codes in blocks of ", q.block, " need ", (n + q.block - 1) / q.block,
                " scales, got ", q.scales.numel());
-  const CodeBook book(map.to(q.codes.device()));
-  auto out = torch::empty(q.codes.sizes(), q.scales.options());
+  auto out = torch::empty(sizes, q.scales.options());
   dequantize_into(out.view(-1), q.codes.contiguous().view(-1), q.scales, book, q.block,
                   torch::empty({n}, q.scales.options().dtype(torch::kInt32)));
   return out;
 }
 
-CodeBook::CodeBook(const torch::Tensor& map) {
-  FRUGAL_CHECK(map.dim() == 1 && map.numel() == 256,
-               "frugal: a quantization map has 256 values, got shape ", map.sizes());
-  const auto table = torch::empty({511}, map.options().dtype(torch::kFloat32));
-  values = table.narrow(0, 0, 256);
+CodeBook::CodeBook(const torch::Tensor& map) : bits(map_bits(map)) {
+  const std::int64_t size = map.numel();
+  const auto table = torch::empty({2 * size - 1}, map.options().dtype(torch::kFloat32));
+  values = table.narrow(0, 0, size);
   values.copy_(map);
-  boundaries = table.narrow(0, 256, 255);
-  at::add_out(boundaries, values.narrow(0, 0, 255), values.narrow(0, 1, 255));
+  boundaries = table.narrow(0, size, size - 1);
+  at::add_out(boundaries, values.narrow(0, 0, size - 1), values.narrow(0, 1, size - 1));
   boundaries.div_(2);
 }
 
@@ -110,7 +137,14 @@ void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
                      const torch::Tensor& index) {
   const std::int64_t n = out.numel();
   auto idx = index.narrow(0, 0, n);
-  idx.copy_(codes);
+  if (book.bits == 4) {  // each byte's low half to the even element, its high half to the odd
+    evens(idx, n).copy_(codes.narrow(0, 0, code_bytes(n, 4)));
+    odds(idx, n).copy_(codes.narrow(0, 0, n / 2));
+    evens(idx, n).bitwise_and_(15);
+    odds(idx, n).bitwise_right_shift_(4);
+  } else {
+    idx.copy_(codes);
+  }
   at::index_select_out(const_cast<torch::Tensor&>(out), book.values, 0, idx);
   std::int64_t b = 0;
   for_block_rows(n, block, [&](std::int64_t offset, std::int64_t r, std::int64_t c) {
@@ -136,14 +170,19 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
   });
   w.nan_to_num_(0.0);  // 0 / 0 in an all-zero block
   at::bucketize_out(idx, w, book.boundaries, /*out_int32=*/true, /*right=*/false);
-  codes.copy_(idx);
+  if (book.bits == 4) {  // the odd element's code into the high half of its even one's byte
+    odds(idx, n).mul_(16);
+    evens(idx, n).narrow(0, 0, n / 2).add_(odds(idx, n));
+    codes.narrow(0, 0, code_bytes(n, 4)).copy_(evens(idx, n));
+  } else {
+    codes.copy_(idx);
+  }
 }
 
 NearestCode::NearestCode(const torch::Tensor& map) {
   const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
-  FRUGAL_CHECK(host.dim() == 1 && host.numel() == 256,
-               "frugal: a quantization map has 256 values, got shape ", map.sizes());
-  values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + 256);
+  map_bits(host);
+  values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
   std::vector<float> boundaries;  // as CodeBook computes them, in float32
   for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
     boundaries.push_back((values_[i] + values_[i + 1]) / 2);

@@ -11,17 +11,24 @@
 namespace frugal::optim {
 
 /// Quantization tables on one device: the map, and the midpoints between its neighbours
-/// that rounding to the nearest value searches; both views of one 511-float storage.
+/// that rounding to the nearest value searches; both views of one (2 size - 1)-float storage.
 struct CodeBook {
-  /// `map`: 256 sorted values, e.g. a dynamic_map, on the device the codes live on.
+  /// `map`: 256 sorted values (8-bit codes) or 16 (4-bit), e.g. a dynamic_map, on the
+  /// device the codes live on.
   explicit CodeBook(const torch::Tensor& map);
-  torch::Tensor values;      ///< float32 [256]
-  torch::Tensor boundaries;  ///< float32 [255]
+  torch::Tensor values;      ///< float32 [size]
+  torch::Tensor boundaries;  ///< float32 [size - 1]
+  int bits = 8;              ///< 8, or 4: codes packed two to a byte
 };
 
+/// Bytes of `n` codes of `bits` bits: n, or ceil(n / 2).
+inline std::int64_t code_bytes(std::int64_t n, int bits) { return bits == 4 ? (n + 1) / 2 : n; }
+
 /// In place, without allocating a tensor: `out` (float32, `n` elements, contiguous) gets
-/// the values of `codes` (uint8, n) scaled by `scales` (one per block of `block`; the
-/// first element of `codes` starts a block). `index` is int32 scratch of n elements.
+/// the values of `codes` (uint8: n codes, or ceil(n / 2) bytes of two 4-bit codes under a
+/// 4-bit book) scaled by `scales` (one per block of `block`; the first element of `codes`
+/// starts a block, and an even one under a 4-bit book). `index` is int32 scratch of n
+/// elements.
 void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
                      const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
                      const torch::Tensor& index);
@@ -38,7 +45,7 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes, const tor
 /// bits) gives each bucket's lowest code and the one rounding boundary inside it, if any.
 class NearestCode {
  public:
-  explicit NearestCode(const torch::Tensor& map);  ///< 256 sorted float32 values
+  explicit NearestCode(const torch::Tensor& map);  ///< 256 or 16 sorted float32 values
   /// The code of the map value nearest to `y` (in [-1, 1]; NaN gives some code).
   std::uint8_t operator()(float y) const {
     return static_cast<std::uint8_t>(code(y, base_.data(), bound_.data()));
