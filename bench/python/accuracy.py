@@ -18,6 +18,7 @@ import sys
 CONFIGS = {
     "adam": ("float32 Adam (the reference)", []),
     "bf16-sr": ("bf16 weights, stochastic rounding", ["--weights", "bf16"]),
+    "8bit": ("Adam8bit (8-bit states)", ["--optimizer", "adam8bit"]),
     "factored": ("Adam8bit, factored second moment", ["--optimizer", "adam8bit", "--factored"]),
     "factored-b0": ("Adam8bit, factored, no first moment",
                     ["--optimizer", "adam8bit", "--factored", "--beta1", "0"]),
