@@ -85,6 +85,12 @@ factored = train("factored", "--optimizer", "adamw8bit", "--factored", "--beta1"
 state = {name: rows[-1]["optimizer_bytes"] for name, rows in [("8-bit", eight), ("factored", factored)]}
 check(state["factored"] < 0.05 * state["8-bit"] and factored[-1]["loss"] < factored[0]["loss"],
       f"--factored --beta1 0 keeps < 0.05x of the 8-bit state ({state['factored']} / {state['8-bit']} B) and trains")
+# 4-bit states: half a byte an element a moment and a scale a block of 128, against one byte
+# and a scale a block of 256 (the CNN's vectors keep float32 moments either way).
+four = train("adamw4bit", "--optimizer", "adamw4bit", steps=3)
+state["4-bit"] = four[-1]["optimizer_bytes"]
+check(state["4-bit"] < 0.6 * state["8-bit"] and four[-1]["loss"] < four[0]["loss"],
+      f"--optimizer adamw4bit keeps < 0.6x of the 8-bit state ({state['4-bit']} / {state['8-bit']} B) and trains")
 
 required = {"step", "epoch", "loss", "samples", "micro_batch", "micro_batches", "oom_retries",
             "skipped", "scale", "lr", "time_ms", "allocated_bytes", "peak_bytes",
@@ -220,7 +226,7 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                       "total_steps (10) must be greater than warmup_steps (50)"),
                      (["--batch", "-3"], "must be > 0, got -3"),
                      (["--model", "rnn"], "rnn"),
-                     (["--factored", "--max-steps", "1"], "--factored needs --optimizer adam8bit or adamw8bit, not adam"),
+                     (["--factored", "--max-steps", "1"], "--factored needs a low-bit optimizer (adam8bit, adamw8bit, adam4bit, adamw4bit), not adam"),
                      (["--step-in-backward", "--torch-optimizer", "--max-steps", "1"], "frugal::optim::SGD, Adam or AdamW"),
                      # (LibTorch 1.13 refuses float16 autocast on the CPU before that.)
                      (["--step-in-backward", "--autocast", "fp16", "--max-steps", "1"],

@@ -6,12 +6,15 @@
 
 #include <algorithm>
 #include <sstream>
+#include <tuple>
 #include <vector>
 
 #include "compat.h"
+#include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/blockwise.h"
 #include "helpers.h"
+#include "optim/codebook.h"
 
 namespace frugal::testing::optim8bit {
 
@@ -58,6 +61,125 @@ struct ParamsModule : torch::nn::Module {
 inline fo::Adam8bitParamState& state_of(to::Optimizer& o, const torch::Tensor& p) {
   return static_cast<fo::Adam8bitParamState&>(
       *o.state().at(frugal::compat::optimizer_state_key(p)));
+}
+
+// The float32 values a quantized state's first (`first`) or second moment stands for,
+// shaped like `param`.
+inline torch::Tensor moment_values(const fo::Adam8bitParamState& s, bool first,
+                                   const torch::Tensor& param) {
+  const fo::BlockwiseCodes q(first ? s.exp_avg() : s.exp_avg_sq(),
+                             first ? s.exp_avg_scales() : s.exp_avg_sq_scales(), s.block(),
+                             param.sizes().vec());
+  return fo::dequantize_blockwise(q, fo::moment_map(first, static_cast<int>(s.bits())));
+}
+
+// One code per element, as int32: 8-bit codes as they are, 4-bit ones out of their bytes.
+inline torch::Tensor code_per_element(const torch::Tensor& codes, std::int64_t bits,
+                                      std::int64_t n) {
+  const auto flat = codes.reshape(-1).to(torch::kInt);
+  if (bits == 8) {
+    return flat;
+  }
+  return torch::stack({flat.bitwise_and(15), flat.bitwise_right_shift(4)}, 1)
+      .reshape(-1)
+      .narrow(0, 0, n);
+}
+
+// How far one quantized step is from float32 Adam's from the same state (see
+// Optim8bit.OneStepFromTheSameStateIsFloat32AdamsStep): the largest update difference, over
+// the largest update, and how far any new state lies beyond its nearest code, over its
+// block's scale.
+struct OneStepGap {
+  double update = 0, state = 0;
+};
+
+inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
+  auto params8 = make_8bit_params();
+  fo::Adam8bit adam8(params8, to::AdamOptions(1e-2).weight_decay(1e-3), q, kChunks);
+  for (int step = 0; step < 5; ++step) {
+    set_growing_grads(params8, step);
+    adam8.step();
+  }
+  auto params32 = frugal::testing::clone_params(params8);
+  fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
+  set_growing_grads(params32, 99);
+  adam32.step();  // makes the states, then overwritten with the quantized ones' values
+  const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
+    return static_cast<to::AdamParamState&>(
+        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
+  };
+  for (std::size_t i = 0; i < params8.size(); ++i) {
+    params32[i].detach().copy_(params8[i].detach());
+    auto& s8 = state_of(adam8, params8[i]);
+    float_state(i).step(s8.step());
+    float_state(i).exp_avg().copy_(moment_values(s8, true, params8[i]));
+    float_state(i).exp_avg_sq().copy_(moment_values(s8, false, params8[i]));
+  }
+  const auto before = frugal::testing::clone_params(params8);
+  set_growing_grads(params8, 5);
+  set_growing_grads(params32, 5);
+  adam8.step();
+  adam32.step();
+  OneStepGap gap;
+  const auto block = q.block();
+  for (std::size_t i = 0; i < params8.size(); ++i) {
+    const auto update8 = params8[i] - before[i], update32 = params32[i] - before[i];
+    gap.update = std::max(gap.update,
+                          ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
+    auto& s8 = state_of(adam8, params8[i]);
+    for (const auto& [first, scales, exact] :
+         {std::make_tuple(true, s8.exp_avg_scales(), float_state(i).exp_avg()),
+          std::make_tuple(false, s8.exp_avg_sq_scales(), float_state(i).exp_avg_sq())}) {
+      // Each scale is the block's largest magnitude, and each value the nearest code to the
+      // float32 state's (up to the rounding above).
+      const auto flat = exact.contiguous().view(-1);
+      const auto blocks = (flat.numel() + block - 1) / block;
+      const auto padded = torch::cat({flat.abs(), torch::zeros({blocks * block - flat.numel()})});
+      EXPECT_TRUE(
+          torch::allclose(scales, std::get<0>(padded.view({blocks, block}).max(1)), 1e-5, 0));
+      const auto scale = scales.repeat_interleave(block).narrow(0, 0, flat.numel());
+      const auto values = moment_values(s8, first, params8[i]).contiguous().view(-1);
+      const auto error = (values - flat).abs() / scale;
+      const auto map = fo::moment_map(first, q.bits());
+      const auto excess = error - frugal::testing::nearest_distance(flat / scale, map);
+      gap.state = std::max(gap.state, excess.max().item<double>());
+    }
+  }
+  return gap;
+}
+
+// The fused CPU step against the tensor-ops step (the same values in a transposed layout)
+// after 20 AdamW steps on a 150 x 60 parameter: the weights' largest difference over their
+// largest magnitude, and how the first moment's codes differ.
+struct FusedAgreement {
+  double weights = 0;
+  std::int64_t codes_apart = 0, codes_differing = 0, codes = 0;
+};
+
+inline FusedAgreement fused_against_tensor_ops(const fo::QuantizedStateOptions& q) {
+  torch::manual_seed(12);
+  auto fused = std::vector<torch::Tensor>{torch::randn({150, 60}).requires_grad_()};
+  auto strided =
+      std::vector<torch::Tensor>{fused[0].detach().t().contiguous().t().requires_grad_()};
+  EXPECT_FALSE(strided[0].is_contiguous());
+  fo::AdamW8bit a(fused, to::AdamWOptions(1e-2).weight_decay(0.01), q, kChunks);
+  fo::AdamW8bit b(strided, to::AdamWOptions(1e-2).weight_decay(0.01), q, kChunks);
+  for (int step = 0; step < 20; ++step) {
+    set_growing_grads(fused, step);
+    strided[0].mutable_grad() = fused[0].grad().t().contiguous().t();
+    a.step();
+    b.step();
+  }
+  FusedAgreement out;
+  out.weights = ((fused[0] - strided[0]).abs().max() / fused[0].abs().max()).item<double>();
+  const auto n = fused[0].numel();
+  const auto apart = (code_per_element(state_of(a, fused[0]).exp_avg(), q.bits(), n) -
+                      code_per_element(state_of(b, strided[0]).exp_avg(), q.bits(), n))
+                         .abs();
+  out.codes_apart = apart.max().item<std::int64_t>();
+  out.codes_differing = (apart > 0).sum().item<std::int64_t>();
+  out.codes = apart.numel();
+  return out;
 }
 
 }  // namespace frugal::testing::optim8bit

@@ -17,7 +17,6 @@
 #include "frugal/optim/adam8bit.h"
 #include "frugal/optim/blockwise.h"
 #include "helpers.h"
-#include "optim/codebook.h"
 #include "optim8bit_setup.h"
 
 namespace {
@@ -25,7 +24,6 @@ namespace {
 namespace to = torch::optim;
 namespace fo = frugal::optim;
 using frugal::testing::clone_params;
-using frugal::testing::nearest_distance;
 using frugal::testing::step_overhead;
 using namespace frugal::testing::optim8bit;
 
@@ -60,64 +58,12 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // float rounding (the 8-bit step's fused loop rounds a little differently from LibTorch's
   // vectorised kernels; tolerance 1e-4 of the largest update), and the new 8-bit states
   // are the new float32 ones rounded to the nearest code.
-  auto params8 = make_8bit_params();
-  fo::Adam8bit adam8(params8, to::AdamOptions(1e-2).weight_decay(1e-3),
-                     fo::QuantizedStateOptions().min_elements(0), kChunks);
-  for (int step = 0; step < 5; ++step) {
-    set_growing_grads(params8, step);
-    adam8.step();
-  }
-  auto params32 = clone_params(params8);
-  fo::Adam adam32(params32, to::AdamOptions(1e-2).weight_decay(1e-3), kChunks);
-  set_growing_grads(params32, 99);
-  adam32.step();  // makes the states, then overwritten with the 8-bit ones' values
-  const auto map_s = fo::moment_map(true), map_u = fo::moment_map(false);
-  const auto float_state = [&](std::size_t i) -> to::AdamParamState& {
-    return static_cast<to::AdamParamState&>(
-        *adam32.state().at(frugal::compat::optimizer_state_key(params32[i])));
-  };
-  for (std::size_t i = 0; i < params8.size(); ++i) {
-    params32[i].detach().copy_(params8[i].detach());
-    auto& s8 = state_of(adam8, params8[i]);
-    float_state(i).step(s8.step());
-    float_state(i).exp_avg().copy_(
-        fo::dequantize_blockwise({s8.exp_avg(), s8.exp_avg_scales(), 256}, map_s));
-    float_state(i).exp_avg_sq().copy_(
-        fo::dequantize_blockwise({s8.exp_avg_sq(), s8.exp_avg_sq_scales(), 256}, map_u));
-  }
-  const auto before = clone_params(params8);
-  set_growing_grads(params8, 5);
-  set_growing_grads(params32, 5);
-  adam8.step();
-  adam32.step();
-  double worst = 0, worst_state = 0;
-  for (std::size_t i = 0; i < params8.size(); ++i) {
-    const auto update8 = params8[i] - before[i], update32 = params32[i] - before[i];
-    worst =
-        std::max(worst, ((update8 - update32).abs().max() / update32.abs().max()).item<double>());
-    auto& s8 = state_of(adam8, params8[i]);
-    for (const auto& [codes, scales, exact, map] :
-         {std::make_tuple(s8.exp_avg(), s8.exp_avg_scales(), float_state(i).exp_avg(), map_s),
-          std::make_tuple(s8.exp_avg_sq(), s8.exp_avg_sq_scales(), float_state(i).exp_avg_sq(),
-                          map_u)}) {
-      // Each scale is the block's largest magnitude, and each value the nearest code to the
-      // float32 state's (up to the rounding above).
-      const auto flat = exact.contiguous().view(-1);
-      const auto blocks = (flat.numel() + 255) / 256;
-      const auto padded = torch::cat({flat.abs(), torch::zeros({blocks * 256 - flat.numel()})});
-      EXPECT_TRUE(torch::allclose(scales, std::get<0>(padded.view({blocks, 256}).max(1)), 1e-5, 0));
-      const auto scale = scales.repeat_interleave(256).narrow(0, 0, flat.numel());
-      const auto error =
-          (fo::dequantize_blockwise({codes, scales, 256}, map).view(-1) - flat).abs() / scale;
-      const auto excess = error - nearest_distance(flat / scale, map);
-      worst_state = std::max(worst_state, excess.max().item<double>());
-    }
-  }
-  std::cout << "[ 8-bit    ] one step from the same state: largest update difference " << worst
-            << " of the update; states at most " << worst_state
+  const auto gap = one_step_gap(fo::QuantizedStateOptions().min_elements(0));
+  std::cout << "[ 8-bit    ] one step from the same state: largest update difference " << gap.update
+            << " of the update; states at most " << gap.state
             << " (of the scale) beyond the nearest code\n";
-  EXPECT_LE(worst, 1e-4);
-  EXPECT_LE(worst_state, 1e-5);
+  EXPECT_LE(gap.update, 1e-4);
+  EXPECT_LE(gap.state, 1e-5);
 }
 
 TEST(Optim8bit, ASmallSecondMomentNeverRoundsToZero) {
@@ -148,28 +94,13 @@ TEST(Optim8bit, ASmallSecondMomentNeverRoundsToZero) {
 TEST(Optim8bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {
   // float32 contiguous parameters on the CPU take the fused loop; the same values in a
   // transposed layout take the tensor-ops step that other devices (CUDA) and dtypes use.
-  torch::manual_seed(12);
-  auto fused = std::vector<torch::Tensor>{torch::randn({150, 60}).requires_grad_()};
-  auto strided =
-      std::vector<torch::Tensor>{fused[0].detach().t().contiguous().t().requires_grad_()};
-  ASSERT_FALSE(strided[0].is_contiguous());
-  fo::AdamW8bit a(fused, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  fo::AdamW8bit b(strided, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  for (int step = 0; step < 20; ++step) {
-    set_growing_grads(fused, step);
-    strided[0].mutable_grad() = fused[0].grad().t().contiguous().t();
-    a.step();
-    b.step();
-  }
-  const double diff = ((fused[0] - strided[0]).abs().max() / fused[0].abs().max()).item<double>();
-  const auto codes_a = state_of(a, fused[0]).exp_avg(), codes_b = state_of(b, strided[0]).exp_avg();
-  const auto apart = (codes_a.to(torch::kInt) - codes_b.to(torch::kInt)).abs();
-  std::cout << "[ 8-bit    ] fused vs tensor ops after 20 steps: parameters " << diff
-            << " apart (of the largest), " << (apart > 0).sum().item<int64_t>() << " of "
-            << apart.numel() << " first-moment codes differ\n";
-  EXPECT_LE(diff, 1e-5);
-  EXPECT_LE(apart.max().item<int64_t>(), 1);
-  EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
+  const auto agree = fused_against_tensor_ops({});
+  std::cout << "[ 8-bit    ] fused vs tensor ops after 20 steps: parameters " << agree.weights
+            << " apart (of the largest), " << agree.codes_differing << " of " << agree.codes
+            << " first-moment codes differ\n";
+  EXPECT_LE(agree.weights, 1e-5);
+  EXPECT_LE(agree.codes_apart, 1);
+  EXPECT_LE(agree.codes_differing, agree.codes / 100);
 }
 
 // Bytes of 8-bit Adam's state, from the format: codes (1 byte an element) and scales

@@ -198,6 +198,44 @@ TEST(Planner, ChoosesFactoredStatesOnlyWhenEightBitStatesDoNotFit) {
       c10::Error);
 }
 
+TEST(Planner, ChoosesFourBitStatesOnlyWhenEightBitStatesDoNotFit) {
+  // Half a byte an element a moment instead of one: 4-bit states fit where 8-bit ones do not.
+  const auto options = frugal::MemoryPlannerOptions().quantized_states(true).four_bit_states(true);
+  const auto run = plan_between(Optimizer::Adam8bit, options,
+                                [](const frugal::PlanOption& o) { return o.four_bit_states; });
+  EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
+  EXPECT_LT(run.survey.four_bit_optimizer_bytes, run.survey.quantized_optimizer_bytes);
+  ASSERT_TRUE(run.plan.chosen.four_bit_states) << run.plan.table();
+  EXPECT_TRUE(run.plan.chosen.quantized_states);
+  EXPECT_FALSE(run.plan.chosen.factored_states);
+  EXPECT_NE(run.plan.table().find("+ 4-bit states"), std::string::npos);
+  EXPECT_LE(run.peak, run.budget);
+  // The state the plan counted is the state the steps made, byte for byte.
+  EXPECT_EQ(run.optimizer_bytes, run.plan.four_bit_optimizer_bytes);
+
+  // With factored states too, they come after 4-bit ones, and are 4-bit themselves.
+  const auto all =
+      frugal::MemoryPlannerOptions().quantized_states(true).four_bit_states(true).factored_states(
+          true);
+  const auto factored = plan_between(Optimizer::Adam8bit, all,
+                                     [](const frugal::PlanOption& o) { return o.factored_states; });
+  ASSERT_TRUE(factored.plan.chosen.factored_states) << factored.plan.table();
+  EXPECT_TRUE(factored.plan.chosen.four_bit_states);
+  EXPECT_NE(factored.plan.table().find("factored 4-bit states"), std::string::npos);
+  EXPECT_LT(factored.plan.factored_optimizer_bytes, factored.plan.four_bit_optimizer_bytes);
+  EXPECT_EQ(factored.optimizer_bytes, factored.plan.factored_optimizer_bytes);
+  EXPECT_LE(factored.peak, factored.budget);
+
+  // An odd block cannot hold 4-bit codes: the planner says so up front.
+  auto s = setup();
+  frugal::optim::Adam8bit odd(s.net->parameters(), torch::optim::AdamOptions(1e-3),
+                              frugal::optim::QuantizedStateOptions().block(255));
+  frugal::Trainer trainer(s.net, odd, [](const torch::Tensor& o, const torch::Tensor& t) {
+    return F::cross_entropy(o, t);
+  });
+  EXPECT_THROW(frugal::MemoryPlanner(trainer, options), c10::Error);
+}
+
 TEST(Planner, FactoredStatesAloneStartFromTheOptimizersOwnFormat) {
   // Without quantized_states the first format is the optimizer's as made (8-bit here), and
   // a plan that needs no other leaves it so.
@@ -305,6 +343,18 @@ TEST(PlannerChoice, EquallyFastPlansAreChosenByAFixedOrderWhateverTheNoise) {
     EXPECT_EQ(chosen->micro_batches, 1) << "trial " << trial;  // the simplest
     EXPECT_FALSE(chosen->checkpoint);
   }
+  // Equally fast plans of other states' formats: 8-bit before 4-bit before factored.
+  auto states = [&](bool quantized, bool four_bit, bool factored) {
+    auto o = option(1, false, 100);
+    o.quantized_states = quantized;
+    o.four_bit_states = four_bit;
+    o.factored_states = factored;
+    return o;
+  };
+  const std::vector<frugal::PlanOption> formats = {
+      states(true, true, true), states(true, false, true), states(true, true, false)};
+  const auto* lowest = frugal::detail::choose_plan(formats, 0.25);
+  EXPECT_TRUE(lowest->four_bit_states && !lowest->factored_states);
   // A plan clearly faster than the tolerance still wins.
   auto faster = truth;
   faster[0].predicted_ms = 50;

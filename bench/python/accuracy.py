@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Test accuracy by epoch of the Fashion-MNIST CNN trained with frugal's smaller formats
-(bfloat16 weights with stochastic rounding, factored second moments, no first moment)
+(bfloat16 weights with stochastic rounding, 8-bit and 4-bit states, factored second moments,
+no first moment)
 against float32 Adam, seed by seed: the table of the README's accuracy rows.
 
 Usage: accuracy.py FASHION_MNIST_BINARY [--epochs 3] [--seeds 1 2] [--threads 2]
@@ -22,6 +23,9 @@ CONFIGS = {
     "factored": ("Adam8bit, factored second moment", ["--optimizer", "adam8bit", "--factored"]),
     "factored-b0": ("Adam8bit, factored, no first moment",
                     ["--optimizer", "adam8bit", "--factored", "--beta1", "0"]),
+    "4bit": ("Adam4bit (4-bit states)", ["--optimizer", "adam4bit"]),
+    "4bit-factored": ("Adam4bit, factored second moment",
+                      ["--optimizer", "adam4bit", "--factored"]),
 }
 EPOCH = re.compile(r"^epoch (\d+): .* accuracy ([0-9.]+)$", re.M)
 

@@ -300,17 +300,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lr", args.lr, "Learning rate")->check(kPositive)->capture_default_str();
   app.add_option("--optimizer", args.optimizer,
-                 "sgd (momentum 0.9), adam, adamw, or adam8bit, adamw8bit (8-bit states): "
-                 "frugal's, in place")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw", "adam8bit", "adamw8bit"}))
+                 "sgd (momentum 0.9), adam, adamw, adam8bit, adamw8bit (8-bit states), or "
+                 "adam4bit, adamw4bit (4-bit states): frugal's, in place")
+      ->check(
+          CLI::IsMember({"sgd", "adam", "adamw", "adam8bit", "adamw8bit", "adam4bit", "adamw4bit"}))
       ->capture_default_str();
   app.add_option("--beta1", args.beta1,
-                 "Adam's first-moment decay (adam, adamw, adam8bit, adamw8bit; 0 with the 8-bit "
+                 "Adam's first-moment decay (the Adam optimizers; 0 with the 8-bit and 4-bit "
                  "ones: no first moment kept)")
       ->check(CLI::Range(0.0, 0.999999))
       ->capture_default_str();
   app.add_flag("--factored", args.factored,
-               "adam8bit/adamw8bit: keep a matrix's second moment as row and column statistics");
+               "The 8-bit and 4-bit optimizers: keep a matrix's second moment as row and "
+               "column statistics");
   app.add_flag("--torch-optimizer", args.torch_optimizer,
                "Use LibTorch's optimizer of that name instead of frugal's");
   app.add_flag("--step-in-backward", args.step_in_backward,

@@ -59,18 +59,23 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
       args.rounding == "nearest"       ? frugal::optim::Rounding::Nearest
       : args.rounding == "compensated" ? frugal::optim::Rounding::Compensated
                                        : frugal::optim::Rounding::Stochastic);
-  const bool adamw = args.optimizer == "adamw" || args.optimizer == "adamw8bit";
-  const bool low_bit = args.optimizer == "adam8bit" || args.optimizer == "adamw8bit";
+  const bool adamw = args.optimizer.rfind("adamw", 0) == 0;  // adamw, adamw8bit, adamw4bit
+  const bool four_bit = args.optimizer == "adam4bit" || args.optimizer == "adamw4bit";
+  const bool low_bit = four_bit || args.optimizer == "adam8bit" || args.optimizer == "adamw8bit";
   if (args.factored && !low_bit) {
-    throw std::invalid_argument("--factored needs --optimizer adam8bit or adamw8bit, not " +
-                                args.optimizer);
+    throw std::invalid_argument(
+        "--factored needs a low-bit optimizer (adam8bit, adamw8bit, "
+        "adam4bit, adamw4bit), not " +
+        args.optimizer);
   }
   const std::tuple<double, double> betas{args.beta1, 0.999};
   if (low_bit) {
     if (args.torch_optimizer) {
       throw std::invalid_argument("--torch-optimizer: LibTorch has no " + args.optimizer);
     }
-    const auto states = frugal::optim::QuantizedStateOptions().factored(args.factored);
+    const auto states =
+        (four_bit ? frugal::optim::four_bit_states() : frugal::optim::QuantizedStateOptions())
+            .factored(args.factored);
     if (adamw) {
       return std::make_unique<frugal::optim::AdamW8bit>(
           std::move(params), to::AdamWOptions(args.lr).betas(betas), states, in_place);

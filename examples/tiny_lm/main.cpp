@@ -59,10 +59,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& a,
                                                         std::vector<torch::Tensor> params) {
   const auto options = torch::optim::AdamWOptions(a.lr).weight_decay(0.01).betas({a.beta1, 0.999});
   const auto in_place = frugal::optim::InPlaceOptions().seed(a.seed);
-  if (a.optimizer == "adamw8bit") {
-    return std::make_unique<frugal::optim::AdamW8bit>(
-        std::move(params), options, frugal::optim::QuantizedStateOptions().factored(a.factored),
-        in_place);
+  if (a.optimizer == "adamw8bit" || a.optimizer == "adamw4bit") {
+    auto states = a.optimizer == "adamw4bit" ? frugal::optim::four_bit_states()
+                                             : frugal::optim::QuantizedStateOptions();
+    return std::make_unique<frugal::optim::AdamW8bit>(std::move(params), options,
+                                                      states.factored(a.factored), in_place);
   }
   return std::make_unique<frugal::optim::AdamW>(std::move(params), options, in_place);
 }
@@ -100,13 +101,16 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batch", a.micro_batch, "Sequences per micro-batch (0: the whole batch)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--lr", a.lr, "AdamW learning rate");
-  app.add_option("--optimizer", a.optimizer, "adamw (float32 states) or adamw8bit (8-bit states)")
-      ->check(CLI::IsMember({"adamw", "adamw8bit"}));
+  app.add_option("--optimizer", a.optimizer,
+                 "adamw (float32 states), adamw8bit (8-bit states) or adamw4bit (4-bit states)")
+      ->check(CLI::IsMember({"adamw", "adamw8bit", "adamw4bit"}));
   app.add_option("--beta1", a.beta1,
-                 "AdamW's first-moment decay (0 with adamw8bit: no first moment is kept)")
+                 "AdamW's first-moment decay (0 with adamw8bit or adamw4bit: no first moment is "
+                 "kept)")
       ->check(CLI::Range(0.0, 0.999999));
   app.add_flag("--factored", a.factored,
-               "adamw8bit: keep a matrix's second moment as row and column statistics");
+               "adamw8bit, adamw4bit: keep a matrix's second moment as row and column "
+               "statistics");
   app.add_option("--weights", a.weights,
                  "The weights' dtype: float32 or bf16 (bf16: gradients too; updates rounded "
                  "stochastically)")
@@ -144,8 +148,9 @@ int main(int argc, char** argv) {
   app.add_option("--report", a.report, "Write a JSON-lines report here");
   app.add_flag("--quiet", a.quiet, "Print only the result line");
   CLI11_PARSE(app, argc, argv);
-  if (a.factored && a.optimizer != "adamw8bit") {
-    fmt::print(stderr, "tiny_lm: --factored needs --optimizer adamw8bit, not {}\n", a.optimizer);
+  if (a.factored && a.optimizer == "adamw") {
+    fmt::print(stderr, "tiny_lm: --factored needs --optimizer adamw8bit or adamw4bit, not {}\n",
+               a.optimizer);
     return 2;
   }
   if (a.dim % a.heads != 0) {

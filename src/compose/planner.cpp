@@ -53,110 +53,7 @@ int step_temporaries(const torch::optim::OptimizerOptions& o) {
   return 2;  // AdamW's denominator, and as much for the others
 }
 
-int policies_in(const PlanOption& o) {
-  return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
-         (o.step_in_backward ? 1 : 0) + (o.quantized_states || o.factored_states ? 1 : 0);
-}
-
-bool same_plan(const PlanOption& a, const PlanOption& b) {
-  return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
-         a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
-         a.quantized_states == b.quantized_states && a.factored_states == b.factored_states;
-}
-
 }  // namespace
-
-std::string PlanOption::describe() const {
-  std::string out = micro_batches > 1
-                        ? fmt::format("micro-batch {} (x{})", micro_batch, micro_batches)
-                        : std::string("whole batch");
-  if (checkpoint) {
-    out += blocks > 0 ? fmt::format(" + checkpoint ({} of {} blocks)", checkpointed_blocks, blocks)
-                      : std::string(" + checkpoint");
-  }
-  if (autocast) {
-    out += " + autocast";
-  }
-  if (step_in_backward) {
-    out += " + step in backward";
-  }
-  if (factored_states) {
-    out += " + factored 8-bit states";
-  } else if (quantized_states) {
-    out += " + 8-bit states";
-  }
-  return out;
-}
-
-std::string MemoryPlan::table() const {
-  std::string out = fmt::format(
-      "Budget {} (plans must predict under {} with a {:.0f}% margin); optimizer state to "
-      "come: {}; {}: its step peaks at {}\n\n| plan | predicted peak | predicted time (ms) | "
-      "fits |\n|---|---|---|---|\n",
-      format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
-      margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
-  if (quantized_optimizer_bytes > 0) {
-    out.insert(out.find("\n\n"), fmt::format("; with 8-bit states: {}, step peak {}",
-                                             format_bytes(quantized_optimizer_bytes),
-                                             format_bytes(quantized_step_peak)));
-  }
-  if (factored_optimizer_bytes > 0) {
-    out.insert(out.find("\n\n"), fmt::format("; with factored 8-bit states: {}, step peak {}",
-                                             format_bytes(factored_optimizer_bytes),
-                                             format_bytes(factored_step_peak)));
-  }
-  for (const auto& o : options) {
-    const bool is_chosen = same_plan(o, chosen);
-    out += fmt::format("| {}{}{} | {} | {:.1f} | {} |\n", is_chosen ? "**" : "", o.describe(),
-                       is_chosen ? "** (chosen)" : "", format_bytes(o.predicted_peak),
-                       o.predicted_ms, o.fits ? "yes" : "no");
-  }
-  out += fmt::format("\nChosen: {}; predicted peak {}, measured {}\n", chosen.describe(),
-                     format_bytes(chosen.predicted_peak), format_bytes(measured_peak));
-  if (!block_choice.blocks.empty()) {
-    out += "\nWhich blocks to checkpoint:\n\n" + block_choice.table();
-  }
-  return out;
-}
-
-namespace detail {
-
-const PlanOption* choose_plan(const std::vector<PlanOption>& options, double time_tolerance) {
-  // The fixed order among plans that are equally fast: the simplest first.
-  auto key = [](const PlanOption& o) {
-    return std::make_tuple(policies_in(o), o.micro_batches, o.checkpoint, o.step_in_backward);
-  };
-  // Numerics kept longest: float32 states, then 8-bit states, then factored ones, then the
-  // same with autocast.
-  for (const bool autocast : {false, true}) {
-    for (const auto& [quantized, factored] :
-         {std::pair{false, false}, std::pair{true, false}, std::pair{true, true}}) {
-      const auto candidate = [&, q = quantized, f = factored](const PlanOption& o) {
-        return o.fits && o.autocast == autocast && o.quantized_states == q &&
-               o.factored_states == f;
-      };
-      double fastest = -1;
-      for (const auto& o : options) {
-        if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
-          fastest = o.predicted_ms;
-        }
-      }
-      const PlanOption* best = nullptr;
-      for (const auto& o : options) {
-        if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
-            (best == nullptr || key(o) < key(*best))) {
-          best = &o;
-        }
-      }
-      if (best != nullptr) {
-        return best;
-      }
-    }
-  }
-  return nullptr;
-}
-
-}  // namespace detail
 
 MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
     : trainer_(trainer), options_(std::move(options)) {
@@ -187,13 +84,16 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   factored_at_start_ = quantized_ != nullptr && quantized_->factored();
+  bits_at_start_ = quantized_ != nullptr ? quantized_->bits() : 8;
   for (const auto& [on, name] : {std::pair{options_.quantized_states(), "quantized_states"},
-                                 std::pair{options_.factored_states(), "factored_states"}}) {
+                                 std::pair{options_.factored_states(), "factored_states"},
+                                 std::pair{options_.four_bit_states(), "four_bit_states"}}) {
     if (!on) {
       continue;
     }
     FRUGAL_CHECK(quantized_ != nullptr, "frugal: MemoryPlannerOptions::", name,
-                 " needs one of frugal's 8-bit optimizers (frugal::optim::Adam8bit, AdamW8bit)");
+                 " needs one of frugal's low-bit optimizers (frugal::optim::Adam8bit, AdamW8bit, "
+                 "Adam4bit, AdamW4bit)");
     FRUGAL_CHECK(trainer_.optimizer().state().empty(), "frugal: MemoryPlannerOptions::", name,
                  " needs an optimizer without state: the states' format is chosen before the "
                  "first step");
@@ -201,14 +101,23 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
   if (options_.quantized_states()) {
     base_format_.as_made = false;  // float32 states first
   }
+  if (options_.four_bit_states()) {
+    quantized_->set_bits(4);  // refuses an odd block, naming it
+    quantized_->set_bits(bits_at_start_);
+  }
+}
+
+bool MemoryPlanner::chooses_states() const {
+  return options_.quantized_states() || options_.factored_states() || options_.four_bit_states();
 }
 
 void MemoryPlanner::set_state_format(StateFormat format) {
-  if (!options_.quantized_states() && !options_.factored_states()) {
+  if (!chooses_states()) {
     return;  // the optimizer's, as made
   }
   quantized_->set_quantized(format.as_made ? quantized_at_start_ : format.quantized);
   quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
+  quantized_->set_bits(format.as_made ? bits_at_start_ : format.bits);
 }
 
 void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
@@ -263,10 +172,13 @@ std::int64_t MemoryPlanner::pending_optimizer_bytes(StateFormat format) {
   if (quantized_ != nullptr) {
     // The format in place for the count (no state exists), then the one before.
     const bool factored = quantized_->factored();
+    const int bits = quantized_->bits();
     quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
+    quantized_->set_bits(format.as_made ? bits_at_start_ : format.bits);
     const auto bytes =
         quantized_->pending_state_bytes(format.as_made ? quantized_at_start_ : format.quantized);
     quantized_->set_factored(factored);
+    quantized_->set_bits(bits);
     return bytes;
   }
   double bytes = 0;
@@ -298,33 +210,48 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
 
   plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
   // The states' formats to predict each configuration with, and their bytes and step peak.
-  const StateFormat eight_bit{false, true, false}, factored{false, true, true};
-  std::vector<StateFormat> state_formats = {base_format_};
-  std::string ignored;
-  if (options_.quantized_states()) {
-    state_formats.push_back(eight_bit);
-    plan.quantized_optimizer_bytes = pending_optimizer_bytes(eight_bit);
-    plan.quantized_step_peak = optimizer_step_peak(plan.quantized_optimizer_bytes, &ignored);
+  // Each format's state to come and optimizer step peak: the optimizer's own format, then
+  // those the options add.
+  struct Rung {
+    StateFormat format;
+    std::int64_t* bytes;
+    std::int64_t* step_peak;
+  };
+  const int smallest_bits = options_.four_bit_states() ? 4 : 8;
+  std::vector<Rung> rungs = {{base_format_, &plan.optimizer_bytes, &plan.optimizer_step_peak}};
+  for (const auto& [on, rung] :
+       {std::pair{options_.quantized_states(), Rung{{false, true, false, 8},
+                                                    &plan.quantized_optimizer_bytes,
+                                                    &plan.quantized_step_peak}},
+        std::pair{options_.four_bit_states(), Rung{{false, true, false, 4},
+                                                   &plan.four_bit_optimizer_bytes,
+                                                   &plan.four_bit_step_peak}},
+        std::pair{options_.factored_states(), Rung{{false, true, true, smallest_bits},
+                                                   &plan.factored_optimizer_bytes,
+                                                   &plan.factored_step_peak}}}) {
+    if (on) {
+      std::string ignored;
+      *rung.bytes = pending_optimizer_bytes(rung.format);
+      *rung.step_peak = optimizer_step_peak(*rung.bytes, &ignored);
+      rungs.push_back(rung);
+    }
   }
-  if (options_.factored_states()) {
-    state_formats.push_back(factored);
-    plan.factored_optimizer_bytes = pending_optimizer_bytes(factored);
-    plan.factored_step_peak = optimizer_step_peak(plan.factored_optimizer_bytes, &ignored);
-  }
-  const auto format_of = [&](const PlanOption& o) {
-    return o.factored_states ? factored : (o.quantized_states ? eight_bit : base_format_);
+  // What a plan says of its states' format (nothing: the optimizer's own), and its rung.
+  const auto flags = [](const StateFormat& f) {
+    return std::make_tuple(!f.as_made && f.quantized, !f.as_made && f.factored,
+                           !f.as_made && f.bits == 4);
   };
-  // The state to come and the optimizer step's peak of a plan, by its format.
-  const auto state_of = [&](const PlanOption& o) {
-    return o.factored_states
-               ? plan.factored_optimizer_bytes
-               : (o.quantized_states ? plan.quantized_optimizer_bytes : plan.optimizer_bytes);
+  const auto rung_of = [&](const PlanOption& o) -> const Rung& {
+    for (const auto& r : rungs) {
+      if (flags(r.format) ==
+          std::make_tuple(o.quantized_states, o.factored_states, o.four_bit_states)) {
+        return r;
+      }
+    }
+    return rungs.front();
   };
-  const auto step_peak_of = [&](const PlanOption& o) {
-    return o.factored_states
-               ? plan.factored_step_peak
-               : (o.quantized_states ? plan.quantized_step_peak : plan.optimizer_step_peak);
-  };
+  const auto state_of = [&](const PlanOption& o) { return *rung_of(o).bytes; };
+  const auto step_peak_of = [&](const PlanOption& o) { return *rung_of(o).step_peak; };
 
   configure(batch, false, false, false, StateFormat());
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
@@ -345,10 +272,9 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
           }
         }
         for (const auto m : sizes) {
-          for (const auto& format : state_formats) {
+          for (const auto& rung : rungs) {
             PlanOption o;
-            o.quantized_states = !format.as_made && format.quantized;
-            o.factored_states = !format.as_made && format.factored;
+            std::tie(o.quantized_states, o.factored_states, o.four_bit_states) = flags(rung.format);
             o.micro_batch = m;
             o.micro_batches = (batch + m - 1) / m;
             o.checkpoint = checkpoint;
@@ -402,7 +328,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
-            format_of(*best));
+            rung_of(*best).format);
   const auto state = state_of(*best);
   if (best->checkpoint && options_.choose_blocks() && limit > static_cast<double>(state)) {
     // The trials do not hold the optimizer state to come: the blocks' budget leaves it room.

@@ -46,11 +46,8 @@ namespace {
 using torch::optim::AdamOptions;
 using torch::optim::AdamWOptions;
 
-std::int64_t blocks_of(std::int64_t numel, std::int64_t block) {
-  return (numel + block - 1) / block;
-}
-
-constexpr std::int64_t kBookBytes = 2 * 511 * 4;  // two CodeBook tables of float32
+// Two CodeBook tables of float32 (2 size - 1 values each).
+std::int64_t book_bytes(int bits) { return 2 * (2 * (std::int64_t{1} << bits) - 1) * 4; }
 
 template <typename Options>
 void check_options(const Options& o, const QuantizedStateOptions& q) {
@@ -64,58 +61,15 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
                "(amsgrad must be false)");
   FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
                q.block());
+  FRUGAL_CHECK(q.bits() == 8 || q.bits() == 4,
+               "frugal: QuantizedStateOptions bits must be 8 or 4, got ", q.bits());
+  FRUGAL_CHECK(q.bits() == 8 || q.block() % 2 == 0,  // two codes a byte
+               "frugal: 4-bit states need an even QuantizedStateOptions block, got ", q.block());
   FRUGAL_CHECK(q.min_elements() >= 0,
                "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
 }
 
-// Reads what `tensors` may hold: a missing key leaves the tensor undefined.
-void read_tensor(torch::serialize::InputArchive& archive, const char* key, torch::Tensor& t) {
-  c10::IValue value;
-  if (archive.try_read(key, value)) {
-    FRUGAL_CHECK(value.isTensor(), "frugal: 8-bit optimizer state '", key, "' is not a tensor");
-    t = value.toTensor();
-  }
-}
-
-std::int64_t read_int(torch::serialize::InputArchive& archive, const char* key) {
-  c10::IValue value;
-  FRUGAL_CHECK(archive.try_read(key, value) && value.isInt(), "frugal: the optimizer state has "
-               "no '", key, "': it was not saved by frugal's Adam8bit or AdamW8bit");
-  return value.toInt();
-}
-
 }  // namespace
-
-std::vector<torch::Tensor> Adam8bitParamState::state_tensors() const {
-  return {exp_avg(),        exp_avg_scales(), exp_avg_sq(), exp_avg_sq_scales(),
-          exp_avg_sq_row(), exp_avg_sq_col(), signed_map(), unsigned_map()};
-}
-
-void Adam8bitParamState::serialize(torch::serialize::OutputArchive& archive) const {
-  archive.write("step", c10::IValue(step()));
-  archive.write("block", c10::IValue(block()));
-  for (const auto& [key, t] : {std::pair<const char*, torch::Tensor>{"exp_avg", exp_avg()},
-                               {"exp_avg_scales", exp_avg_scales()},
-                               {"exp_avg_sq", exp_avg_sq()},
-                               {"exp_avg_sq_scales", exp_avg_sq_scales()},
-                               {"exp_avg_sq_row", exp_avg_sq_row()},
-                               {"exp_avg_sq_col", exp_avg_sq_col()}}) {
-    if (t.defined()) {
-      archive.write(key, c10::IValue(t));
-    }
-  }
-}
-
-void Adam8bitParamState::serialize(torch::serialize::InputArchive& archive) {
-  step(read_int(archive, "step"));
-  block(read_int(archive, "block"));
-  read_tensor(archive, "exp_avg", exp_avg_);
-  read_tensor(archive, "exp_avg_scales", exp_avg_scales_);
-  read_tensor(archive, "exp_avg_sq", exp_avg_sq_);
-  read_tensor(archive, "exp_avg_sq_scales", exp_avg_sq_scales_);
-  read_tensor(archive, "exp_avg_sq_row", exp_avg_sq_row_);
-  read_tensor(archive, "exp_avg_sq_col", exp_avg_sq_col_);
-}
 
 template <typename Options>
 struct Adam8bitBase<Options>::Books {
@@ -189,9 +143,20 @@ void Adam8bitBase<Options>::set_factored(bool on) {
 }
 
 template <typename Options>
+void Adam8bitBase<Options>::set_bits(int bits) {
+  FRUGAL_CHECK(bits == this->bits() || state().empty(), "frugal: set_bits(", bits,
+               ") after states exist (", state().size(),
+               " parameters): the states' format is "
+               "chosen before the first step");
+  auto q = quantized_;
+  check_options(static_cast<const Options&>(defaults()), q.bits(bits));
+  quantized_ = q;
+}
+
+template <typename Options>
 std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
   std::int64_t bytes = 0;
-  std::set<std::pair<c10::DeviceType, c10::DeviceIndex>> devices;
+  std::set<std::tuple<c10::DeviceType, c10::DeviceIndex, int>> devices;
   for (auto& group : param_groups()) {
     for (const auto& p : group.params()) {
       if (state().count(compat::optimizer_state_key(p)) != 0) {
@@ -200,13 +165,14 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
       const auto n = p.numel();
       const auto f = detail::new_state_format<Options>(p, group.options(), quantized, quantized_);
       if (f.quantized) {
-        const auto codes = n + 4 * blocks_of(n, quantized_.block());  // one moment's
+        const auto codes =  // one moment's
+            code_bytes(n, quantized_.bits()) + 4 * blocks_of(n, quantized_.block());
         const auto shape = detail::factored_shape(p);
         bytes += f.first_moment ? codes : 0;
         bytes += f.factored ? 4 * (shape.rows + shape.cols) : codes;
-        const auto device = std::make_pair(p.device().type(), p.device().index());
+        const auto device = std::make_tuple(p.device().type(), p.device().index(), bits());
         if (books_.count(device) == 0 && devices.insert(device).second) {
-          bytes += kBookBytes;
+          bytes += book_bytes(bits());
         }
       } else {
         bytes += 8 * n;
@@ -217,18 +183,24 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
 }
 
 template <typename Options>
-const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(
-    torch::Device device) const {
-  const auto key = std::make_pair(device.type(), device.index());
+const typename Adam8bitBase<Options>::Books& Adam8bitBase<Options>::books(torch::Device device,
+                                                                          int bits) const {
+  const auto key = std::make_tuple(device.type(), device.index(), bits);
   auto it = books_.find(key);
   if (it == books_.end()) {
     it = books_
-             .emplace(key,
-                      std::make_shared<const Books>(Books{CodeBook(moment_map(true).to(device)),
-                                                          CodeBook(moment_map(false).to(device))}))
+             .emplace(key, std::make_shared<const Books>(
+                               Books{CodeBook(moment_map(true, bits).to(device)),
+                                     CodeBook(moment_map(false, bits).to(device))}))
              .first;
   }
   return *it->second;
+}
+
+template <typename Options>
+void Adam8bitBase<Options>::attach_books(Adam8bitParamState& s, torch::Device device) const {
+  const auto& b = books(device, static_cast<int>(s.bits()));
+  s.signed_map(b.signed_book.values).unsigned_map(b.unsigned_book.values);
 }
 
 template <typename Options>
@@ -239,22 +211,24 @@ std::unique_ptr<torch::optim::OptimizerParamState> Adam8bitBase<Options>::make_s
   const auto f32 = torch::TensorOptions().device(param.device()).dtype(torch::kFloat32);
   const auto format = format_of(param, nullptr, options);
   if (format.quantized) {
-    const auto& b = books(param.device());
     const auto blocks = blocks_of(param.numel(), quantized_.block());
     const auto u8 = f32.dtype(torch::kUInt8);
-    state->block(quantized_.block())
-        .signed_map(b.signed_book.values)
-        .unsigned_map(b.unsigned_book.values);
+    // 8-bit codes shaped like the parameter; 4-bit ones two to a byte.
+    const auto codes = [&] {
+      return bits() == 8 ? torch::empty(param.sizes(), u8)
+                         : torch::empty({code_bytes(param.numel(), 4)}, u8);
+    };
+    state->block(quantized_.block()).bits(bits());
+    attach_books(*state, param.device());
     if (format.first_moment) {
-      state->exp_avg(torch::empty(param.sizes(), u8)).exp_avg_scales(torch::empty({blocks}, f32));
+      state->exp_avg(codes()).exp_avg_scales(torch::empty({blocks}, f32));
     }
     if (format.factored) {
       const auto shape = detail::factored_shape(param);
       state->exp_avg_sq_row(torch::empty({shape.rows}, f32))
           .exp_avg_sq_col(torch::empty({shape.cols}, f32));
     } else {
-      state->exp_avg_sq(torch::empty(param.sizes(), u8))
-          .exp_avg_sq_scales(torch::empty({blocks}, f32));
+      state->exp_avg_sq(codes()).exp_avg_sq_scales(torch::empty({blocks}, f32));
     }
   } else {
     state->exp_avg(torch::empty(param.sizes(), f32)).exp_avg_sq(torch::empty(param.sizes(), f32));
@@ -301,8 +275,9 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   s.step(s.step() + 1);
   const auto step =
       detail::adam_chunk_step(o, s.step(), std::is_same_v<Options, AdamWOptions>, u.fresh);
+  const auto bits = static_cast<int>(s.bits());
   const Books* b = s.quantized()
-                       ? books_.at({u.param.device().type(), u.param.device().index()}).get()
+                       ? books_.at({u.param.device().type(), u.param.device().index(), bits}).get()
                        : nullptr;
   if (s.factored()) {
     detail::factored_adam_update(u, s, step, s.exp_avg().defined() ? &b->signed_book : nullptr);
@@ -313,11 +288,11 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   // strided, compensated rounding) tensor ops.
   const bool fused = b != nullptr && detail::fused_cpu(u);
   if (fused) {  // the whole parameter at once: it needs no scratch
-    detail::adam8bit_cpu(detail::fused_weights(u), first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
-                         first_moment ? s.exp_avg_scales().data_ptr<float>() : nullptr,
-                         s.exp_avg_sq().data_ptr<std::uint8_t>(),
-                         s.exp_avg_sq_scales().data_ptr<float>(), u.numel(), s.block(),
-                         detail::adam_scalars(step));
+    detail::adam8bit_cpu(
+        detail::fused_weights(u), first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
+        first_moment ? s.exp_avg_scales().data_ptr<float>() : nullptr,
+        s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(), u.numel(),
+        s.block(), bits, detail::adam_scalars(step));
     return;
   }
   const bool cast = u.grad.scalar_type() != torch::kFloat32;
@@ -343,11 +318,13 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       m = u.scratch_part(0, n);
       v = u.scratch_part(1, n);
       index = u.scratch.at(3).narrow(0, 0, n).view(torch::kInt32);
+      // (offset is a multiple of the block, even under 4-bit codes)
       const auto first = offset / s.block();
-      v_codes = s.exp_avg_sq().view(-1).narrow(0, offset, n);
+      const auto at = code_bytes(offset, bits), bytes = code_bytes(n, bits);
+      v_codes = s.exp_avg_sq().view(-1).narrow(0, at, bytes);
       v_scales = s.exp_avg_sq_scales().narrow(0, first, blocks_of(n, s.block()));
       if (first_moment) {
-        m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
+        m_codes = s.exp_avg().view(-1).narrow(0, at, bytes);
         m_scales = s.exp_avg_scales().narrow(0, first, blocks_of(n, s.block()));
       }
       if (!u.fresh) {
@@ -376,113 +353,6 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
                     index);
     }
   });
-}
-
-template <typename Options>
-void Adam8bitBase<Options>::save(torch::serialize::OutputArchive& archive) const {
-  torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
-  save_rounding(archive);
-}
-
-template <typename Options>
-void Adam8bitBase<Options>::load(torch::serialize::InputArchive& archive) {
-  // What is here now, to put back if the file does not fit.
-  using Key = std::decay_t<decltype(state().begin()->first)>;
-  std::vector<std::pair<Key, std::unique_ptr<torch::optim::OptimizerParamState>>> kept_state;
-  for (const auto& [key, s] : state()) {
-    kept_state.emplace_back(key, s->clone());
-  }
-  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> kept_options;
-  for (auto& group : param_groups()) {
-    kept_options.push_back(group.options().clone());
-  }
-  auto commit_rounding = load_rounding(archive);
-  try {
-    torch::optim::serialize<Adam8bitParamState, Options>(archive, *this);
-    adopt_loaded();
-    commit_rounding();
-  } catch (...) {
-    state().clear();
-    for (auto& [key, s] : kept_state) {
-      state()[key] = std::move(s);
-    }
-    for (std::size_t g = 0; g < kept_options.size(); ++g) {
-      param_groups()[g].set_options(std::move(kept_options[g]));
-    }
-    throw;
-  }
-}
-
-template <typename Options>
-void Adam8bitBase<Options>::adopt_loaded() {
-  std::int64_t index = 0;
-  for (const auto& group : param_groups()) {
-    for (const auto& p : group.params()) {
-      const auto it = state().find(compat::optimizer_state_key(p));
-      ++index;
-      if (it == state().end()) {
-        continue;
-      }
-      auto& s = static_cast<Adam8bitParamState&>(*it->second);
-      const auto name = [&] {
-        return c10::str("frugal: the loaded state of parameter ", index - 1, " (shape ",
-                        p.sizes(), ")");
-      };
-      FRUGAL_CHECK(s.block() >= 0 && s.step() >= 0, name(), " has block ", s.block(),
-                   " and step ", s.step());
-      FRUGAL_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
-                   " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
-                   quantized_.block());
-      const auto expect = [&](const torch::Tensor& t, const char* what, at::IntArrayRef sizes,
-                              c10::ScalarType type) {
-        FRUGAL_CHECK(t.defined() && t.sizes() == sizes && t.scalar_type() == type, name(),
-                     " holds ", what, " of ",
-                     t.defined() ? c10::str(t.sizes(), " ", t.scalar_type()) : "nothing",
-                     " where ", sizes, " ", type, " belongs");
-      };
-      if (!s.quantized()) {
-        FRUGAL_CHECK(!s.factored(), name(), " is factored but not quantized");
-        expect(s.exp_avg(), "a first moment", p.sizes(), torch::kFloat32);
-        expect(s.exp_avg_sq(), "a second moment", p.sizes(), torch::kFloat32);
-        continue;
-      }
-      const std::vector<std::int64_t> blocks{blocks_of(p.numel(), s.block())};
-      if (s.exp_avg().defined()) {  // else no first moment: beta1 0
-        expect(s.exp_avg(), "a first moment", p.sizes(), torch::kUInt8);
-        expect(s.exp_avg_scales(), "first-moment scales", blocks, torch::kFloat32);
-      }
-      if (s.factored()) {
-        const auto shape = detail::factored_shape(p);
-        FRUGAL_CHECK(!s.exp_avg_sq().defined(), name(), " holds both a factored and a whole "
-                     "second moment");
-        expect(s.exp_avg_sq_row(), "second-moment rows", {shape.rows}, torch::kFloat32);
-        expect(s.exp_avg_sq_col(), "second-moment columns", {shape.cols}, torch::kFloat32);
-      } else {
-        expect(s.exp_avg_sq(), "a second moment", p.sizes(), torch::kUInt8);
-        expect(s.exp_avg_sq_scales(), "second-moment scales", blocks, torch::kFloat32);
-      }
-    }
-  }
-  // Everything fits: move the states to their parameters' devices and attach the books.
-  for (const auto& group : param_groups()) {
-    for (const auto& p : group.params()) {
-      const auto it = state().find(compat::optimizer_state_key(p));
-      if (it == state().end()) {
-        continue;
-      }
-      auto& s = static_cast<Adam8bitParamState&>(*it->second);
-      const auto here = [&](const torch::Tensor& t) {
-        return t.defined() ? t.to(p.device()).contiguous() : t;
-      };
-      s.exp_avg(here(s.exp_avg())).exp_avg_sq(here(s.exp_avg_sq()));
-      s.exp_avg_scales(here(s.exp_avg_scales())).exp_avg_sq_scales(here(s.exp_avg_sq_scales()));
-      s.exp_avg_sq_row(here(s.exp_avg_sq_row())).exp_avg_sq_col(here(s.exp_avg_sq_col()));
-      if (s.quantized()) {
-        const auto& b = books(p.device());
-        s.signed_map(b.signed_book.values).unsigned_map(b.unsigned_book.values);
-      }
-    }
-  }
 }
 
 template class Adam8bitBase<AdamOptions>;

@@ -114,6 +114,34 @@ void narrow_codes(const std::int32_t* __restrict wide, std::uint8_t* __restrict 
   }
 }
 
+// 4-bit codes two to a byte, element 2k in the low half of byte k; an odd count leaves the
+// last byte's high half zero, as quantize_into does.
+FRUGAL_VECTOR_CLONES
+void pack_codes(const std::int32_t* __restrict wide, std::uint8_t* __restrict codes,
+                std::int64_t count) {
+  const std::int64_t pairs = count / 2;
+  for (std::int64_t k = 0; k < pairs; ++k) {
+    codes[k] = static_cast<std::uint8_t>(wide[2 * k] | (wide[2 * k + 1] << 4));
+  }
+  if (count % 2 != 0) {
+    codes[pairs] = static_cast<std::uint8_t>(wide[count - 1]);
+  }
+}
+
+// The 4-bit codes of `count` elements, one to a byte.
+FRUGAL_VECTOR_CLONES
+void unpack_codes(const std::uint8_t* __restrict codes, std::uint8_t* __restrict out,
+                  std::int64_t count) {
+  const std::int64_t pairs = count / 2;
+  for (std::int64_t k = 0; k < pairs; ++k) {
+    out[2 * k] = codes[k] & 15;
+    out[2 * k + 1] = codes[k] >> 4;
+  }
+  if (count % 2 != 0) {
+    out[count - 1] = codes[pairs] & 15;
+  }
+}
+
 // What a parameter's step reads beside the parameter, its gradient and the scalars: the first
 // moment's codes (null: none kept), and the second moment's codes or, factored, its rows
 // and columns (`rows` not null).
@@ -125,47 +153,69 @@ struct Moments {
   const float* rows = nullptr;
   const float* col_hat = nullptr;
   std::int64_t cols = 0;
+  int bits = 8;  ///< the codes' width: 8, or 4 (two to a byte)
 };
 
 // The codes of x[0..count) under `book`, into `codes`, and their scale (the largest magnitude).
-void encode(const float* x, std::int64_t count, const NearestCode& book, std::int32_t* wide,
-            std::uint8_t* codes, float* scale) {
+void encode(const float* x, std::int64_t count, const NearestCode& book, int bits,
+            std::int32_t* wide, std::uint8_t* codes, float* scale) {
   const float most = max_magnitude(x, count);
   // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
   // NaN and so is every value it stands for.
   encode_block(x, most == 0 ? 1.0F : most, wide, book.bases(), book.bounds(), count);
-  narrow_codes(wide, codes, count);
+  if (bits == 4) {
+    pack_codes(wide, codes, count);
+  } else {
+    narrow_codes(wide, codes, count);
+  }
   *scale = most;
 }
 
-// The thread's buffers of a block each: the new moments, the codes, and bfloat16 weights
-// and gradients widened to float32.
+// The thread's buffers of a block each: the new moments, the codes, bfloat16 weights and
+// gradients widened to float32, and 4-bit codes one to a byte.
 struct BlockBuffers {
   float* m_new;
   float* v_new;
   std::int32_t* wide;
   float* p;
   float* g;
+  std::uint8_t* m_codes;
+  std::uint8_t* v_codes;
 };
 
 // Blocks [first, last) of the step.
 void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::int64_t block,
                  const AdamScalars& a, std::int64_t first, std::int64_t last,
                  const BlockBuffers& buf) {
-  const auto& m_book = nearest_code(true);
-  const auto& v_book = nearest_code(false);
+  const auto& m_book = nearest_code(true, s.bits);
+  const auto& v_book = nearest_code(false, s.bits);
   const bool has_m = s.m_codes != nullptr, factored = s.rows != nullptr;
-  const bool bf16 = w.p16 != nullptr;
+  const bool bf16 = w.p16 != nullptr, packed = s.bits == 4;
   const auto update = factored ? (has_m ? update_block_factored : update_block_factored_no_first)
                                : (has_m ? update_block : update_block_no_first);
   for (std::int64_t b = first; b < last; ++b) {
     const std::int64_t begin = b * block, count = std::min(n, begin + block) - begin;
+    // The block's codes: from byte `begin` (8-bit), or `begin / 2` (4-bit; blocks are even).
+    const std::int64_t at = packed ? begin / 2 : begin;
+    const auto bytes = static_cast<std::size_t>(code_bytes(count, s.bits));
+    std::uint8_t* m_codes = has_m ? s.m_codes + at : nullptr;
+    std::uint8_t* v_codes = factored ? nullptr : s.v_codes + at;
     // No moments yet: zero scales make every code stand for 0.
     if (a.fresh && has_m) {
-      std::memset(s.m_codes + begin, 0, static_cast<std::size_t>(count));
+      std::memset(m_codes, 0, bytes);
     }
     if (a.fresh && !factored) {
-      std::memset(s.v_codes + begin, 0, static_cast<std::size_t>(count));
+      std::memset(v_codes, 0, bytes);
+    }
+    const std::uint8_t* m_read = m_codes;
+    const std::uint8_t* v_read = v_codes;
+    if (packed && has_m) {
+      unpack_codes(m_codes, buf.m_codes, count);
+      m_read = buf.m_codes;
+    }
+    if (packed && !factored) {
+      unpack_codes(v_codes, buf.v_codes, count);
+      v_read = buf.v_codes;
     }
     if (factored) {
       factored_moments(s.rows, s.col_hat, s.cols, begin, count, buf.v_new);
@@ -176,10 +226,8 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
       from_bfloat16_bits(w.p16 + begin, count, buf.p);
       from_bfloat16_bits(w.g16 + begin, count, buf.g);
     }
-    update(p, g, has_m ? s.m_codes + begin : nullptr, factored ? nullptr : s.v_codes + begin,
-           m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
-           a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b],
-           a);
+    update(p, g, m_read, v_read, m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
+           a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b], a);
     if (bf16) {  // stochastic rounding leaves bfloat16 values: nearest then is exact
       if (w.stochastic) {
         round_stochastic_range(buf.p, count, w.key, begin);
@@ -187,10 +235,10 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
       to_bfloat16_bits(buf.p, count, w.p16 + begin);
     }
     if (has_m) {
-      encode(buf.m_new, count, m_book, buf.wide, s.m_codes + begin, &s.m_scales[b]);
+      encode(buf.m_new, count, m_book, s.bits, buf.wide, m_codes, &s.m_scales[b]);
     }
     if (!factored) {
-      encode(buf.v_new, count, v_book, buf.wide, s.v_codes + begin, &s.v_scales[b]);
+      encode(buf.v_new, count, v_book, s.bits, buf.wide, v_codes, &s.v_scales[b]);
     }
   }
 }
@@ -206,11 +254,18 @@ void step_all(const FusedWeights& w, const Moments& s, std::int64_t n, std::int6
     // Host memory of a few blocks a thread, kept between steps.
     thread_local std::vector<float> floats;
     thread_local std::vector<std::int32_t> wide;
+    thread_local std::vector<std::uint8_t> codes;
     const auto size = static_cast<std::size_t>(block);
     floats.resize(4 * size);
     wide.resize(size);
-    const BlockBuffers buf{floats.data(), floats.data() + size, wide.data(),
-                           floats.data() + 2 * size, floats.data() + 3 * size};
+    codes.resize(2 * size);
+    const BlockBuffers buf{floats.data(),
+                           floats.data() + size,
+                           wide.data(),
+                           floats.data() + 2 * size,
+                           floats.data() + 3 * size,
+                           codes.data(),
+                           codes.data() + size};
     step_blocks(w, s, n, block, a, first, last, buf);
   });
 }
@@ -244,8 +299,9 @@ FusedWeights fused_weights(ParamUpdate& u) {
 
 void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
-                  const AdamScalars& a) {
+                  int bits, const AdamScalars& a) {
   Moments s;
+  s.bits = bits;
   s.m_codes = m_codes;
   s.m_scales = m_scales;
   s.v_codes = v_codes;
@@ -255,8 +311,9 @@ void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
 
 void adam8bit_factored_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                            const float* rows, const float* col_hat, std::int64_t cols,
-                           std::int64_t n, std::int64_t block, const AdamScalars& a) {
+                           std::int64_t n, std::int64_t block, int bits, const AdamScalars& a) {
   Moments s;
+  s.bits = bits;
   s.m_codes = m_codes;
   s.m_scales = m_scales;
   s.rows = rows;

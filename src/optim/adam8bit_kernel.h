@@ -63,18 +63,19 @@ bool fused_cpu(const ParamUpdate& u);
 /// The fused loop's view of `u` (fused_cpu must hold for it).
 FusedWeights fused_weights(ParamUpdate& u);
 
-/// A parameter of `n` elements (`w`) and moments as codes (`m_codes`, `v_codes`) with one
-/// scale per block of `block` elements; blocks are shared out among at::get_num_threads()
-/// threads. `m_codes` null: no first moment (beta1 0).
+/// A parameter of `n` elements (`w`) and moments as codes (`m_codes`, `v_codes`: 8-bit, or
+/// 4-bit two to a byte as quantize_into packs them, as `bits` says) with one scale per block
+/// of `block` elements (even for 4-bit codes); blocks are shared out among
+/// at::get_num_threads() threads. `m_codes` null: no first moment (beta1 0).
 void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
-                  const AdamScalars& a);
+                  int bits, const AdamScalars& a);
 
 /// The same with a factored second moment, the update of factored_adam_update's second
 /// pass: element k's second moment is rows[k / cols] * col_hat[k % cols] (the statistics
 /// already updated, the columns divided by the rows' mean).
 void adam8bit_factored_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                            const float* rows, const float* col_hat, std::int64_t cols,
-                           std::int64_t n, std::int64_t block, const AdamScalars& a);
+                           std::int64_t n, std::int64_t block, int bits, const AdamScalars& a);
 
 }  // namespace frugal::optim::detail

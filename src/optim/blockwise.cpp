@@ -221,11 +221,17 @@ NearestCode::NearestCode(const torch::Tensor& map) {
   }
 }
 
-torch::Tensor moment_map(bool is_signed) { return dynamic_map(is_signed, is_signed); }
+torch::Tensor moment_map(bool is_signed, int bits) {
+  return dynamic_map(is_signed, is_signed, bits);
+}
 
-const NearestCode& nearest_code(bool is_signed) {
-  static const NearestCode signed_code(moment_map(true)), unsigned_code(moment_map(false));
-  return is_signed ? signed_code : unsigned_code;
+const NearestCode& nearest_code(bool is_signed, int bits) {
+  static const NearestCode signed8(moment_map(true)), unsigned8(moment_map(false)),
+      signed4(moment_map(true, 4)), unsigned4(moment_map(false, 4));
+  if (bits == 4) {
+    return is_signed ? signed4 : unsigned4;
+  }
+  return is_signed ? signed8 : unsigned8;
 }
 
 }  // namespace frugal::optim

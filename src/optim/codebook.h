@@ -21,6 +21,11 @@ struct CodeBook {
   int bits = 8;              ///< 8, or 4: codes packed two to a byte
 };
 
+/// Blocks of `block` elements that hold `n`: ceil(n / block), one scale each.
+inline std::int64_t blocks_of(std::int64_t n, std::int64_t block) {
+  return (n + block - 1) / block;
+}
+
 /// Bytes of `n` codes of `bits` bits: n, or ceil(n / 2).
 inline std::int64_t code_bytes(std::int64_t n, int bits) { return bits == 4 ? (n + 1) / 2 : n; }
 
@@ -72,10 +77,11 @@ class NearestCode {
   std::vector<std::int32_t> base_;
 };
 
-/// The codes of Adam's first moment (signed: dynamic_map(true)) or second moment (unsigned,
-/// without zero: dynamic_map(false, false)), built once per process.
-const NearestCode& nearest_code(bool is_signed);
+/// The codes of Adam's first moment (signed: dynamic_map(true, true, bits)) or second moment
+/// (unsigned, without zero: dynamic_map(false, false, bits)) of 8 or 4 bits, built once per
+/// process.
+const NearestCode& nearest_code(bool is_signed, int bits = 8);
 /// The map of Adam's first or second moment, as nearest_code rounds to it.
-torch::Tensor moment_map(bool is_signed);
+torch::Tensor moment_map(bool is_signed, int bits = 8);
 
 }  // namespace frugal::optim

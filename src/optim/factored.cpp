@@ -119,7 +119,7 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     adam8bit_factored_cpu(fused_weights(u), has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
                           has_m ? s.exp_avg_scales().data_ptr<float>() : nullptr,
                           row.data_ptr<float>(), columns.data_ptr<float>(), shape.cols, u.numel(),
-                          s.block(), adam_scalars(step));
+                          s.block(), s.bits(), adam_scalars(step));
     return;
   }
 
@@ -133,7 +133,9 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     const auto index = u.scratch.at(3).narrow(0, 0, n).view(torch::kInt32);
     torch::Tensor m_codes, m_scales;
     if (has_m) {
-      m_codes = s.exp_avg().view(-1).narrow(0, offset, n);
+      // (offset is a multiple of the block, even under 4-bit codes)
+      const auto bits = static_cast<int>(s.bits());
+      m_codes = s.exp_avg().view(-1).narrow(0, code_bytes(offset, bits), code_bytes(n, bits));
       m_scales = s.exp_avg_scales().narrow(0, offset / s.block(), (n + s.block() - 1) / s.block());
     }
     if (has_m && !step.fresh) {

@@ -35,6 +35,10 @@ struct MemoryPlannerOptions {
   /// second moment as row and column statistics) are an option, after 8-bit ones: chosen
   /// only when nothing fits otherwise. Needs the same optimizers, with no state yet.
   TORCH_ARG(bool, factored_states) = false;
+  /// 4-bit states (QuantizedStateOptions::bits 4) are an option, after 8-bit ones and before
+  /// factored ones (which are then factored 4-bit states): chosen only when nothing fits
+  /// otherwise. Needs the same optimizers, with no state yet, and an even block.
+  TORCH_ARG(bool, four_bit_states) = false;
   /// Plans whose predicted time is within this share of the fastest count as equally fast;
   /// among them a fixed order decides (fewest policies, then fewest micro-batches, then no
   /// checkpointing, then no step in backward), so timing noise on a busy machine does not
@@ -53,7 +57,8 @@ struct PlanOption {
   bool autocast = false;
   bool step_in_backward = false;
   bool quantized_states = false;    ///< 8-bit optimizer states
-  bool factored_states = false;     ///< 8-bit, with factored second moments
+  bool factored_states = false;     ///< 8-bit (or 4-bit), with factored second moments
+  bool four_bit_states = false;     ///< the quantized states' codes are 4-bit
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
@@ -63,7 +68,7 @@ struct PlanOption {
   std::int64_t blocks = 0;
 
   /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward + 8-bit states"
-  /// (or "+ factored 8-bit states")
+  /// (or "+ 4-bit states", "+ factored 8-bit states", "+ factored 4-bit states")
   std::string describe() const;
 };
 
@@ -78,7 +83,11 @@ struct MemoryPlan {
   /// The same two with 8-bit optimizer states, where they are an option (else 0).
   std::int64_t quantized_optimizer_bytes = 0;
   std::int64_t quantized_step_peak = 0;
-  /// The same with factored 8-bit states, where they are an option (else 0).
+  /// The same with 4-bit states, where they are an option (else 0).
+  std::int64_t four_bit_optimizer_bytes = 0;
+  std::int64_t four_bit_step_peak = 0;
+  /// The same with factored states (4-bit where those are an option), where they are an
+  /// option (else 0).
   std::int64_t factored_optimizer_bytes = 0;
   std::int64_t factored_step_peak = 0;
   std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
@@ -114,14 +123,16 @@ struct MemoryPlan {
 ///
 /// With frugal's 8-bit optimizers (Adam8bit, AdamW8bit) the state to come is counted from
 /// their format, and with MemoryPlannerOptions::quantized_states each configuration is also
-/// predicted with 8-bit states (the trials do not depend on the states' format), and with
-/// MemoryPlannerOptions::factored_states with factored 8-bit states.
+/// predicted with 8-bit states (the trials do not depend on the states' format), with
+/// MemoryPlannerOptions::four_bit_states with 4-bit ones, and with
+/// MemoryPlannerOptions::factored_states with factored ones (4-bit where those are an option).
+/// The planner changes only the states' format, never the weights' dtype.
 ///
 /// Cheapest: the least predicted time; plans within MemoryPlannerOptions::time_tolerance (25%)
 /// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit
 /// states and autocast change the numerics, so they are chosen only when nothing fits without them:
-/// float32 states first, then 8-bit states, then factored 8-bit states, then autocast with each
-/// of them in the same order. The chosen plan is applied to
+/// float32 states first, then 8-bit states, then 4-bit ones, then factored ones, then autocast
+/// with each of them in the same order. The chosen plan is applied to
 /// the trainer (its micro-batch and the planner's policies, added to the trainer once) and
 /// measured. With MemoryPlannerOptions::choose_blocks, a chosen plan that checkpoints then
 /// checkpoints only the blocks plan_checkpoints chooses within the budget (less the
@@ -138,16 +149,18 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
-  /// A format of the optimizer's states: as the optimizer was made (`as_made`), or 8-bit,
-  /// factored or not.
+  /// A format of the optimizer's states: as the optimizer was made (`as_made`), or
+  /// quantized to `bits`, factored or not.
   struct StateFormat {
     bool as_made = true;
     bool quantized = false;
     bool factored = false;
+    int bits = 8;
   };
   void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,
                  StateFormat format);
   void set_state_format(StateFormat format);
+  bool chooses_states() const;  ///< whether any low-bit format is an option
   std::int64_t pending_optimizer_bytes(StateFormat format);
   std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
@@ -159,6 +172,7 @@ class MemoryPlanner {
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
   StateFormat base_format_;  ///< float32 where the planner chooses 8-bit; else as made
   bool quantized_at_start_ = false, factored_at_start_ = false;
+  int bits_at_start_ = 8;
 };
 
 /// The options' earlier name.

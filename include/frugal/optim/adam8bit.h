@@ -1,5 +1,5 @@
-// Adam and AdamW with 8-bit optimizer states: block-wise quantized moments, about 2 bytes
-// a parameter instead of 8.
+// Adam and AdamW with 8-bit or 4-bit optimizer states: block-wise quantized moments, about
+// 2 bytes a parameter (1 with 4 bits) instead of 8.
 #pragma once
 
 #include <torch/optim/adam.h>
@@ -7,6 +7,7 @@
 #include <torch/optim/serialize.h>
 
 #include <map>
+#include <tuple>
 #include <utility>
 
 #include "frugal/memory/ledger.h"
@@ -15,12 +16,16 @@
 
 namespace frugal::optim {
 
-/// How frugal's 8-bit optimizers store their states.
+/// How frugal's 8-bit (and 4-bit) optimizers store their states.
 ///
 /// Example:
 ///   frugal::optim::Adam8bit adam(model->parameters(), torch::optim::AdamOptions(1e-3),
 ///                                frugal::optim::QuantizedStateOptions().block(2048));
 struct QuantizedStateOptions {
+  /// The codes' width: 8, or 4 (16 values of dynamic_map(..., 4), two codes a byte; the
+  /// block must then be even, and 128 follows the moments more closely: Li et al., "Memory
+  /// Efficient Optimizers with 4-bit States", 2023). See Adam4bit.
+  TORCH_ARG(int, bits) = 8;
   /// Elements that share one float32 scale: smaller blocks follow outliers more closely
   /// and cost 4 bytes each (256: 1.6% of the codes' bytes).
   TORCH_ARG(std::int64_t, block) = 256;
@@ -35,8 +40,10 @@ struct QuantizedStateOptions {
   TORCH_ARG(bool, factored) = false;
 };
 
-/// One parameter's state in Adam8bit and AdamW8bit. Quantized (`block` > 0): `exp_avg` and
-/// `exp_avg_sq` are uint8 codes shaped like the parameter, into the signed dynamic map and
+/// One parameter's state in Adam8bit and AdamW8bit (and the 4-bit ones). Quantized (`block`
+/// > 0): `exp_avg` and `exp_avg_sq` are uint8 codes shaped like the parameter (`bits` 8), or
+/// ceil(numel / 2) bytes of two 4-bit codes each (`bits` 4: element 2k in the low half of
+/// byte k, as quantize_blockwise packs them), into the signed dynamic map and
 /// the unsigned one without zero (`signed_map`, `unsigned_map`: the 8-bit moment maps, shared
 /// by every state on a device), with
 /// one float32 scale per block of `block` elements. Factored (QuantizedStateOptions::factored):
@@ -49,6 +56,7 @@ struct Adam8bitParamState
       public StateTensorList {
   TORCH_ARG(std::int64_t, step) = 0;
   TORCH_ARG(std::int64_t, block) = 0;
+  TORCH_ARG(std::int64_t, bits) = 8;  ///< the codes' width (a file without it: 8)
   TORCH_ARG(torch::Tensor, exp_avg);
   TORCH_ARG(torch::Tensor, exp_avg_scales);
   TORCH_ARG(torch::Tensor, exp_avg_sq);
@@ -81,10 +89,15 @@ class QuantizedStateOptimizer {
   virtual bool factored() const = 0;
   /// Chooses it; refused once any state exists.
   virtual void set_factored(bool on) = 0;
+  /// The quantized states' codes: 8 or 4 bits (QuantizedStateOptions::bits).
+  virtual int bits() const = 0;
+  /// Chooses them; refused once any state exists, and for a width other than 8 or 4, or 4
+  /// with an odd block.
+  virtual void set_bits(int bits) = 0;
   /// Bytes of state the first step would allocate for every parameter, quantized or not:
-  /// codes (1 byte an element a moment), scales (4 bytes a block a moment), a factored
-  /// moment's rows and columns (4 bytes each) and the two code books (2 x 511 float32 per
-  /// device); 8 bytes an element for float32 states.
+  /// codes (1 byte an element a moment, half a byte with 4 bits), scales (4 bytes a block a
+  /// moment), a factored moment's rows and columns (4 bytes each) and the two code books
+  /// (2 x 511 float32 per device; 2 x 31 with 4 bits); 8 bytes an element for float32 states.
   virtual std::int64_t pending_state_bytes(bool quantized) = 0;
 };
 
@@ -114,6 +127,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
   void set_quantized(bool on) override;
   bool factored() const override { return quantized_.factored(); }
   void set_factored(bool on) override;
+  int bits() const override { return quantized_.bits(); }
+  void set_bits(int bits) override;
   std::int64_t pending_state_bytes(bool quantized) override;
 
  protected:
@@ -130,8 +145,10 @@ class Adam8bitBase : public torch::optim::Optimizer,
                               const torch::optim::OptimizerOptions& options) const override;
 
  private:
-  struct Books;  // the two moments' code books on one device
-  const Books& books(torch::Device device) const;
+  struct Books;  // the two moments' code books on one device, for one width of codes
+  const Books& books(torch::Device device, int bits) const;
+  // Gives `s` the maps of its width of codes on `device`.
+  void attach_books(Adam8bitParamState& s, torch::Device device) const;
   // What a parameter's state holds: its own, or the one make_state would give it (`state`
   // null) under `options`.
   struct Format;
@@ -143,7 +160,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
 
   QuantizedStateOptions quantized_;
   bool enabled_ = true;
-  mutable std::map<std::pair<c10::DeviceType, c10::DeviceIndex>, std::shared_ptr<const Books>>
+  // The books of each device and width of codes.
+  mutable std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, int>, std::shared_ptr<const Books>>
       books_;
 };
 
@@ -179,6 +197,49 @@ class Adam8bit : public Adam8bitBase<torch::optim::AdamOptions> {
 class AdamW8bit : public Adam8bitBase<torch::optim::AdamWOptions> {
  public:
   using Adam8bitBase::Adam8bitBase;
+};
+
+/// The states of Adam4bit and AdamW4bit when none are given: 4-bit codes in blocks of 128.
+inline QuantizedStateOptions four_bit_states() {
+  return QuantizedStateOptions().bits(4).block(128);
+}
+
+/// Adam8bitBase with 4-bit codes: QuantizedStateOptions::bits is 4 whatever the options
+/// given say, and their default is four_bit_states(); see Adam4bit.
+template <typename Options>
+class Adam4bitBase : public Adam8bitBase<Options> {
+ public:
+  explicit Adam4bitBase(std::vector<torch::Tensor> params, Options defaults = {},
+                        QuantizedStateOptions quantized = four_bit_states(),
+                        InPlaceOptions in_place = {})
+      : Adam8bitBase<Options>(std::move(params), defaults, quantized.bits(4), in_place) {}
+  explicit Adam4bitBase(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        Options defaults = {}, QuantizedStateOptions quantized = four_bit_states(),
+                        InPlaceOptions in_place = {})
+      : Adam8bitBase<Options>(groups, defaults, quantized.bits(4), in_place) {}
+};
+
+/// Adam on 4-bit states (half a byte an element a moment, plus 8 bytes a block of 128: about
+/// 1.06 bytes a parameter), with the arithmetic of Adam8bit. With
+/// QuantizedStateOptions::factored a matrix keeps only the 4-bit first moment (about half a
+/// byte a parameter).
+///
+/// Example:
+///   frugal::optim::Adam4bit adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+class Adam4bit : public Adam4bitBase<torch::optim::AdamOptions> {
+ public:
+  using Adam4bitBase::Adam4bitBase;  // (params or groups, AdamOptions, QuantizedStateOptions,
+                                     //  InPlaceOptions)
+};
+
+/// AdamW on 4-bit states; see Adam4bit.
+///
+/// Example:
+///   frugal::optim::AdamW4bit adamw(model->parameters(),
+///                                  torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+class AdamW4bit : public Adam4bitBase<torch::optim::AdamWOptions> {
+ public:
+  using Adam4bitBase::Adam4bitBase;
 };
 
 }  // namespace frugal::optim

@@ -1,0 +1,130 @@
+// How the planner describes its plans and picks one of those it measured.
+#include "choose_plan.h"
+
+#include <fmt/format.h>
+
+#include <string>
+#include <tuple>
+
+#include "frugal/memory/format.h"
+
+namespace frugal {
+namespace {
+
+bool low_bit_states(const PlanOption& o) {
+  return o.quantized_states || o.factored_states || o.four_bit_states;
+}
+
+int policies_in(const PlanOption& o) {
+  return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
+         (o.step_in_backward ? 1 : 0) + (low_bit_states(o) ? 1 : 0);
+}
+
+bool same_plan(const PlanOption& a, const PlanOption& b) {
+  return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
+         a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
+         a.quantized_states == b.quantized_states && a.factored_states == b.factored_states &&
+         a.four_bit_states == b.four_bit_states;
+}
+
+// "8-bit states", "factored 4-bit states", ...
+std::string states_name(bool factored, bool four_bit) {
+  return fmt::format("{}{}-bit states", factored ? "factored " : "", four_bit ? 4 : 8);
+}
+
+}  // namespace
+
+std::string PlanOption::describe() const {
+  std::string out = micro_batches > 1
+                        ? fmt::format("micro-batch {} (x{})", micro_batch, micro_batches)
+                        : std::string("whole batch");
+  if (checkpoint) {
+    out += blocks > 0 ? fmt::format(" + checkpoint ({} of {} blocks)", checkpointed_blocks, blocks)
+                      : std::string(" + checkpoint");
+  }
+  if (autocast) {
+    out += " + autocast";
+  }
+  if (step_in_backward) {
+    out += " + step in backward";
+  }
+  if (low_bit_states(*this)) {
+    out += " + " + states_name(factored_states, four_bit_states);
+  }
+  return out;
+}
+
+std::string MemoryPlan::table() const {
+  std::string out = fmt::format(
+      "Budget {} (plans must predict under {} with a {:.0f}% margin); optimizer state to "
+      "come: {}; {}: its step peaks at {}",
+      format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
+      margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
+  for (const auto& [bytes, peak, name] :
+       {std::make_tuple(quantized_optimizer_bytes, quantized_step_peak, states_name(false, false)),
+        std::make_tuple(four_bit_optimizer_bytes, four_bit_step_peak, states_name(false, true)),
+        std::make_tuple(factored_optimizer_bytes, factored_step_peak,
+                        states_name(true, four_bit_optimizer_bytes > 0))}) {
+    if (bytes > 0) {
+      out +=
+          fmt::format("; with {}: {}, step peak {}", name, format_bytes(bytes), format_bytes(peak));
+    }
+  }
+  out += "\n\n| plan | predicted peak | predicted time (ms) | fits |\n|---|---|---|---|\n";
+  for (const auto& o : options) {
+    const bool is_chosen = same_plan(o, chosen);
+    out += fmt::format("| {}{}{} | {} | {:.1f} | {} |\n", is_chosen ? "**" : "", o.describe(),
+                       is_chosen ? "** (chosen)" : "", format_bytes(o.predicted_peak),
+                       o.predicted_ms, o.fits ? "yes" : "no");
+  }
+  out += fmt::format("\nChosen: {}; predicted peak {}, measured {}\n", chosen.describe(),
+                     format_bytes(chosen.predicted_peak), format_bytes(measured_peak));
+  if (!block_choice.blocks.empty()) {
+    out += "\nWhich blocks to checkpoint:\n\n" + block_choice.table();
+  }
+  return out;
+}
+
+namespace detail {
+
+const PlanOption* choose_plan(const std::vector<PlanOption>& options, double time_tolerance) {
+  // The fixed order among plans that are equally fast: the simplest first.
+  auto key = [](const PlanOption& o) {
+    return std::make_tuple(policies_in(o), o.micro_batches, o.checkpoint, o.step_in_backward);
+  };
+  // Numerics kept longest: float32 states, then 8-bit states, 4-bit ones, factored ones
+  // (8-bit, or 4-bit where those are an option), then the same with autocast.
+  struct States {
+    bool quantized, factored, four_bit;
+  };
+  for (const bool autocast : {false, true}) {
+    for (const auto& states :
+         {States{false, false, false}, States{true, false, false}, States{true, false, true},
+          States{true, true, false}, States{true, true, true}}) {
+      const auto candidate = [&](const PlanOption& o) {
+        return o.fits && o.autocast == autocast && o.quantized_states == states.quantized &&
+               o.factored_states == states.factored && o.four_bit_states == states.four_bit;
+      };
+      double fastest = -1;
+      for (const auto& o : options) {
+        if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
+          fastest = o.predicted_ms;
+        }
+      }
+      const PlanOption* best = nullptr;
+      for (const auto& o : options) {
+        if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
+            (best == nullptr || key(o) < key(*best))) {
+          best = &o;
+        }
+      }
+      if (best != nullptr) {
+        return best;
+      }
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+}  // namespace frugal
