@@ -43,7 +43,8 @@ tiny_lm::ModelOptions decoder(const Args& a, std::int64_t dim) {
   return tiny_lm::ModelOptions{256, a.seq, dim, dim / kStep, a.layers, 0.0};
 }
 
-// One way to train, from the plain loop up; each frugal row adds to the one before.
+// One way to train, from the plain loop up; each frugal row adds to the one before (the last
+// replaces the one before it).
 struct Config {
   const char* name;
   const char* what;
@@ -52,18 +53,21 @@ struct Config {
   bool bf16_weights;
   bool factored;
   double beta1;
+  int bits;  // the quantized states' codes
 };
 
 const std::vector<Config>& configs() {
   static const std::vector<Config> all{
-      {"plain", "LibTorch loop: AdamW, float32", false, false, false, false, 0.9},
+      {"plain", "LibTorch loop: AdamW, float32", false, false, false, false, 0.9, 8},
       {"8bit", "frugal: checkpointed blocks, bf16 autocast, AdamW8bit stepped in backward", true,
-       true, false, false, 0.9},
+       true, false, false, 0.9, 8},
       {"bf16", "+ bf16 weights and gradients (stochastic rounding), no autocast", true, false, true,
-       false, 0.9},
+       false, 0.9, 8},
       {"factored", "+ factored second moment (QuantizedStateOptions::factored)", true, false, true,
-       true, 0.9},
-      {"factored-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0},
+       true, 0.9, 8},
+      {"factored-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0, 8},
+      {"factored-4bit", "(instead of the row before) a 4-bit first moment (AdamW4bit's states)",
+       true, false, true, true, 0.9, 4},
   };
   return all;
 }
@@ -120,7 +124,9 @@ int trial(const Args& a) {
     } else {
       frugal::optim::AdamW8bit adamw(
           model->parameters(), torch::optim::AdamWOptions(1e-4).betas({config.beta1, 0.999}),
-          frugal::optim::QuantizedStateOptions().factored(config.factored));
+          (config.bits == 4 ? frugal::optim::four_bit_states()
+                            : frugal::optim::QuantizedStateOptions())
+              .factored(config.factored));
       frugal::Trainer trainer(
           model.ptr(), adamw,
           [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("padding")); },

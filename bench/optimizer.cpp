@@ -1,5 +1,5 @@
-// frugal's in-place Adam, 8-bit Adam (also with factored second moments) and Adam on
-// bfloat16 weights (stochastic rounding) against LibTorch's Adam, and the whole step with the
+// frugal's in-place Adam, 8-bit and 4-bit Adam (also with factored second moments) and Adam
+// on bfloat16 weights (stochastic rounding) against LibTorch's Adam, and the whole step with the
 // optimizer step in backward against the ordinary one, side by side, on the Fashion-MNIST CNN
 // (batch 64).
 //
@@ -78,39 +78,51 @@ int main(int argc, char** argv) {
   torch::set_num_threads(threads);
   frugal::CountingAllocator::install();
 
-  auto theirs = make_stepper<torch::optim::Adam>();
-  auto ours = make_stepper<frugal::optim::Adam>();
-  auto ours8 = make_stepper<frugal::optim::Adam8bit>();
-  auto factored = make_stepper([](std::vector<torch::Tensor> params) {
-    return std::make_unique<frugal::optim::Adam8bit>(
-        std::move(params), torch::optim::AdamOptions(1e-4),
-        frugal::optim::QuantizedStateOptions().factored(true));
-  });
-  auto bf16 = make_stepper(
-      [](std::vector<torch::Tensor> params) {
-        return std::make_unique<frugal::optim::Adam>(std::move(params),
-                                                     torch::optim::AdamOptions(1e-4));
-      },
-      torch::kBFloat16);
-  auto bf16_8bit = make_stepper(
-      [](std::vector<torch::Tensor> params) {
-        return std::make_unique<frugal::optim::Adam8bit>(std::move(params),
-                                                         torch::optim::AdamOptions(1e-4));
-      },
-      torch::kBFloat16);
-  const auto steps = bench::interleave(
-      {{"LibTorch Adam",
-        [&] { return bench::ms_per_call([&] { theirs.optimizer->step(); }, calls); }},
-       {"frugal Adam", [&] { return bench::ms_per_call([&] { ours.optimizer->step(); }, calls); }},
-       {"frugal Adam8bit",
-        [&] { return bench::ms_per_call([&] { ours8.optimizer->step(); }, calls); }},
-       {"frugal Adam8bit factored",
-        [&] { return bench::ms_per_call([&] { factored.optimizer->step(); }, calls); }},
-       {"frugal Adam bf16",
-        [&] { return bench::ms_per_call([&] { bf16.optimizer->step(); }, calls); }},
-       {"frugal Adam8bit bf16",
-        [&] { return bench::ms_per_call([&] { bf16_8bit.optimizer->step(); }, calls); }}},
-      rounds);
+  // Each optimizer step against LibTorch's Adam on float32 weights (the first row).
+  const auto adam8bit = [](frugal::optim::QuantizedStateOptions states) {
+    return [states](std::vector<torch::Tensor> params) {
+      return std::make_unique<frugal::optim::Adam8bit>(std::move(params),
+                                                       torch::optim::AdamOptions(1e-4), states);
+    };
+  };
+  const auto four_bit = frugal::optim::four_bit_states();
+  struct Row {
+    std::string key, label;
+    Stepper stepper;
+  };
+  std::vector<Row> rows;
+  rows.push_back({"libtorch_adam", "LibTorch's Adam", make_stepper<torch::optim::Adam>()});
+  rows.push_back({"adam", "Adam step (state exists)", make_stepper<frugal::optim::Adam>()});
+  rows.push_back({"adam8bit", "Adam8bit step (8-bit states) vs LibTorch's Adam",
+                  make_stepper<frugal::optim::Adam8bit>()});
+  rows.push_back({"adam8bit_factored", "Adam8bit, factored second moments, vs LibTorch's Adam",
+                  make_stepper(adam8bit(frugal::optim::QuantizedStateOptions().factored(true)))});
+  rows.push_back({"adam_bf16_weights",
+                  "Adam on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32)",
+                  make_stepper(
+                      [](std::vector<torch::Tensor> params) {
+                        return std::make_unique<frugal::optim::Adam>(
+                            std::move(params), torch::optim::AdamOptions(1e-4));
+                      },
+                      torch::kBFloat16)});
+  rows.push_back({"adam8bit_bf16_weights",
+                  "Adam8bit on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32)",
+                  make_stepper(adam8bit({}), torch::kBFloat16)});
+  rows.push_back({"adam4bit", "Adam4bit step (4-bit states, blocks of 128) vs LibTorch's Adam",
+                  make_stepper(adam8bit(four_bit))});
+  rows.push_back({"adam4bit_factored", "Adam4bit, factored second moments, vs LibTorch's Adam",
+                  make_stepper(adam8bit(frugal::optim::four_bit_states().factored(true)))});
+  rows.push_back({"adam4bit_bf16_weights",
+                  "Adam4bit on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32)",
+                  make_stepper(adam8bit(four_bit), torch::kBFloat16)});
+  std::vector<std::pair<std::string, std::function<double()>>> variants;
+  for (auto& row : rows) {
+    auto* optimizer = row.stepper.optimizer.get();
+    variants.emplace_back(row.key, [optimizer, calls] {
+      return bench::ms_per_call([&] { optimizer->step(); }, calls);
+    });
+  }
+  const auto steps = bench::interleave(variants, rounds);
 
   torch::manual_seed(1);
   const frugal::Batch batch{torch::randn({64, 1, 28, 28}), torch::randint(0, 10, {64})};
@@ -123,12 +135,7 @@ int main(int argc, char** argv) {
         [&] { return bench::ms_per_call([&] { fused.trainer->step(batch); }, calls); }}},
       rounds);
 
-  const double torch_ms = bench::median(steps.at("LibTorch Adam"));
-  const double frugal_ms = bench::median(steps.at("frugal Adam"));
-  const double frugal8_ms = bench::median(steps.at("frugal Adam8bit"));
-  const double factored_ms = bench::median(steps.at("frugal Adam8bit factored"));
-  const double bf16_ms = bench::median(steps.at("frugal Adam bf16"));
-  const double bf16_8bit_ms = bench::median(steps.at("frugal Adam8bit bf16"));
+  const double torch_ms = bench::median(steps.at("libtorch_adam"));
   const double plain_ms = bench::median(whole.at("ordinary step"));
   const double fused_ms = bench::median(whole.at("step in backward"));
   fmt::print(
@@ -136,33 +143,18 @@ int main(int argc, char** argv) {
       "calls, medians; {}\n\n",
       rounds, calls, bench::machine_line());
   fmt::print("| what | LibTorch / ordinary (ms) | frugal (ms) | ratio |\n|---|---|---|---|\n");
-  fmt::print("| Adam step (state exists) | {:.2f} | {:.2f} | {:.2f} |\n", torch_ms, frugal_ms,
-             frugal_ms / torch_ms);
-  fmt::print("| Adam8bit step (8-bit states) vs LibTorch's Adam | {:.2f} | {:.2f} | {:.2f} |\n",
-             torch_ms, frugal8_ms, frugal8_ms / torch_ms);
-  fmt::print(
-      "| Adam8bit, factored second moments, vs LibTorch's Adam | {:.2f} | {:.2f} | {:.2f} |\n",
-      torch_ms, factored_ms, factored_ms / torch_ms);
-  fmt::print(
-      "| Adam on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32) | {:.2f} | "
-      "{:.2f} | {:.2f} |\n",
-      torch_ms, bf16_ms, bf16_ms / torch_ms);
-  fmt::print(
-      "| Adam8bit on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32) | {:.2f} | "
-      "{:.2f} | {:.2f} |\n",
-      torch_ms, bf16_8bit_ms, bf16_8bit_ms / torch_ms);
+  nlohmann::json table = nlohmann::json::array();
+  for (std::size_t r = 1; r < rows.size(); ++r) {
+    const double ms = bench::median(steps.at(rows[r].key));
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", rows[r].label, torch_ms, ms, ms / torch_ms);
+    table.push_back({{"what", rows[r].key}, {"libtorch_ms", torch_ms}, {"frugal_ms", ms}});
+  }
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);
+  table.push_back(
+      {{"what", "step_in_backward"}, {"ordinary_ms", plain_ms}, {"in_backward_ms", fused_ms}});
   const nlohmann::json j = {
-      {"bench", "optimizer"},
-      {"threads", torch::get_num_threads()},
-      {"rows",
-       {{{"what", "adam"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal_ms}},
-        {{"what", "adam8bit"}, {"libtorch_ms", torch_ms}, {"frugal_ms", frugal8_ms}},
-        {{"what", "adam8bit_factored"}, {"libtorch_ms", torch_ms}, {"frugal_ms", factored_ms}},
-        {{"what", "adam_bf16_weights"}, {"libtorch_ms", torch_ms}, {"frugal_ms", bf16_ms}},
-        {{"what", "adam8bit_bf16_weights"}, {"libtorch_ms", torch_ms}, {"frugal_ms", bf16_8bit_ms}},
-        {{"what", "step_in_backward"}, {"ordinary_ms", plain_ms}, {"in_backward_ms", fused_ms}}}}};
+      {"bench", "optimizer"}, {"threads", torch::get_num_threads()}, {"rows", table}};
   fmt::print("\n{}\n", j.dump());
   return 0;
 }

@@ -128,7 +128,7 @@ def runs(tmp):
                          "--max-steps 3 --eval-samples 100"],
                         ["rows.3.gap_points", "rows.0.accuracy.0"], True, False),
         "bench_optimizer": ([b("bench_optimizer"), "--rounds", "1", "--calls", "1",
-                             "--threads", "1"], ["rows.5.in_backward_ms", "rows.4.frugal_ms"], True, False),
+                             "--threads", "1"], ["rows.8.in_backward_ms", "rows.7.frugal_ms"], True, False),
         "bench_save_state": ([b("bench_save_state"), "--rounds", "1", "--threads", "1", "--dir",
                               tmp], ["save_ms", "load_ms"], True, False),
         "bench_linear_cross_entropy": ([b("bench_linear_cross_entropy"), "--tokens", "64",

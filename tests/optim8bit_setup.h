@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <iostream>
 #include <sstream>
 #include <tuple>
 #include <vector>
@@ -148,6 +149,17 @@ inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
   return gap;
 }
 
+// one_step_gap under `q`, printed after `label` and held to float rounding: updates within
+// 1e-4 of float32 Adam's, states within 1e-5 of a scale of their nearest codes.
+inline void expect_one_step_is_adams(const fo::QuantizedStateOptions& q, const char* label) {
+  const auto gap = one_step_gap(q);
+  std::cout << label << " one step from the same state: largest update difference "
+            << gap.update << " of the update; states at most " << gap.state
+            << " (of the scale) beyond the nearest code\n";
+  EXPECT_LE(gap.update, 1e-4);
+  EXPECT_LE(gap.state, 1e-5);
+}
+
 // The fused CPU step against the tensor-ops step (the same values in a transposed layout)
 // after 20 AdamW steps on a 150 x 60 parameter: the weights' largest difference over their
 // largest magnitude, and how the first moment's codes differ.
@@ -179,6 +191,61 @@ inline FusedAgreement fused_against_tensor_ops(const fo::QuantizedStateOptions& 
   out.codes_apart = apart.max().item<std::int64_t>();
   out.codes_differing = (apart > 0).sum().item<std::int64_t>();
   out.codes = apart.numel();
+  return out;
+}
+
+// The tensor-ops step on CUDA against the fused CPU step after 20 AdamW steps on a 150 x 60
+// parameter, as fused_against_tensor_ops compares them (a CUDA device must exist).
+inline FusedAgreement cuda_against_fused_cpu(const fo::QuantizedStateOptions& q) {
+  torch::manual_seed(13);
+  std::vector<torch::Tensor> cpu{torch::randn({150, 60}).requires_grad_()};
+  std::vector<torch::Tensor> cuda{cpu[0].detach().to(torch::kCUDA).requires_grad_()};
+  fo::AdamW8bit a(cpu, to::AdamWOptions(1e-2).weight_decay(0.01), q, kChunks);
+  fo::AdamW8bit b(cuda, to::AdamWOptions(1e-2).weight_decay(0.01), q, kChunks);
+  for (int step = 0; step < 20; ++step) {
+    set_growing_grads(cpu, step);
+    cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
+    a.step();
+    b.step();
+  }
+  FusedAgreement out;
+  const auto here = cuda[0].detach().cpu();
+  out.weights = ((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>();
+  const auto n = cpu[0].numel();
+  const auto apart = (code_per_element(state_of(a, cpu[0]).exp_avg(), q.bits(), n) -
+                      code_per_element(state_of(b, cuda[0]).exp_avg().cpu(), q.bits(), n))
+                         .abs();
+  out.codes_apart = apart.max().item<std::int64_t>();
+  out.codes_differing = (apart > 0).sum().item<std::int64_t>();
+  out.codes = apart.numel();
+  return out;
+}
+
+// A linear model (64 inputs, `outputs` outputs, from zeros) fitted to noisy targets by
+// `steps` full-batch steps of the optimizer `make(params)` returns: the mean squared error
+// at the start and after the last step.
+struct LeastSquares {
+  float start = 0, loss = 0;
+};
+
+template <typename Make>
+LeastSquares least_squares(Make make, std::int64_t outputs, int steps) {
+  torch::manual_seed(5);
+  const auto x = torch::randn({512, 64});
+  const auto truth = torch::randn({64, outputs});
+  const auto y = x.mm(truth) + 0.1 * torch::randn({512, outputs});
+  torch::manual_seed(6);
+  std::vector<torch::Tensor> w{torch::zeros({64, outputs}).requires_grad_()};
+  auto optimizer = make(w);
+  LeastSquares out;
+  out.start = y.pow(2).mean().item<float>();
+  for (int step = 0; step < steps; ++step) {
+    w[0].mutable_grad() = torch::Tensor();
+    auto l = (x.mm(w[0]) - y).pow(2).mean();
+    l.backward();
+    optimizer->step();
+    out.loss = l.item<float>();
+  }
   return out;
 }
 

@@ -25,6 +25,7 @@ namespace fo = frugal::optim;
 using frugal::testing::clone_params;
 using frugal::testing::set_grads;
 using frugal::testing::step_overhead;
+using frugal::testing::optim8bit::least_squares;
 using frugal::testing::optim8bit::max_abs_diff;
 using frugal::testing::optim8bit::state_of;
 
@@ -355,37 +356,21 @@ TEST(FactoredMoment, ABeta1AboveZeroForAStateWithoutFirstMomentIsRefused) {
 TEST(FactoredMoment, TrainsALeastSquaresProblemAsAdamDoes) {
   // A linear model fitted to noisy targets: factored AdamW (8-bit first moment, or none)
   // reaches a loss near float32 AdamW's, both far below the start.
-  torch::manual_seed(5);
-  const auto x = torch::randn({512, 64});
-  const auto truth = torch::randn({64, 32});
-  const auto y = x.mm(truth) + 0.1 * torch::randn({512, 32});
-  const auto train = [&](auto make) {
-    torch::manual_seed(6);
-    std::vector<torch::Tensor> w{torch::zeros({64, 32}).requires_grad_()};
-    auto opt = make(w);
-    float loss = 0;
-    for (int step = 0; step < 300; ++step) {
-      w[0].mutable_grad() = torch::Tensor();
-      auto l = (x.mm(w[0]) - y).pow(2).mean();
-      l.backward();
-      opt->step();
-      loss = l.item<float>();
-    }
-    return loss;
-  };
   const auto options = to::AdamWOptions(3e-2);
-  const float start = y.pow(2).mean().item<float>();
-  const float adamw = train([&](auto& w) { return std::make_unique<fo::AdamW>(w, options); });
+  const auto fit = [&](auto make) { return least_squares(make, 32, 300); };
+  const auto adamw = fit([&](auto& w) { return std::make_unique<fo::AdamW>(w, options); });
   const float factored =
-      train([&](auto& w) { return std::make_unique<fo::AdamW8bit>(w, options, kFactored); });
-  const float no_first = train([&](auto& w) {
-    return std::make_unique<fo::AdamW8bit>(w, to::AdamWOptions(3e-2).betas({0, 0.999}), kFactored);
-  });
-  std::cout << "[ factored ] least squares after 300 steps: start " << start << ", AdamW " << adamw
-            << ", factored " << factored << ", factored without first moment " << no_first << "\n";
-  EXPECT_LE(adamw, start / 50);
-  EXPECT_LE(factored, 2 * adamw + 0.01);
-  EXPECT_LE(no_first, 2 * adamw + 0.01);
+      fit([&](auto& w) { return std::make_unique<fo::AdamW8bit>(w, options, kFactored); }).loss;
+  const float no_first = fit([&](auto& w) {
+                           return std::make_unique<fo::AdamW8bit>(
+                               w, to::AdamWOptions(3e-2).betas({0, 0.999}), kFactored);
+                         }).loss;
+  std::cout << "[ factored ] least squares after 300 steps: start " << adamw.start << ", AdamW "
+            << adamw.loss << ", factored " << factored << ", factored without first moment "
+            << no_first << "\n";
+  EXPECT_LE(adamw.loss, adamw.start / 50);
+  EXPECT_LE(factored, 2 * adamw.loss + 0.01);
+  EXPECT_LE(no_first, 2 * adamw.loss + 0.01);
 }
 
 }  // namespace

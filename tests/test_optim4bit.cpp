@@ -22,18 +22,14 @@ namespace {
 namespace to = torch::optim;
 namespace fo = frugal::optim;
 using frugal::testing::clone_params;
+using frugal::testing::expect_error_contains;
 using frugal::testing::step_overhead;
 using namespace frugal::testing::optim8bit;
 
 TEST(Optim4bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // As Optim8bit's test: the arithmetic is Adam's, and each new state is its float32 value
   // rounded to the nearest of the 16 codes of its block's scale.
-  const auto gap = one_step_gap(fo::four_bit_states().min_elements(0));
-  std::cout << "[ 4-bit    ] one step from the same state: largest update difference " << gap.update
-            << " of the update; states at most " << gap.state
-            << " (of the scale) beyond the nearest code\n";
-  EXPECT_LE(gap.update, 1e-4);
-  EXPECT_LE(gap.state, 1e-5);
+  expect_one_step_is_adams(fo::four_bit_states().min_elements(0), "[ 4-bit    ]");
 }
 
 TEST(Optim4bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {
@@ -140,37 +136,21 @@ TEST(Optim4bit, StateRoundTripsThroughTorchSaveAndResumesBitForBit) {
   eight.step();
   const auto codes = state_of(eight, c[0]).exp_avg().clone();
   file.seekg(0);
-  try {
-    torch::load(eight, file);
-    ADD_FAILURE() << "a file of 4-bit states loaded into 8-bit ones";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("holds 4-bit codes but this optimizer's are 8-bit"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error_contains([&] { torch::load(eight, file); },
+                        "holds 4-bit codes but this optimizer's are 8-bit");
   EXPECT_TRUE(torch::equal(state_of(eight, c[0]).exp_avg(), codes));
 }
 
 TEST(Optim4bit, BadOptionsNameTheValue) {
   auto params = make_8bit_params();
-  const auto message = [&](auto make) {
-    try {
-      make();
-    } catch (const c10::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  EXPECT_NE(message([&] {
-              fo::Adam8bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().bits(3));
-            }).find("bits must be 8 or 4, got 3"),
-            std::string::npos);
-  EXPECT_NE(message([&] {
-              fo::Adam4bit(params, to::AdamOptions(1e-3), fo::four_bit_states().block(129));
-            }).find("need an even QuantizedStateOptions block, got 129"),
-            std::string::npos);
+  expect_error_contains(
+      [&] { fo::Adam8bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().bits(3)); },
+      "bits must be 8 or 4, got 3");
+  expect_error_contains(
+      [&] { fo::Adam4bit(params, to::AdamOptions(1e-3), fo::four_bit_states().block(129)); },
+      "need an even QuantizedStateOptions block, got 129");
   fo::Adam8bit adam(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().block(255));
-  EXPECT_NE(message([&] { adam.set_bits(4); }).find("got 255"), std::string::npos);
+  expect_error_contains([&] { adam.set_bits(4); }, "got 255");
   EXPECT_EQ(adam.bits(), 8);
   // Adam4bit is 4-bit whatever the options say.
   EXPECT_EQ(fo::Adam4bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions()).bits(), 4);
@@ -181,35 +161,20 @@ TEST(Optim4bit, TrainsALeastSquaresProblemAsAdamDoes) {
   // near float32 AdamW's, all far below the start. (The 4-bit first moment converges later
   // than float32's on this full-batch problem: its 16 codes round the last small changes of
   // a moment away; after 300 steps its loss is still several times AdamW's.)
-  torch::manual_seed(5);
-  const auto x = torch::randn({512, 64});
-  const auto truth = torch::randn({64, 128});
-  const auto y = x.mm(truth) + 0.1 * torch::randn({512, 128});
-  const auto train = [&](auto make) {
-    std::vector<torch::Tensor> w{torch::zeros({64, 128}).requires_grad_()};
-    auto opt = make(w);
-    float loss = 0;
-    for (int step = 0; step < 1000; ++step) {
-      w[0].mutable_grad() = torch::Tensor();
-      auto l = (x.mm(w[0]) - y).pow(2).mean();
-      l.backward();
-      opt->step();
-      loss = l.item<float>();
-    }
-    return loss;
-  };
   const auto options = to::AdamWOptions(3e-2);
-  const float start = y.pow(2).mean().item<float>();
-  const float adamw = train([&](auto& w) { return std::make_unique<fo::AdamW>(w, options); });
-  const float four = train([&](auto& w) { return std::make_unique<fo::AdamW4bit>(w, options); });
-  const float factored = train([&](auto& w) {
-    return std::make_unique<fo::AdamW4bit>(w, options, fo::four_bit_states().factored(true));
-  });
-  std::cout << "[ 4-bit    ] least squares after 1000 steps: start " << start << ", AdamW " << adamw
-            << ", AdamW4bit " << four << ", factored " << factored << "\n";
-  EXPECT_LE(adamw, start / 50);
-  EXPECT_LE(four, 1.5 * adamw);
-  EXPECT_LE(factored, 1.5 * adamw);
+  const auto fit = [&](auto make) { return least_squares(make, 128, 1000); };
+  const auto adamw = fit([&](auto& w) { return std::make_unique<fo::AdamW>(w, options); });
+  const float four =
+      fit([&](auto& w) { return std::make_unique<fo::AdamW4bit>(w, options); }).loss;
+  const float factored = fit([&](auto& w) {
+                           return std::make_unique<fo::AdamW4bit>(
+                               w, options, fo::four_bit_states().factored(true));
+                         }).loss;
+  std::cout << "[ 4-bit    ] least squares after 1000 steps: start " << adamw.start << ", AdamW "
+            << adamw.loss << ", AdamW4bit " << four << ", factored " << factored << "\n";
+  EXPECT_LE(adamw.loss, adamw.start / 50);
+  EXPECT_LE(four, 1.5 * adamw.loss);
+  EXPECT_LE(factored, 1.5 * adamw.loss);
 }
 
 }  // namespace
@@ -218,25 +183,10 @@ namespace {
 
 TEST(CudaOptim4bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
   FRUGAL_SKIP_WITHOUT_CUDA();
-  torch::manual_seed(13);
-  std::vector<torch::Tensor> cpu{torch::randn({150, 60}).requires_grad_()};
-  std::vector<torch::Tensor> cuda{cpu[0].detach().to(torch::kCUDA).requires_grad_()};
-  fo::AdamW4bit a(cpu, to::AdamWOptions(1e-2).weight_decay(0.01), fo::four_bit_states(), kChunks);
-  fo::AdamW4bit b(cuda, to::AdamWOptions(1e-2).weight_decay(0.01), fo::four_bit_states(), kChunks);
-  for (int step = 0; step < 20; ++step) {
-    set_growing_grads(cpu, step);
-    cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
-    a.step();
-    b.step();
-  }
-  const auto here = cuda[0].detach().cpu();
-  EXPECT_LE(((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>(), 1e-5);
-  const auto n = cpu[0].numel();
-  const auto apart = (code_per_element(state_of(a, cpu[0]).exp_avg(), 4, n) -
-                      code_per_element(state_of(b, cuda[0]).exp_avg().cpu(), 4, n))
-                         .abs();
-  EXPECT_LE(apart.max().item<int64_t>(), 1);
-  EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
+  const auto agree = cuda_against_fused_cpu(fo::four_bit_states());
+  EXPECT_LE(agree.weights, 1e-5);
+  EXPECT_LE(agree.codes_apart, 1);
+  EXPECT_LE(agree.codes_differing, agree.codes / 100);
 }
 
 }  // namespace

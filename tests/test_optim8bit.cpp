@@ -58,12 +58,7 @@ TEST(Optim8bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // float rounding (the 8-bit step's fused loop rounds a little differently from LibTorch's
   // vectorised kernels; tolerance 1e-4 of the largest update), and the new 8-bit states
   // are the new float32 ones rounded to the nearest code.
-  const auto gap = one_step_gap(fo::QuantizedStateOptions().min_elements(0));
-  std::cout << "[ 8-bit    ] one step from the same state: largest update difference " << gap.update
-            << " of the update; states at most " << gap.state
-            << " (of the scale) beyond the nearest code\n";
-  EXPECT_LE(gap.update, 1e-4);
-  EXPECT_LE(gap.state, 1e-5);
+  expect_one_step_is_adams(fo::QuantizedStateOptions().min_elements(0), "[ 8-bit    ]");
 }
 
 TEST(Optim8bit, ASmallSecondMomentNeverRoundsToZero) {
@@ -168,24 +163,10 @@ namespace {
 
 TEST(CudaOptim8bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
   FRUGAL_SKIP_WITHOUT_CUDA();
-  torch::manual_seed(13);
-  std::vector<torch::Tensor> cpu{torch::randn({150, 60}).requires_grad_()};
-  std::vector<torch::Tensor> cuda{cpu[0].detach().to(torch::kCUDA).requires_grad_()};
-  fo::AdamW8bit a(cpu, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  fo::AdamW8bit b(cuda, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  for (int step = 0; step < 20; ++step) {
-    set_growing_grads(cpu, step);
-    cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
-    a.step();
-    b.step();
-  }
-  const auto here = cuda[0].detach().cpu();
-  EXPECT_LE(((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>(), 1e-5);
-  const auto apart = (state_of(a, cpu[0]).exp_avg().to(torch::kInt) -
-                      state_of(b, cuda[0]).exp_avg().cpu().to(torch::kInt))
-                         .abs();
-  EXPECT_LE(apart.max().item<int64_t>(), 1);
-  EXPECT_LE((apart > 0).sum().item<int64_t>(), apart.numel() / 100);
+  const auto agree = cuda_against_fused_cpu({});
+  EXPECT_LE(agree.weights, 1e-5);
+  EXPECT_LE(agree.codes_apart, 1);
+  EXPECT_LE(agree.codes_differing, agree.codes / 100);
 }
 
 }  // namespace
