@@ -122,11 +122,11 @@ int trial(const Args& a) {
         loss = l.item<float>();
       }
     } else {
-      frugal::optim::AdamW8bit adamw(
-          model->parameters(), torch::optim::AdamWOptions(1e-4).betas({config.beta1, 0.999}),
-          (config.bits == 4 ? frugal::optim::four_bit_states()
-                            : frugal::optim::QuantizedStateOptions())
-              .factored(config.factored));
+      frugal::optim::AdamW8bit adamw(model->parameters(),
+                                     torch::optim::AdamWOptions(1e-4).betas({config.beta1, 0.999}),
+                                     (config.bits == 4 ? frugal::optim::four_bit_states()
+                                                       : frugal::optim::QuantizedStateOptions())
+                                         .factored(config.factored));
       frugal::Trainer trainer(
           model.ptr(), adamw,
           [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("padding")); },

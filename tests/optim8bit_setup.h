@@ -153,8 +153,8 @@ inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
 // 1e-4 of float32 Adam's, states within 1e-5 of a scale of their nearest codes.
 inline void expect_one_step_is_adams(const fo::QuantizedStateOptions& q, const char* label) {
   const auto gap = one_step_gap(q);
-  std::cout << label << " one step from the same state: largest update difference "
-            << gap.update << " of the update; states at most " << gap.state
+  std::cout << label << " one step from the same state: largest update difference " << gap.update
+            << " of the update; states at most " << gap.state
             << " (of the scale) beyond the nearest code\n";
   EXPECT_LE(gap.update, 1e-4);
   EXPECT_LE(gap.state, 1e-5);

@@ -164,12 +164,11 @@ TEST(Optim4bit, TrainsALeastSquaresProblemAsAdamDoes) {
   const auto options = to::AdamWOptions(3e-2);
   const auto fit = [&](auto make) { return least_squares(make, 128, 1000); };
   const auto adamw = fit([&](auto& w) { return std::make_unique<fo::AdamW>(w, options); });
-  const float four =
-      fit([&](auto& w) { return std::make_unique<fo::AdamW4bit>(w, options); }).loss;
-  const float factored = fit([&](auto& w) {
-                           return std::make_unique<fo::AdamW4bit>(
-                               w, options, fo::four_bit_states().factored(true));
-                         }).loss;
+  const float four = fit([&](auto& w) { return std::make_unique<fo::AdamW4bit>(w, options); }).loss;
+  const float factored =
+      fit([&](auto& w) {
+        return std::make_unique<fo::AdamW4bit>(w, options, fo::four_bit_states().factored(true));
+      }).loss;
   std::cout << "[ 4-bit    ] least squares after 1000 steps: start " << adamw.start << ", AdamW "
             << adamw.loss << ", AdamW4bit " << four << ", factored " << factored << "\n";
   EXPECT_LE(adamw.loss, adamw.start / 50);
