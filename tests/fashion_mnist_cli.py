@@ -194,6 +194,8 @@ check(as_one_process(distributed("dist")),
       "--distributed: 2 ranks x 32 give the losses of 1 process x 64")
 check(as_one_process(distributed("dist_zero2", "--zero", "2")),
       "--distributed --zero 2: the same losses with gradients and Adam's state sharded")
+check(as_one_process(distributed("dist_zero3", "--zero", "3")),
+      "--distributed --zero 3: the same losses with the weights sharded between steps too")
 
 # An empty data set is refused when it is loaded, naming the file.
 empty = os.path.join(WORK, "empty_set")

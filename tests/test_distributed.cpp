@@ -38,9 +38,19 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
 }
 // micro: micro-batches, an accumulation window, checkpointing and the leak guard; bf16:
 // autocast (compared within bf16's rounding); nan: a NaN in the last rank's share, which
-// every rank must skip (the engine's guard, no GradScaler) as one process does.
-const std::vector<std::string> kModes{"sgd",  "adam",  "micro", "tokens", "scaler",
-                                      "bf16", "zero1", "zero2", "nan"};
+// every rank must skip (the engine's guard, no GradScaler) as one process does. zeroS-MODE:
+// MODE (adam when absent) with a ZeroOptimizer of stage S around its optimizer.
+const std::vector<std::string> kModes{"sgd",         "adam",       "micro", "tokens", "scaler",
+                                      "bf16",        "zero1",      "zero2", "zero3",  "zero3-sgd",
+                                      "zero3-micro", "zero3-bf16", "nan"};
+
+// The ZeRO stage of a mode (0: none) and the mode it wraps.
+std::pair<int, std::string> zero_of(const std::string& mode) {
+  if (mode.rfind("zero", 0) != 0) {
+    return {0, mode};
+  }
+  return {mode[4] - '0', mode.size() > 6 ? mode.substr(6) : "adam"};
+}
 
 // The global batches of every step: class targets, or per-position targets (tokens) of
 // which a random share is padding, so ranks hold different token counts.
@@ -70,9 +80,11 @@ Data make_data(const std::string& mode) {
 
 // Trains `mode` for kDistSteps on this rank's share of each global batch (all of it in a group
 // of one); returns the parameters and, last, the skipped steps, the reported losses and
-// the ledger's gradient bytes just before the optimizer step and optimizer bytes after it.
-std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<Group>& group,
+// the ledger's gradient and weights bytes just before the optimizer step, and its optimizer
+// and weights bytes after it.
+std::vector<torch::Tensor> train(const std::string& zero_mode, const std::shared_ptr<Group>& group,
                                  torch::Device device = torch::kCPU) {
+  const auto [stage, mode] = zero_of(zero_mode);
   auto data = make_data(mode);
   data.x = data.x.to(device);
   data.y = data.y.to(device);
@@ -80,23 +92,23 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 4));
   model->to(device);
+  const bool sgd = mode == "sgd" || mode == "scaler" || mode == "bf16" || mode == "nan";
+  auto make = [sgd](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (sgd) {
+      return std::make_unique<torch::optim::SGD>(params,
+                                                 torch::optim::SGDOptions(0.1).momentum(0.9));
+    }
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+  };
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (mode == "sgd" || mode == "scaler" || mode == "bf16" || mode == "nan") {
-    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
-                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
-  } else if (mode == "zero1" || mode == "zero2") {
+  if (stage > 0) {
+    // Stages 2 and 3 also gather in pieces of 64 bytes: many pieces, uneven at the end.
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
-        model->parameters(), group,
-        [](std::vector<torch::Tensor> shard) {
-          return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-2));
-        },
-        // Stage 2 also gathers in pieces of 64 bytes: many pieces, uneven at the end.
-        frugal::distributed::ZeroOptimizerOptions()
-            .stage(mode == "zero1" ? 1 : 2)
-            .gather_bytes(mode == "zero1" ? 8 << 20 : 64));
+        model->parameters(), group, make,
+        frugal::distributed::ZeroOptimizerOptions().stage(stage).gather_bytes(stage == 1 ? 8 << 20
+                                                                                         : 64));
   } else {
-    optimizer =
-        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+    optimizer = make(model->parameters());
   }
   auto options = frugal::TrainerOptions().device(device);
   if (mode == "micro") {
@@ -130,10 +142,14 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
   }
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
   std::int64_t grad_bytes = 0;
+  std::int64_t weights_at_step = 0;
   trainer.add_hook(frugal::Phase::BeforeOptimizerStep, [&](frugal::StepContext& c) {
-    grad_bytes = frugal::measure_ledger(c.probe, c.module, &c.optimizer).gradients;
+    const auto ledger = frugal::measure_ledger(c.probe, c.module, &c.optimizer);
+    grad_bytes = ledger.gradients;
+    weights_at_step = ledger.weights;
   });
   std::int64_t optimizer_bytes = 0;
+  std::int64_t weights_bytes = 0;
   const auto share = frugal::distributed::share_of(kGlobal, group->rank(), group->size());
   const std::int64_t start = share.start;
   const std::int64_t length = share.length;
@@ -148,15 +164,22 @@ std::vector<torch::Tensor> train(const std::string& mode, const std::shared_ptr<
           trainer.step({data.x[s].slice(0, from, to), data.y[s].slice(0, from, to)});
       losses.push_back(report.loss);
       optimizer_bytes = report.ledger.optimizer;
+      weights_bytes = report.ledger.weights;
     }
   }
   std::vector<torch::Tensor> out;
-  for (const auto& p : model->parameters()) {
-    out.push_back(p.detach().cpu());
+  {
+    std::unique_ptr<frugal::optim::GatheredParameters> whole;  // stage 3: the whole weights
+    if (auto* sharded = dynamic_cast<frugal::optim::ShardedOptimizer*>(optimizer.get())) {
+      whole = std::make_unique<frugal::optim::GatheredParameters>(*sharded);
+    }
+    for (const auto& p : model->parameters()) {
+      out.push_back(p.detach().cpu().clone());
+    }
   }
   out.push_back(torch::tensor({trainer.skipped_steps()}));
   out.push_back(torch::tensor(losses, torch::kDouble));
-  out.push_back(torch::tensor({grad_bytes, optimizer_bytes}));
+  out.push_back(torch::tensor({grad_bytes, optimizer_bytes, weights_bytes, weights_at_step}));
   return out;
 }
 
@@ -213,14 +236,14 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
   std::vector<std::vector<torch::Tensor>> adam(world);  // unsharded, for the ZeRO runs
   for (const auto& mode : kModes) {
     SCOPED_TRACE(mode);
-    const bool zero = mode.rfind("zero", 0) == 0;
-    const auto one = train(zero ? "adam" : mode, Group::single());
+    const auto [stage, base] = zero_of(mode);
+    const auto one = train(base, Group::single());
     for (int r = 0; r < world; ++r) {
       std::vector<torch::Tensor> ranked;
       torch::load(ranked, prefix + "-" + mode + "-" + std::to_string(r) + ".pt");
       ASSERT_EQ(ranked.size(), one.size());
       const std::size_t params = one.size() - 3;
-      const double tolerance = mode == "bf16" ? 2e-3 : 1e-5;
+      const double tolerance = base == "bf16" ? 2e-3 : 1e-5;
       for (std::size_t i = 0; i < params; ++i) {
         EXPECT_TRUE(torch::allclose(ranked[i], one[i], tolerance, tolerance))
             << "rank " << r << " parameter " << i << " differs by "
@@ -228,22 +251,36 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
       }
       EXPECT_EQ(ranked[params].item<std::int64_t>(), one[params].item<std::int64_t>())
           << "skipped steps, rank " << r;
-      if (mode != "micro") {  // with accumulation the ranks report the global half-batches
+      if (base != "micro") {  // with accumulation the ranks report the global half-batches
         EXPECT_TRUE(torch::allclose(ranked[params + 1], one[params + 1], tolerance, tolerance,
                                     /*equal_nan=*/true))
             << "reported losses, rank " << r;
       }
       const auto bytes = ranked[params + 2];
+      // Each rank holds ceil(P / N) of the P elements' state (stage 2: and gradients; stage 3:
+      // and weights between steps).
+      std::int64_t elements = 0;
+      for (std::size_t i = 0; i < params; ++i) {
+        elements += one[i].numel();
+      }
+      const std::int64_t shard = (elements + world - 1) / world * 4;
+      const std::int64_t weights = bytes[2].item<std::int64_t>();
+      // Stages 1 and 2 hold the flat buffer, padded to N ranges.
+      EXPECT_EQ(weights, stage == 3  ? shard
+                         : stage > 0 ? world * shard
+                                     : elements * 4)
+          << "rank " << r;
+      // Stage 3 frees the whole weights before the optimizer step, once the buckets are in.
+      EXPECT_EQ(bytes[3].item<std::int64_t>(), weights) << "rank " << r;
       if (mode == "adam") {
         adam[r] = ranked;
-      } else if (zero) {
-        // Each rank holds ceil(P / N) of the P elements' state (and, stage 2, gradients).
-        std::int64_t elements = 0;
-        for (std::size_t i = 0; i < params; ++i) {
-          elements += one[i].numel();
-        }
-        const std::int64_t shard = (elements + world - 1) / world * 4;
+      } else if (stage > 0 && base == "adam") {
         const auto unsharded = adam[r][params + 2];
+        if (stage == 3) {
+          EXPECT_LE(static_cast<double>(weights),
+                    (world == 2 ? 0.55 : 0.4) * unsharded[2].item<double>())
+              << "rank " << r;
+        }
         const std::int64_t grads = bytes[0].item<std::int64_t>();
         const std::int64_t state = bytes[1].item<std::int64_t>();
         EXPECT_EQ(unsharded[0].item<std::int64_t>(), elements * 4) << "rank " << r;
@@ -251,7 +288,7 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
         EXPECT_LE(static_cast<double>(state),
                   (world == 2 ? 0.55 : 0.4) * unsharded[1].item<double>())
             << "rank " << r;
-        EXPECT_EQ(grads, mode == "zero1" ? elements * 4 : shard) << "rank " << r;
+        EXPECT_EQ(grads, stage == 1 ? elements * 4 : shard) << "rank " << r;
       }
     }
     if (mode == "scaler" || mode == "nan") {

@@ -19,8 +19,9 @@ namespace {
 namespace fs = std::filesystem;
 
 // dp-fit MODE DIR MAX_STEPS OUT: 2 ranks fit a small model on 640 samples (batch 64, Adam,
-// or Adam under ZeRO-2 with MODE "zero2") up to MAX_STEPS steps, saving in DIR every 5
-// steps and resuming from it ("-": no saving); each rank writes its weights to OUT-<rank>.pt.
+// or Adam under ZeRO-2 or ZeRO-3 with MODE "zero2" or "zero3") up to MAX_STEPS steps, saving in DIR
+// every 5 steps and resuming from it ("-": no saving); each rank writes its weights to
+// OUT-<rank>.pt.
 int dp_fit(const std::vector<std::string>& args) {
   torch::set_num_threads(1);
   const auto env = frugal::distributed::LaunchEnv::from_environment();
@@ -36,9 +37,11 @@ int dp_fit(const std::vector<std::string>& args) {
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
   };
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  if (args.at(0) == "zero2") {
+  const bool zero = args.at(0).rfind("zero", 0) == 0;
+  if (zero) {
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
-        model->parameters(), group, adam, frugal::distributed::ZeroOptimizerOptions().stage(2));
+        model->parameters(), group, adam,
+        frugal::distributed::ZeroOptimizerOptions().stage(args[0] == "zero3" ? 3 : 2));
   } else {
     optimizer = adam(model->parameters());
   }
@@ -60,8 +63,15 @@ int dp_fit(const std::vector<std::string>& args) {
                   .ranks(std::make_shared<frugal::distributed::GroupRanks>(group))
                   .log([](const std::string&) {}));
   std::vector<torch::Tensor> weights;
-  for (const auto& p : model->parameters()) {
-    weights.push_back(p.detach().clone());
+  {
+    std::unique_ptr<frugal::optim::GatheredParameters> whole;  // ZeRO-3's are sharded
+    if (zero) {
+      whole = std::make_unique<frugal::optim::GatheredParameters>(
+          dynamic_cast<frugal::optim::ShardedOptimizer&>(*optimizer));
+    }
+    for (const auto& p : model->parameters()) {
+      weights.push_back(p.detach().clone());
+    }
   }
   torch::save(weights, args.at(3) + "-" + std::to_string(env.rank) + ".pt");
   return 0;
@@ -79,7 +89,7 @@ void expect_resumed_run_equals_straight_run(const std::string& mode) {
     ASSERT_EQ(status, (std::vector<int>{0, 0}));
   }
   // ZeRO keeps one folder a rank (their optimizer states differ); plain data parallelism one.
-  EXPECT_EQ(fs::exists(fs::path(saves) / "rank-1"), mode == "zero2");
+  EXPECT_EQ(fs::exists(fs::path(saves) / "rank-1"), mode != "adam");
   for (int r = 0; r < 2; ++r) {
     std::vector<torch::Tensor> straight, resumed;
     torch::load(straight, out + "-straight-" + std::to_string(r) + ".pt");
@@ -97,6 +107,10 @@ TEST(DataParallelResume, TwoRanksResumeBitForBitFromRankZerosSaves) {
 
 TEST(DataParallelResume, ZeroStageTwoRanksResumeBitForBitFromTheirOwnSaves) {
   expect_resumed_run_equals_straight_run("zero2");
+}
+
+TEST(DataParallelResume, ZeroStageThreeRanksResumeBitForBitFromTheirOwnSaves) {
+  expect_resumed_run_equals_straight_run("zero3");
 }
 
 }  // namespace

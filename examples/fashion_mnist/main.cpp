@@ -377,9 +377,9 @@ int main(int argc, char** argv) {
                "Data-parallel over the ranks torchrun starts (torchrun --nproc-per-node N "
                "--no-python fashion_mnist --distributed ...); --batch stays the global batch");
   app.add_option("--zero", args.zero,
-                 "With --distributed: shard the optimizer state (1) and the gradients too (2) "
-                 "over the ranks (0: off)")
-      ->check(CLI::IsMember({0, 1, 2}))
+                 "With --distributed: shard the optimizer state (1), the gradients too (2) and "
+                 "the weights between steps too (3) over the ranks (0: off)")
+      ->check(CLI::IsMember({0, 1, 2, 3}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (args.zero > 0 && !args.distributed) {

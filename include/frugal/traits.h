@@ -28,6 +28,9 @@ enum class Trait : std::uint32_t {
   /// Keeps the step's gradients itself, each process its share, so that the parameters
   /// hold none at the optimizer step (an optimizer's trait: ZeRO stage 2).
   KeepsGradients = 1u << 6,
+  /// Keeps each process's share of the parameters between steps and gathers them whole for
+  /// the forward and backward (an optimizer's trait: ZeRO stage 3).
+  ShardsParameters = 1u << 7,
 };
 
 /// The name a trait has in errors and reports ("all-gradients", ...).

@@ -47,6 +47,12 @@ DataParallel::DataParallel(std::shared_ptr<Group> group, DataParallelOptions opt
 void DataParallel::on_add(PolicyPort& port) {
   auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&port.optimizer());
   keeper_ = sharded != nullptr && sharded->traits().has(Trait::KeepsGradients) ? sharded : nullptr;
+  shards_ = keeper_ != nullptr && keeper_->traits().has(Trait::ShardsParameters);
+  // Stage 3: the buckets are laid out on the whole parameters.
+  std::unique_ptr<optim::GatheredParameters> whole;
+  if (shards_) {
+    whole = std::make_unique<optim::GatheredParameters>(*keeper_);
+  }
   params_.clear();
   index_.clear();
   for (auto& group : port.optimizer().param_groups()) {
@@ -112,6 +118,9 @@ void DataParallel::reset() {
 }
 
 void DataParallel::on_step_begin(StepContext& ctx) {
+  if (shards_) {
+    keeper_->gather_parameters();  // stage 3: the forward and backward need them whole
+  }
   if (ctx.trial || group_->size() == 1) {
     return;
   }
@@ -230,6 +239,9 @@ void DataParallel::before_optimizer_step(StepContext& ctx) {
     finish(finished_);
   }
   reset();
+  if (shards_) {
+    keeper_->release_parameters();  // stage 3: each rank's share of the gradients is kept
+  }
 }
 
 void DataParallel::on_step_end(StepContext& ctx) {

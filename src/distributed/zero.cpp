@@ -1,6 +1,8 @@
 #include "frugal/distributed/zero.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
 #include <unordered_map>
@@ -14,9 +16,10 @@ namespace frugal::distributed {
 struct ZeroOptimizer::Layout {
   std::vector<torch::Tensor> params;
   std::vector<std::int64_t> offsets;  // where each parameter starts in the flat order
+  std::vector<std::vector<std::int64_t>> shapes;
   std::unordered_map<const void*, std::size_t> index;
   std::int64_t total = 0;
-  torch::Tensor flat;  // every parameter's storage: N ranges, padded
+  torch::Tensor flat;  // every parameter's storage: N ranges, padded (stage 3: while whole)
 };
 
 struct ZeroOptimizer::Parts {
@@ -26,8 +29,8 @@ struct ZeroOptimizer::Parts {
   std::unique_ptr<torch::optim::Optimizer> inner;
 };
 
-ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, const Group& group,
-                                          const Factory& make) {
+ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, Group& group,
+                                          const Factory& make, int stage) {
   FRUGAL_CHECK(!params.empty(), "frugal: ZeroOptimizer got no parameters");
   FRUGAL_CHECK(make != nullptr, "frugal: ZeroOptimizer needs a function that makes the optimizer");
   Parts parts;
@@ -43,6 +46,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
                  "frugal: ZeroOptimizer got a parameter twice");
     layout.params.push_back(p);
     layout.offsets.push_back(layout.total);
+    layout.shapes.push_back(p.sizes().vec());
     layout.total += p.numel();
   }
   const std::int64_t n = group.size();
@@ -58,9 +62,15 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
     home.copy_(p.detach().reshape({-1}));
     p.set_data(home.view(p.sizes()));
   }
-  parts.shard = layout.flat.narrow(0, group.rank() * parts.shard_size, parts.shard_size)
-                    .detach()
-                    .requires_grad_(true);
+  auto range = layout.flat.narrow(0, group.rank() * parts.shard_size, parts.shard_size);
+  if (stage == 3) {
+    // The range outlives the flat buffer: a copy of rank 0's weights' range of its own.
+    if (group.size() > 1) {
+      group.broadcast(layout.flat, 0);
+    }
+    range = range.clone();
+  }
+  parts.shard = range.detach().requires_grad_(true);
   parts.inner = make({parts.shard});
   FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
                    parts.inner->param_groups()[0].params().size() == 1,
@@ -71,7 +81,9 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, con
 
 ZeroOptimizer::ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group,
                              Factory make, ZeroOptimizerOptions options)
-    : ZeroOptimizer(build(std::move(params), *group, make), group, options) {}
+    : ZeroOptimizer(build(std::move(params), *group, make, options.stage()), group, options) {
+  release_parameters();
+}
 
 ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
                              ZeroOptimizerOptions options)
@@ -85,12 +97,49 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
       shard_size_(parts.shard_size),
       shard_(std::move(parts.shard)),
       inner_(std::move(parts.inner)) {
-  FRUGAL_CHECK(options_.stage() == 1 || options_.stage() == 2,
-               "frugal: ZeRO stage must be 1 or 2, got ", options_.stage());
+  FRUGAL_CHECK(options_.stage() >= 1 && options_.stage() <= 3,
+               "frugal: ZeRO stage must be 1, 2 or 3, got ", options_.stage());
 }
 
 Traits ZeroOptimizer::traits() const {
-  return options_.stage() == 2 ? Traits(Trait::KeepsGradients) : Traits();
+  switch (options_.stage()) {
+    case 3:
+      return Trait::KeepsGradients | Trait::ShardsParameters;
+    case 2:
+      return Trait::KeepsGradients;
+    default:
+      return {};
+  }
+}
+
+void ZeroOptimizer::gather_parameters() {
+  if (whole_) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  c10::InferenceMode training_tensors(false);  // an evaluation's gather feeds later training
+  auto& layout = *layout_;
+  layout.flat = torch::empty({group_->size() * shard_size_}, shard_.options().requires_grad(false));
+  all_gather_ranges(/*own_too=*/true);
+  for (std::size_t i = 0; i < layout.params.size(); ++i) {
+    const auto numel = c10::multiply_integers(layout.shapes[i]);
+    layout.params[i].set_data(
+        layout.flat.narrow(0, layout.offsets[i], numel).view(layout.shapes[i]));
+  }
+  whole_ = true;
+}
+
+void ZeroOptimizer::release_parameters() {
+  if (!whole_ || options_.stage() != 3) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& p : layout_->params) {
+    p.mutable_grad().reset();
+    p.set_data(torch::empty({0}, shard_.options().requires_grad(false)));
+  }
+  layout_->flat = torch::Tensor();
+  whole_ = false;
 }
 
 void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
@@ -128,21 +177,32 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   if (!shard_.grad().defined()) {
     gather_owned_gradient();  // stage 1: every gradient is here, averaged
   }
+  release_parameters();  // stage 3: no whole weights at the update's peak
   if (!shard_.grad().defined()) {
     return {};  // no gradient on any rank (the ranks hold the same ones)
   }
   inner_->step();  // this rank's range of the parameters, in place
   shard_.mutable_grad().reset();
-  // Every rank's range into every rank's parameters, a piece of each range at a time.
+  if (options_.stage() < 3) {
+    all_gather_ranges(/*own_too=*/false);
+  }
+  return {};
+}
+
+void ZeroOptimizer::all_gather_ranges(bool own_too) {
+  // Every rank's range into every rank's flat buffer, a piece of each range at a time.
   const std::int64_t n = group_->size();
+  auto& flat = layout_->flat;
   if (n == 1) {
-    return {};
+    if (own_too) {
+      flat.copy_(shard_.detach());
+    }
+    return;
   }
   const std::int64_t piece = std::max<std::int64_t>(
       1, std::min(shard_size_, options_.gather_bytes() /
                                    (n * static_cast<std::int64_t>(shard_.element_size()))));
   const auto mine = shard_.detach();
-  auto& flat = layout_->flat;
   for (std::int64_t start = 0; start < shard_size_; start += piece) {
     const auto length = std::min(piece, shard_size_ - start);
     auto gathered = torch::empty({n * length}, mine.options());
@@ -152,12 +212,15 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
     }
     group_->all_gather(pieces, mine.narrow(0, start, length));
     for (std::int64_t r = 0; r < n; ++r) {
-      if (r != group_->rank()) {
+      if (own_too || r != group_->rank()) {
         flat.narrow(0, r * shard_size_ + start, length).copy_(pieces[r]);
       }
     }
   }
-  return {};
+}
+
+std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
+  return options_.stage() == 3 ? std::vector<torch::Tensor>{shard_} : std::vector<torch::Tensor>{};
 }
 
 std::vector<torch::Tensor> ZeroOptimizer::ledger_gradients() const { return {shard_.grad()}; }
@@ -176,6 +239,9 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   state::write_int(archive, "zero/rank", group_->rank());
   state::write_int(archive, "zero/ranks", group_->size());
   state::write_int(archive, "zero/elements", layout_->total);
+  if (options_.stage() == 3) {
+    archive.write("zero/weights", shard_.detach());
+  }
   torch::serialize::OutputArchive inner;
   inner_->save(inner);
   archive.write("zero/inner", inner);
@@ -189,8 +255,21 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
                "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
                elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
                " with ", layout_->total, " elements");
+  torch::Tensor weights;
+  if (options_.stage() == 3) {
+    weights = state::read_tensor(archive, "zero/weights");
+    FRUGAL_CHECK(weights.numel() == shard_size_ && weights.scalar_type() == shard_.scalar_type(),
+                 "frugal: the saved ZeRO-3 weights are ", weights.numel(), " elements of ",
+                 weights.scalar_type(), "; this rank's range is ", shard_size_, " of ",
+                 shard_.scalar_type());
+  }
   auto inner = state::read_archive(archive, "zero/inner");
   inner_->load(inner);
+  if (weights.defined()) {
+    torch::NoGradGuard no_grad;
+    shard_.detach().copy_(weights);
+    release_parameters();  // whole ones would be stale; the next step gathers the loaded ones
+  }
   detail::place_state_with_parameters(*inner_);  // the shard's state beside the shard
 }
 

@@ -66,6 +66,12 @@ Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>
   for (const auto& b : buffers) {
     ledger.weights += counter.add(b);
   }
+  const auto* parts = dynamic_cast<const LedgerParts*>(optimizer);
+  if (parts != nullptr) {
+    for (const auto& t : parts->ledger_weights()) {
+      ledger.weights += counter.add(t);
+    }
+  }
   for (const auto& p : parameters) {
     ledger.gradients += counter.add(p.grad());
   }
@@ -75,7 +81,7 @@ Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>
         ledger.optimizer += counter.add(t);
       });
     }
-    if (const auto* parts = dynamic_cast<const LedgerParts*>(optimizer)) {
+    if (parts != nullptr) {
       for (const auto& t : parts->ledger_gradients()) {
         ledger.gradients += counter.add(t);
       }

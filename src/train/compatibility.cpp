@@ -22,6 +22,8 @@ const char* trait_name(Trait trait) {
       return "shares-gradients";
     case Trait::KeepsGradients:
       return "keeps-gradients";
+    case Trait::ShardsParameters:
+      return "shards-parameters";
   }
   return "unknown";
 }

@@ -8,6 +8,7 @@
 
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
+#include "frugal/optim/sharded.h"
 #include "frugal/train/sink.h"
 #include "frugal/train/trainer.h"
 #include "internal.h"
@@ -125,6 +126,11 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
     bool training;
     ~RestoreMode() { m.train(training); }
   } restore{*module_, was_training};
+  // Parameters sharded between steps (ZeRO-3) are gathered whole for the evaluation.
+  std::unique_ptr<optim::GatheredParameters> whole;
+  if (auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&optimizer_)) {
+    whole = std::make_unique<optim::GatheredParameters>(*sharded);
+  }
   std::unique_ptr<torch::NoGradGuard> no_grad;
   std::unique_ptr<c10::InferenceMode> inference;
   if (options_.inference_mode()) {

@@ -42,6 +42,8 @@ struct DataParallelOptions {
 /// With a ZeroOptimizer of stage 2 as the trainer's optimizer, each averaged bucket leaves
 /// only the part this rank owns (in the optimizer's range) and is freed; the parameters get
 /// no gradient, so policies that read every gradient are refused beside it.
+/// With one of stage 3, the parameters are gathered whole when a step begins and released
+/// once the backward that completes the step has delivered its buckets.
 ///
 /// Add it before policies that read every gradient (GradScalerPolicy, ClipGrad) and
 /// before OomRecovery; refused after them. Retries of a failed forward or backward (OomRecovery)
@@ -99,6 +101,7 @@ class DataParallel : public Policy {
   torch::Tensor flags_cpu_;  // the ranks' sum, read once a step
   std::vector<Work> works_;
   optim::ShardedOptimizer* keeper_ = nullptr;  // gradients go to its shard, not the parameters
+  bool shards_ = false;                        // the keeper shards the parameters too (stage 3)
   bool in_step_ = false;  // between a step's begin and its end: set when a step failed
 };
 

@@ -1,5 +1,5 @@
-// ZeRO stages 1 and 2: each rank keeps the optimizer state (and, stage 2, the gradients)
-// of its 1/N of the parameters only.
+// ZeRO stages 1, 2 and 3: each rank keeps the optimizer state (stage 2: and the gradients;
+// stage 3: and the weights between steps) of its 1/N of the parameters only.
 #pragma once
 
 #include <torch/arg.h>
@@ -19,6 +19,9 @@ struct ZeroOptimizerOptions {
   /// 1: the optimizer state is sharded; every rank holds every (averaged) gradient.
   /// 2: the gradients too: DataParallel keeps each bucket's part this rank owns and frees
   /// the rest as soon as the bucket has been averaged.
+  /// 3: the weights too: between steps each rank holds its range of them only; they are
+  /// gathered whole when a step (or an evaluation) begins and freed when the backward that
+  /// completes the step has delivered its gradients, before the optimizer step.
   TORCH_ARG(int, stage) = 1;
   /// The all-gather after the step moves the ranges in pieces of at most this many bytes
   /// (all ranks' pieces together), so its buffer stays small.
@@ -36,9 +39,17 @@ struct ZeroOptimizerOptions {
 /// `gather_bytes`.
 ///
 /// fp32 Adam holds 16 bytes a parameter (weights 4, gradients 4, state 8); stage 1 keeps
-/// 8 + 8/N of them, stage 2 4 + 12/N. Use it as the trainer's optimizer, with a
-/// DataParallel policy over the same group. The update must be elementwise (SGD, Adam,
-/// AdamW, frugal's in-place and 8-bit ones; the 8-bit states quantize blocks of the flat
+/// 8 + 8/N of them, stage 2 4 + 12/N, stage 3 16/N between steps (DeepSpeed's ZeRO-3 and
+/// FSDP's full sharding; here the whole model is one unit, gathered once a step).
+///
+/// Stage 3: the range is a tensor of its own and the flat buffer exists only while the
+/// parameters are whole; released, every parameter is an empty tensor (same object, name
+/// and hooks; 0 elements), so reading the model between steps fails loudly rather than
+/// reading stale values. Read, evaluate or save whole weights inside a
+/// frugal::optim::GatheredParameters (Trainer::evaluate gathers by itself). Building the
+/// optimizer copies rank 0's weights to every rank, collectively. Use it as the trainer's
+/// optimizer, with a DataParallel policy over the same group. The update must be elementwise (SGD,
+/// Adam, AdamW, frugal's in-place and 8-bit ones; the 8-bit states quantize blocks of the flat
 /// range). One parameter group, one dtype; a parameter without a gradient on any rank is
 /// stepped with a zero gradient, as DDP does with unused parameters.
 ///
@@ -76,27 +87,36 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   std::int64_t shard_size() const { return shard_size_; }
   /// The optimizer that updates this rank's range.
   torch::optim::Optimizer& inner() { return *inner_; }
-  /// Stage 2: Trait::KeepsGradients.
+  /// Stage 2: Trait::KeepsGradients; stage 3: and Trait::ShardsParameters.
   Traits traits() const override;
+  /// Stage 3: every rank's range into a new flat buffer the parameters view (collective).
+  void gather_parameters() override;
+  /// Stage 3: the flat buffer and the parameters' gradients go; the parameters are emptied.
+  void release_parameters() override;
+  bool parameters_whole() const override { return whole_; }
   /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
   /// goes into the range's gradient; DataParallel calls it once per parameter and step.
   void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) override;
 
+  std::vector<torch::Tensor> ledger_weights() const override;
   std::vector<torch::Tensor> ledger_gradients() const override;
   std::vector<torch::Tensor> ledger_optimizer_state() const override;
 
  private:
   struct Layout;
   struct Parts;
-  static Parts build(std::vector<torch::Tensor> params, const Group& group, const Factory& make);
+  static Parts build(std::vector<torch::Tensor> params, Group& group, const Factory& make,
+                     int stage);
   ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options);
   void gather_owned_gradient();
+  void all_gather_ranges(bool own_too);
 
   std::shared_ptr<Layout> layout_;
   std::shared_ptr<Group> group_;
   ZeroOptimizerOptions options_;
   std::int64_t shard_size_ = 0;
   torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
+  bool whole_ = true;    // stage 3: the parameters view the flat buffer now
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 

@@ -53,12 +53,13 @@ class StateTensorList {
   virtual std::vector<torch::Tensor> state_tensors() const = 0;
 };
 
-/// An optimizer that keeps gradients or state outside its parameters' `grad` and its
-/// `state()` (a sharded one, frugal::distributed::ZeroOptimizer) derives from this too, so that the
-/// ledger counts them as gradients and optimizer state.
+/// An optimizer that keeps weights, gradients or state outside its parameters, their `grad`
+/// and its `state()` (a sharded one, frugal::distributed::ZeroOptimizer) derives from this
+/// too, so that the ledger counts them as weights, gradients and optimizer state.
 class LedgerParts {
  public:
   virtual ~LedgerParts() = default;
+  virtual std::vector<torch::Tensor> ledger_weights() const { return {}; }
   virtual std::vector<torch::Tensor> ledger_gradients() const { return {}; }
   virtual std::vector<torch::Tensor> ledger_optimizer_state() const { return {}; }
 };

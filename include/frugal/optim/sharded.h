@@ -21,6 +21,40 @@ class ShardedOptimizer {
   /// With Trait::KeepsGradients: `grad` is `param`'s averaged gradient, flat; the
   /// optimizer keeps the part this process owns. Called once per parameter and step.
   virtual void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) = 0;
+  /// With Trait::ShardsParameters: puts the whole parameters back from every process's
+  /// share before a forward (collective: every process calls it), if they are released.
+  virtual void gather_parameters() {}
+  /// With Trait::ShardsParameters: frees the whole parameters again (each keeps its share).
+  virtual void release_parameters() {}
+  /// Whether the parameters are whole now (always, without Trait::ShardsParameters).
+  virtual bool parameters_whole() const { return true; }
+};
+
+/// The whole parameters of a ShardedOptimizer for as long as it lives, to evaluate, read or
+/// save the model between steps (DeepSpeed's GatheredParameters): gathers them if they were
+/// released, and releases them again at its end. Collective: every process makes one.
+///
+/// Example:
+///   { frugal::optim::GatheredParameters whole(zero);  torch::save(model, "model.pt"); }
+class GatheredParameters {
+ public:
+  explicit GatheredParameters(ShardedOptimizer& optimizer)
+      : optimizer_(optimizer), gathered_(!optimizer.parameters_whole()) {
+    if (gathered_) {
+      optimizer_.gather_parameters();
+    }
+  }
+  ~GatheredParameters() {
+    if (gathered_) {
+      optimizer_.release_parameters();
+    }
+  }
+  GatheredParameters(const GatheredParameters&) = delete;
+  GatheredParameters& operator=(const GatheredParameters&) = delete;
+
+ private:
+  ShardedOptimizer& optimizer_;
+  bool gathered_;
 };
 
 }  // namespace frugal::optim
