@@ -139,6 +139,12 @@ class GradAccumulatedHook {
 std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,
                                                          GradAccumulatedHook::Fn fn);
 
+/// After `leaf.set_data` gave the leaf another shape: its gradient accumulator, if one is
+/// alive, expects gradients of the new shape. LibTorch before 2.1 keeps the accumulator a
+/// gradient-ready hook holds, with the shape the leaf had when it was made; later versions
+/// make a new one for each graph (nothing to do).
+void refresh_grad_accumulator(const at::Tensor& leaf);
+
 /// The CUDA caching allocator's figures for one device, aggregated over pool kinds.
 struct CudaAllocatorStats {
   std::int64_t allocated = 0, allocated_peak = 0;

@@ -1,5 +1,6 @@
 // The autograd hooks of compat.h, for each LibTorch version.
 #include <c10/util/Exception.h>
+#include <new>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -74,6 +75,21 @@ class Installed : public GradAccumulatedHook {
 #endif
 
 }  // namespace
+
+void refresh_grad_accumulator(const at::Tensor& leaf) {
+#if FRUGAL_TORCH_AT_LEAST(2, 1)
+  (void)leaf;
+#else
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(leaf);
+  if (accumulator == nullptr || accumulator->num_inputs() != 1) {
+    return;
+  }
+  // InputMetadata has a const member, so it is made again in place.
+  auto& metadata = const_cast<torch::autograd::InputMetadata&>(accumulator->input_metadata(0));
+  metadata.~InputMetadata();
+  new (&metadata) torch::autograd::InputMetadata(leaf);
+#endif
+}
 
 std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,
                                                          GradAccumulatedHook::Fn fn) {

@@ -7,6 +7,7 @@
 
 #include <unordered_map>
 
+#include "compat.h"
 #include "frugal/error.h"
 #include "frugal/state/archive.h"
 #include "state/state_parts.h"
@@ -125,6 +126,7 @@ void ZeroOptimizer::gather_parameters() {
     const auto numel = c10::multiply_integers(layout.shapes[i]);
     layout.params[i].set_data(
         layout.flat.narrow(0, layout.offsets[i], numel).view(layout.shapes[i]));
+    compat::refresh_grad_accumulator(layout.params[i]);
   }
   whole_ = true;
 }
@@ -137,6 +139,7 @@ void ZeroOptimizer::release_parameters() {
   for (auto& p : layout_->params) {
     p.mutable_grad().reset();
     p.set_data(torch::empty({0}, shard_.options().requires_grad(false)));
+    compat::refresh_grad_accumulator(p);
   }
   layout_->flat = torch::Tensor();
   whole_ = false;
