@@ -21,6 +21,15 @@ struct ZeroOptimizer::Layout {
   std::unordered_map<const void*, std::size_t> index;
   std::int64_t total = 0;
   torch::Tensor flat;  // every parameter's storage: N ranges, padded (stage 3: while whole)
+
+  /// Each parameter becomes a view of its place in `flat` (the same tensor object).
+  void view_flat() {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto numel = c10::multiply_integers(shapes[i]);
+      params[i].set_data(flat.narrow(0, offsets[i], numel).view(shapes[i]));
+      compat::refresh_grad_accumulator(params[i]);
+    }
+  }
 };
 
 struct ZeroOptimizer::Parts {
@@ -58,11 +67,10 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, Gro
   torch::NoGradGuard no_grad;
   layout.flat = torch::zeros({n * parts.shard_size}, first.options().requires_grad(false));
   for (std::size_t i = 0; i < layout.params.size(); ++i) {
-    auto& p = layout.params[i];
-    auto home = layout.flat.narrow(0, layout.offsets[i], p.numel());
-    home.copy_(p.detach().reshape({-1}));
-    p.set_data(home.view(p.sizes()));
+    const auto& p = layout.params[i];
+    layout.flat.narrow(0, layout.offsets[i], p.numel()).copy_(p.detach().reshape({-1}));
   }
+  layout.view_flat();
   auto range = layout.flat.narrow(0, group.rank() * parts.shard_size, parts.shard_size);
   if (stage == 3) {
     // The range outlives the flat buffer: a copy of rank 0's weights' range of its own.
@@ -113,8 +121,10 @@ Traits ZeroOptimizer::traits() const {
   }
 }
 
+bool ZeroOptimizer::parameters_whole() const { return layout_->flat.defined(); }
+
 void ZeroOptimizer::gather_parameters() {
-  if (whole_) {
+  if (parameters_whole()) {
     return;
   }
   torch::NoGradGuard no_grad;
@@ -122,17 +132,11 @@ void ZeroOptimizer::gather_parameters() {
   auto& layout = *layout_;
   layout.flat = torch::empty({group_->size() * shard_size_}, shard_.options().requires_grad(false));
   all_gather_ranges(/*own_too=*/true);
-  for (std::size_t i = 0; i < layout.params.size(); ++i) {
-    const auto numel = c10::multiply_integers(layout.shapes[i]);
-    layout.params[i].set_data(
-        layout.flat.narrow(0, layout.offsets[i], numel).view(layout.shapes[i]));
-    compat::refresh_grad_accumulator(layout.params[i]);
-  }
-  whole_ = true;
+  layout.view_flat();
 }
 
 void ZeroOptimizer::release_parameters() {
-  if (!whole_ || options_.stage() != 3) {
+  if (!parameters_whole() || options_.stage() != 3) {
     return;
   }
   torch::NoGradGuard no_grad;
@@ -142,7 +146,6 @@ void ZeroOptimizer::release_parameters() {
     compat::refresh_grad_accumulator(p);
   }
   layout_->flat = torch::Tensor();
-  whole_ = false;
 }
 
 void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) {

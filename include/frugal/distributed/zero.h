@@ -93,7 +93,7 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   void gather_parameters() override;
   /// Stage 3: the flat buffer and the parameters' gradients go; the parameters are emptied.
   void release_parameters() override;
-  bool parameters_whole() const override { return whole_; }
+  bool parameters_whole() const override;
   /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
   /// goes into the range's gradient; DataParallel calls it once per parameter and step.
   void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) override;
@@ -116,7 +116,6 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   ZeroOptimizerOptions options_;
   std::int64_t shard_size_ = 0;
   torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
-  bool whole_ = true;    // stage 3: the parameters view the flat buffer now
   std::unique_ptr<torch::optim::Optimizer> inner_;
 };
 
