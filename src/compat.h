@@ -128,7 +128,7 @@ Key optimizer_state_key(const at::Tensor& param) {
 /// A hook that runs each time autograd has accumulated a gradient into a leaf's `.grad`,
 /// while the hook is alive: LibTorch 2.x's post-accumulate-grad hook on the tensor, or on
 /// 1.13 a post hook on the leaf's gradient accumulator (kept alive by the hook, as c10d's
-/// Reducer does). One such hook per tensor: a second one is refused with an error.
+/// Reducer does). Several may be installed on one tensor; they run in the order installed.
 class GradAccumulatedHook {
  public:
   using Fn = std::function<void(const at::Tensor& leaf)>;

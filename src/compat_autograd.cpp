@@ -1,9 +1,14 @@
 // The autograd hooks of compat.h, for each LibTorch version.
 #include <c10/util/Exception.h>
-#include <new>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <atomic>
+#include <new>
+#include <utility>
+#include <vector>
 
 #include "compat.h"
 #include "frugal/error.h"
@@ -21,25 +26,52 @@ void check_leaf(const at::Tensor& leaf) {
 
 #if FRUGAL_TORCH_AT_LEAST(2, 1)
 
-// Autograd calls it with the leaf itself, so it holds no reference to the leaf.
+// Autograd calls it with the leaf itself, so it holds no reference to the leaf. A tensor has
+// one slot for such a hook; frugal's hooks on one tensor (the trainer's, a sharded
+// optimizer's) share it as a list, in the order they were installed.
 struct PostAccumulate : torch::autograd::PostAccumulateGradHook {
-  explicit PostAccumulate(GradAccumulatedHook::Fn fn) : fn(std::move(fn)) {}
-  void operator()(const Variable& leaf) override { fn(leaf); }
-  GradAccumulatedHook::Fn fn;
+  void operator()(const Variable& leaf) override {
+    for (std::size_t k = 0; k < fns.size(); ++k) {
+      fns[k].second(leaf);
+    }
+  }
+  std::vector<std::pair<std::uint64_t, GradAccumulatedHook::Fn>> fns;
 };
 
 class Installed : public GradAccumulatedHook {
  public:
   Installed(const at::Tensor& leaf, Fn fn) : leaf_(leaf) {
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(leaf);
-    FRUGAL_CHECK(slot == nullptr, "frugal: the tensor has a post-accumulate-grad hook already "
-                 "(one per tensor): another Trainer or policy is hooked to it");
-    torch::autograd::impl::set_post_acc_grad_hooks(leaf, std::make_unique<PostAccumulate>(std::move(fn)));
+    if (slot == nullptr) {
+      torch::autograd::impl::set_post_acc_grad_hooks(leaf, std::make_unique<PostAccumulate>());
+    }
+    auto* list =
+        dynamic_cast<PostAccumulate*>(torch::autograd::impl::post_acc_grad_hooks(leaf).get());
+    FRUGAL_CHECK(list != nullptr,
+                 "frugal: the tensor has a post-accumulate-grad hook already "
+                 "that is not frugal's (one slot per tensor)");
+    static std::atomic<std::uint64_t> next_key{0};
+    key_ = ++next_key;
+    list->fns.emplace_back(key_, std::move(fn));
   }
-  ~Installed() override { torch::autograd::impl::set_post_acc_grad_hooks(leaf_, nullptr); }
+  ~Installed() override {
+    auto* list =
+        dynamic_cast<PostAccumulate*>(torch::autograd::impl::post_acc_grad_hooks(leaf_).get());
+    if (list == nullptr) {
+      return;
+    }
+    auto& fns = list->fns;
+    fns.erase(std::remove_if(fns.begin(), fns.end(),
+                             [this](const auto& entry) { return entry.first == key_; }),
+              fns.end());
+    if (fns.empty()) {
+      torch::autograd::impl::set_post_acc_grad_hooks(leaf_, nullptr);
+    }
+  }
 
  private:
   at::Tensor leaf_;
+  std::uint64_t key_ = 0;
 };
 
 #else

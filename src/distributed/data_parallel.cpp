@@ -80,11 +80,17 @@ void DataParallel::on_add(PolicyPort& port) {
     bucket_of_[k] = buckets_.size() - 1;
     bytes += size;
   }
+  // Sizes read now: under stage 3 a unit's parameters may be released (empty) when
+  // their gradients travel.
+  numel_.clear();
+  for (const auto& p : params_) {
+    numel_.push_back(p.numel());
+  }
   bucket_numel_.clear();
   for (const auto& members : buckets_) {
     std::int64_t numel = 0;
     for (const auto k : members) {
-      numel += params_[k].numel();
+      numel += numel_[k];
     }
     bucket_numel_.push_back(numel);
   }
@@ -119,7 +125,7 @@ void DataParallel::reset() {
 
 void DataParallel::on_step_begin(StepContext& ctx) {
   if (shards_) {
-    keeper_->gather_parameters();  // stage 3: the forward and backward need them whole
+    keeper_->gather_for_forward();  // stage 3: units gather themselves when called
   }
   if (ctx.trial || group_->size() == 1) {
     return;
@@ -174,7 +180,7 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   std::int64_t offset = 0;
   for (const auto k : members) {
     auto& p = params_[k];
-    const auto n = p.numel();
+    const auto n = numel_[k];
     auto& grad = p.mutable_grad();
     if (grad.defined()) {
       flags_.data_ptr<float>()[k] = 1;
@@ -204,7 +210,7 @@ void DataParallel::finish(std::size_t bucket) {
   std::int64_t offset = 0;
   for (const auto k : buckets_[bucket]) {
     auto& p = params_[k];
-    const auto n = p.numel();
+    const auto n = numel_[k];
     if (keeper_ != nullptr) {
       keeper_->keep_gradient(p, flat.narrow(0, offset, n));
     } else if (any[k] > 0) {

@@ -5,81 +5,65 @@
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
-#include <unordered_map>
-
 #include "compat.h"
 #include "frugal/error.h"
 #include "frugal/state/archive.h"
 #include "state/state_parts.h"
+#include "zero_layout.h"
+#include "zero_units.h"
 
 namespace frugal::distributed {
 
-struct ZeroOptimizer::Layout {
-  std::vector<torch::Tensor> params;
-  std::vector<std::int64_t> offsets;  // where each parameter starts in the flat order
-  std::vector<std::vector<std::int64_t>> shapes;
-  std::unordered_map<const void*, std::size_t> index;
-  std::int64_t total = 0;
-  torch::Tensor flat;  // every parameter's storage: N ranges, padded (stage 3: while whole)
-
-  /// Each parameter becomes a view of its place in `flat` (the same tensor object).
-  void view_flat() {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto numel = c10::multiply_integers(shapes[i]);
-      params[i].set_data(flat.narrow(0, offsets[i], numel).view(shapes[i]));
-      compat::refresh_grad_accumulator(params[i]);
-    }
-  }
-};
-
 struct ZeroOptimizer::Parts {
-  std::shared_ptr<Layout> layout;
-  std::int64_t shard_size = 0;
+  std::shared_ptr<detail::ZeroLayout> layout;
   torch::Tensor shard;
   std::unique_ptr<torch::optim::Optimizer> inner;
 };
 
-ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, Group& group,
-                                          const Factory& make, int stage) {
+ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
+                                          const std::shared_ptr<Group>& group, const Factory& make,
+                                          const ZeroOptimizerOptions& options) {
   FRUGAL_CHECK(!params.empty(), "frugal: ZeroOptimizer got no parameters");
   FRUGAL_CHECK(make != nullptr, "frugal: ZeroOptimizer needs a function that makes the optimizer");
-  Parts parts;
-  parts.layout = std::make_shared<Layout>();
-  auto& layout = *parts.layout;
+  const int stage = options.stage();
+  FRUGAL_CHECK(options.units().empty() || stage == 3, "frugal: ZeRO units need stage 3; got ",
+               options.units().size(), " units at stage ", stage);
   const auto& first = params.front();
   for (auto& p : params) {
     FRUGAL_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
                  "frugal: ZeroOptimizer needs one dtype and device for all parameters; got ",
                  p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
                  first.device());
-    FRUGAL_CHECK(layout.index.emplace(p.unsafeGetTensorImpl(), layout.params.size()).second,
-                 "frugal: ZeroOptimizer got a parameter twice");
-    layout.params.push_back(p);
-    layout.offsets.push_back(layout.total);
-    layout.shapes.push_back(p.sizes().vec());
-    layout.total += p.numel();
   }
-  const std::int64_t n = group.size();
-  parts.shard_size = (layout.total + n - 1) / n;
-  // The parameters move into one flat buffer (same tensors, new storage), so that this
-  // rank's range is a view of it: the range's optimizer updates the parameters in place
-  // and no second copy of the weights exists.
+  const auto members = detail::unit_members(params, options.units());
+  Parts parts;
+  parts.layout = std::make_shared<detail::ZeroLayout>(std::move(params), members, group->size());
+  auto& layout = *parts.layout;
+  layout.group = group;
+  layout.gather_bytes = options.gather_bytes();
+  // Each unit's parameters move into its flat buffer (same tensors, new storage). Stages 1
+  // and 2: this rank's range is a view of it, so the range's optimizer updates the
+  // parameters in place and no second copy of the weights exists.
   torch::NoGradGuard no_grad;
-  layout.flat = torch::zeros({n * parts.shard_size}, first.options().requires_grad(false));
-  for (std::size_t i = 0; i < layout.params.size(); ++i) {
-    const auto& p = layout.params[i];
-    layout.flat.narrow(0, layout.offsets[i], p.numel()).copy_(p.detach().reshape({-1}));
-  }
-  layout.view_flat();
-  auto range = layout.flat.narrow(0, group.rank() * parts.shard_size, parts.shard_size);
-  if (stage == 3) {
-    // The range outlives the flat buffer: a copy of rank 0's weights' range of its own.
-    if (group.size() > 1) {
-      group.broadcast(layout.flat, 0);
+  const std::int64_t n = group->size();
+  std::vector<torch::Tensor> shares;
+  for (std::size_t u = 0; u < layout.units.size(); ++u) {
+    auto& unit = layout.units[u];
+    unit.flat = torch::zeros({n * unit.range}, first.options().requires_grad(false));
+    for (const auto i : unit.members) {
+      unit.flat.narrow(0, layout.offsets[i], layout.numels[i])
+          .copy_(layout.params[i].detach().reshape({-1}));
     }
-    range = range.clone();
+    layout.view_flat(u);
+    if (stage == 3 && n > 1) {
+      group->broadcast(unit.flat, 0);  // every rank starts from rank 0's weights
+    }
+    shares.push_back(unit.flat.narrow(0, group->rank() * unit.range, unit.range));
   }
-  parts.shard = range.detach().requires_grad_(true);
+  // Stage 3: the ranges outlive the flat buffers, a tensor of their own.
+  auto shard = stage == 3 ? torch::cat(shares) : shares.front();
+  parts.shard = shard.detach().requires_grad_(true);
+  layout.shard = parts.shard;
   parts.inner = make({parts.shard});
   FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
                    parts.inner->param_groups()[0].params().size() == 1,
@@ -90,7 +74,10 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params, Gro
 
 ZeroOptimizer::ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group,
                              Factory make, ZeroOptimizerOptions options)
-    : ZeroOptimizer(build(std::move(params), *group, make, options.stage()), group, options) {
+    : ZeroOptimizer(build(std::move(params), group, make, options), group, options) {
+  if (layout_->units.size() > 1) {
+    hooks_ = std::make_unique<detail::ZeroUnitHooks>(layout_, options_.units());
+  }
   release_parameters();
 }
 
@@ -102,13 +89,15 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
           parts.inner->defaults().clone()),
       layout_(std::move(parts.layout)),
       group_(std::move(group)),
-      options_(options),
-      shard_size_(parts.shard_size),
+      options_(std::move(options)),
+      shard_size_(layout_->shard_size()),
       shard_(std::move(parts.shard)),
       inner_(std::move(parts.inner)) {
   FRUGAL_CHECK(options_.stage() >= 1 && options_.stage() <= 3,
                "frugal: ZeRO stage must be 1, 2 or 3, got ", options_.stage());
 }
+
+ZeroOptimizer::~ZeroOptimizer() = default;
 
 Traits ZeroOptimizer::traits() const {
   switch (options_.stage()) {
@@ -121,36 +110,43 @@ Traits ZeroOptimizer::traits() const {
   }
 }
 
-bool ZeroOptimizer::parameters_whole() const { return layout_->flat.defined(); }
+bool ZeroOptimizer::parameters_whole() const { return layout_->all_whole(); }
 
 void ZeroOptimizer::gather_parameters() {
   if (parameters_whole()) {
     return;
   }
-  torch::NoGradGuard no_grad;
-  c10::InferenceMode training_tensors(false);  // an evaluation's gather feeds later training
-  auto& layout = *layout_;
-  layout.flat = torch::empty({group_->size() * shard_size_}, shard_.options().requires_grad(false));
-  all_gather_ranges(/*own_too=*/true);
-  layout.view_flat();
+  layout_->pinned = true;  // units stay whole after their calls until released
+  for (std::size_t u = 0; u < layout_->units.size(); ++u) {
+    layout_->gather(u);
+  }
+}
+
+void ZeroOptimizer::gather_for_forward() {
+  if (layout_->units.size() == 1) {
+    gather_parameters();
+  } else {
+    layout_->gather(0);
+  }
 }
 
 void ZeroOptimizer::release_parameters() {
-  if (!parameters_whole() || options_.stage() != 3) {
+  if (options_.stage() != 3) {
     return;
   }
-  torch::NoGradGuard no_grad;
+  layout_->pinned = false;
   for (auto& p : layout_->params) {
     p.mutable_grad().reset();
-    p.set_data(torch::empty({0}, shard_.options().requires_grad(false)));
-    compat::refresh_grad_accumulator(p);
   }
-  layout_->flat = torch::Tensor();
+  for (std::size_t u = 0; u < layout_->units.size(); ++u) {
+    layout_->release(u);
+  }
 }
 
 void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) {
-  const auto it = layout_->index.find(param.unsafeGetTensorImpl());
-  FRUGAL_CHECK(it != layout_->index.end(),
+  const auto& layout = *layout_;
+  const auto it = layout.index.find(param.unsafeGetTensorImpl());
+  FRUGAL_CHECK(it != layout.index.end(),
                "frugal: ZeroOptimizer got the gradient of a "
                "parameter it does not hold");
   torch::NoGradGuard no_grad;
@@ -158,12 +154,15 @@ void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tenso
   if (!owned.defined()) {
     owned = torch::zeros_like(shard_);
   }
-  const auto begin = shard_begin();
-  const auto offset = layout_->offsets[it->second];
+  // The parameter's place in its unit, against this rank's range of that unit.
+  const auto& unit = layout.units[layout.unit_of[it->second]];
+  const auto begin = group_->rank() * unit.range;
+  const auto offset = layout.offsets[it->second];
   const auto lo = std::max(offset, begin);
-  const auto hi = std::min(offset + param.numel(), begin + shard_size_);
+  const auto hi = std::min(offset + layout.numels[it->second], begin + unit.range);
   if (lo < hi) {
-    owned.narrow(0, lo - begin, hi - lo).copy_(grad.reshape({-1}).narrow(0, lo - offset, hi - lo));
+    owned.narrow(0, unit.shard_offset + lo - begin, hi - lo)
+        .copy_(grad.reshape({-1}).narrow(0, lo - offset, hi - lo));
   }
 }
 
@@ -190,39 +189,9 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   inner_->step();  // this rank's range of the parameters, in place
   shard_.mutable_grad().reset();
   if (options_.stage() < 3) {
-    all_gather_ranges(/*own_too=*/false);
+    layout_->all_gather(0, /*own_too=*/false);
   }
   return {};
-}
-
-void ZeroOptimizer::all_gather_ranges(bool own_too) {
-  // Every rank's range into every rank's flat buffer, a piece of each range at a time.
-  const std::int64_t n = group_->size();
-  auto& flat = layout_->flat;
-  if (n == 1) {
-    if (own_too) {
-      flat.copy_(shard_.detach());
-    }
-    return;
-  }
-  const std::int64_t piece = std::max<std::int64_t>(
-      1, std::min(shard_size_, options_.gather_bytes() /
-                                   (n * static_cast<std::int64_t>(shard_.element_size()))));
-  const auto mine = shard_.detach();
-  for (std::int64_t start = 0; start < shard_size_; start += piece) {
-    const auto length = std::min(piece, shard_size_ - start);
-    auto gathered = torch::empty({n * length}, mine.options());
-    std::vector<torch::Tensor> pieces;
-    for (std::int64_t r = 0; r < n; ++r) {
-      pieces.push_back(gathered.narrow(0, r * length, length));
-    }
-    group_->all_gather(pieces, mine.narrow(0, start, length));
-    for (std::int64_t r = 0; r < n; ++r) {
-      if (own_too || r != group_->rank()) {
-        flat.narrow(0, r * shard_size_ + start, length).copy_(pieces[r]);
-      }
-    }
-  }
 }
 
 std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
@@ -276,7 +245,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
     shard_.detach().copy_(weights);
     release_parameters();  // whole ones would be stale; the next step gathers the loaded ones
   }
-  detail::place_state_with_parameters(*inner_);  // the shard's state beside the shard
+  frugal::detail::place_state_with_parameters(*inner_);  // the shard's state beside the shard
 }
 
 }  // namespace frugal::distributed

@@ -126,10 +126,12 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
     bool training;
     ~RestoreMode() { m.train(training); }
   } restore{*module_, was_training};
-  // Parameters sharded between steps (ZeRO-3) are gathered whole for the evaluation.
+  // Parameters sharded between steps (ZeRO-3) are gathered for the evaluation (units one
+  // at a time, as they are called).
   std::unique_ptr<optim::GatheredParameters> whole;
   if (auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&optimizer_)) {
-    whole = std::make_unique<optim::GatheredParameters>(*sharded);
+    whole = std::make_unique<optim::GatheredParameters>(
+        *sharded, optim::GatheredParameters::What::ForForward);
   }
   std::unique_ptr<torch::NoGradGuard> no_grad;
   std::unique_ptr<c10::InferenceMode> inference;

@@ -42,8 +42,9 @@ struct DataParallelOptions {
 /// With a ZeroOptimizer of stage 2 as the trainer's optimizer, each averaged bucket leaves
 /// only the part this rank owns (in the optimizer's range) and is freed; the parameters get
 /// no gradient, so policies that read every gradient are refused beside it.
-/// With one of stage 3, the parameters are gathered whole when a step begins and released
-/// once the backward that completes the step has delivered its buckets.
+/// With one of stage 3, the parameters are gathered whole when a step begins (with units:
+/// the root unit; each unit gathers itself around its calls) and released once the backward
+/// that completes the step has delivered its buckets.
 ///
 /// Add it before policies that read every gradient (GradScalerPolicy, ClipGrad) and
 /// before OomRecovery; refused after them. Retries of a failed forward or backward (OomRecovery)
@@ -89,6 +90,7 @@ class DataParallel : public Policy {
   std::unordered_map<const void*, std::size_t> index_;  // TensorImpl -> position in params_
   std::vector<std::size_t> bucket_of_;                  // position -> bucket
   std::vector<std::vector<std::size_t>> buckets_;
+  std::vector<std::int64_t> numel_;  // per parameter, read when added
   std::vector<std::int64_t> bucket_numel_;
   // The step in flight.
   std::vector<std::size_t> missing_;  // per bucket: gradients not delivered yet

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <functional>
@@ -14,6 +15,10 @@
 #include "frugal/optim/sharded.h"
 
 namespace frugal::distributed {
+namespace detail {
+struct ZeroLayout;
+class ZeroUnitHooks;
+}  // namespace detail
 
 struct ZeroOptimizerOptions {
   /// 1: the optimizer state is sharded; every rank holds every (averaged) gradient.
@@ -26,6 +31,13 @@ struct ZeroOptimizerOptions {
   /// The all-gather after the step moves the ranges in pieces of at most this many bytes
   /// (all ranks' pieces together), so its buffer stays small.
   TORCH_ARG(std::int64_t, gather_bytes) = std::int64_t{8} << 20;
+  /// Stage 3: modules whose parameters are gathered and released as one unit each, around
+  /// every call of the module through frugal::nn::call (before its forward, and again
+  /// before its backward), so that one unit at a time is whole instead of the model. The
+  /// other parameters form the root unit, whole from a step's start to its optimizer step.
+  /// Units must not share parameters; a unit's forward must be reached through
+  /// frugal::nn::call, or it reads empty parameters (a shape error).
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, units) = {};
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
@@ -40,7 +52,8 @@ struct ZeroOptimizerOptions {
 ///
 /// fp32 Adam holds 16 bytes a parameter (weights 4, gradients 4, state 8); stage 1 keeps
 /// 8 + 8/N of them, stage 2 4 + 12/N, stage 3 16/N between steps (DeepSpeed's ZeRO-3 and
-/// FSDP's full sharding; here the whole model is one unit, gathered once a step).
+/// FSDP's full sharding). Stage 3 gathers the whole model once a step, or, with
+/// `units`, one module at a time around its calls (FSDP's wrapped modules).
 ///
 /// Stage 3: the range is a tensor of its own and the flat buffer exists only while the
 /// parameters are whole; released, every parameter is an empty tensor (same object, name
@@ -75,14 +88,16 @@ class ZeroOptimizer : public torch::optim::Optimizer,
       std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> shard)>;
   ZeroOptimizer(std::vector<torch::Tensor> params, std::shared_ptr<Group> group, Factory make,
                 ZeroOptimizerOptions options = {});
+  ~ZeroOptimizer() override;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
   int stage() const { return options_.stage(); }
-  /// This rank's range of the flat parameters starts here and has shard_size() elements
-  /// (the padding included).
+  /// Without units: this rank's range of the flat parameters starts here and has
+  /// shard_size() elements (the padding included). With units, the shard holds this rank's
+  /// range of each unit in turn.
   std::int64_t shard_begin() const { return group_->rank() * shard_size_; }
   std::int64_t shard_size() const { return shard_size_; }
   /// The optimizer that updates this rank's range.
@@ -91,6 +106,8 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   Traits traits() const override;
   /// Stage 3: every rank's range into a new flat buffer the parameters view (collective).
   void gather_parameters() override;
+  /// Stage 3: the root unit only when there are units (they gather themselves when called).
+  void gather_for_forward() override;
   /// Stage 3: the flat buffer and the parameters' gradients go; the parameters are emptied.
   void release_parameters() override;
   bool parameters_whole() const override;
@@ -103,20 +120,19 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   std::vector<torch::Tensor> ledger_optimizer_state() const override;
 
  private:
-  struct Layout;
   struct Parts;
-  static Parts build(std::vector<torch::Tensor> params, Group& group, const Factory& make,
-                     int stage);
+  static Parts build(std::vector<torch::Tensor> params, const std::shared_ptr<Group>& group,
+                     const Factory& make, const ZeroOptimizerOptions& options);
   ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options);
   void gather_owned_gradient();
-  void all_gather_ranges(bool own_too);
 
-  std::shared_ptr<Layout> layout_;
+  std::shared_ptr<detail::ZeroLayout> layout_;
   std::shared_ptr<Group> group_;
   ZeroOptimizerOptions options_;
   std::int64_t shard_size_ = 0;
   torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
   std::unique_ptr<torch::optim::Optimizer> inner_;
+  std::unique_ptr<detail::ZeroUnitHooks> hooks_;  // stage 3 with units
 };
 
 /// The options' earlier name.

@@ -11,6 +11,7 @@
 
 #include "frugal/checkpoint.h"
 #include "frugal/nn/module_pointer.h"
+#include "frugal/nn/unit_hook.h"
 
 namespace frugal::nn {
 
@@ -48,22 +49,10 @@ TORCH_MODULE(Checkpoint);
 /// it or its checkpointing is off: what frugal::nn::call asks.
 std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module);
 
-/// Calls `block->forward(args...)`, checkpointed when a CheckpointPolicy chose `block` and
-/// gradients are being recorded (Tensor arguments are the checkpoint's inputs, other
-/// arguments pass through; the block's parameters always get gradients). A plain forward
-/// otherwise. `block` is a module holder (Linear, a TORCH_MODULE) or a shared_ptr to a
-/// module, e.g. from ModuleList's `ptr<BlockImpl>(i)`.
-///
-/// Example:
-///   torch::Tensor forward(torch::Tensor x, torch::Tensor mask) {
-///     for (std::size_t i = 0; i < blocks->size(); ++i) {
-///       x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);
-///     }
-///     return head(x);
-///   }
+namespace detail {
+
 template <typename Block, typename... Args>
-auto call(const Block& block, const Args&... args) {
-  auto ptr = module_pointer(block);
+auto call_checkpointed(const std::shared_ptr<Block>& ptr, const Args&... args) {
   std::shared_ptr<const CheckpointOptions> chosen;
   if (at::GradMode::is_enabled()) {
     chosen = checkpoint_choice(*ptr);
@@ -75,6 +64,35 @@ auto call(const Block& block, const Args&... args) {
       [ptr](const auto&... a) { return ptr->forward(a...); },
       CheckpointOptions(*chosen).params(ptr->parameters()).buffers(training_buffers(*ptr)),
       args...);
+}
+
+}  // namespace detail
+
+/// Calls `block->forward(args...)`, checkpointed when a CheckpointPolicy chose `block` and
+/// gradients are being recorded (Tensor arguments are the checkpoint's inputs, other
+/// arguments pass through; the block's parameters always get gradients). A plain forward
+/// otherwise. `block` is a module holder (Linear, a TORCH_MODULE) or a shared_ptr to a
+/// module, e.g. from ModuleList's `ptr<BlockImpl>(i)`. A UnitHook registered for `block`
+/// (a ZeRO-3 unit's parameter gathering) runs around the call.
+///
+/// Example:
+///   torch::Tensor forward(torch::Tensor x, torch::Tensor mask) {
+///     for (std::size_t i = 0; i < blocks->size(); ++i) {
+///       x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x, mask);
+///     }
+///     return head(x);
+///   }
+template <typename Block, typename... Args>
+auto call(const Block& block, const Args&... args) {
+  auto ptr = module_pointer(block);
+  const auto hook = unit_hook(*ptr);
+  if (hook == nullptr) {
+    return detail::call_checkpointed(ptr, args...);
+  }
+  hook->before_forward();
+  auto out = detail::call_checkpointed(ptr, args...);
+  hook->after_forward(detail::unit_outputs(out));
+  return out;
 }
 
 }  // namespace frugal::nn

@@ -24,6 +24,9 @@ class ShardedOptimizer {
   /// With Trait::ShardsParameters: puts the whole parameters back from every process's
   /// share before a forward (collective: every process calls it), if they are released.
   virtual void gather_parameters() {}
+  /// With Trait::ShardsParameters: what a forward needs whole before it starts (all the
+  /// parameters, or those outside units that gather themselves); collective.
+  virtual void gather_for_forward() { gather_parameters(); }
   /// With Trait::ShardsParameters: frees the whole parameters again (each keeps its share).
   virtual void release_parameters() {}
   /// Whether the parameters are whole now (always, without Trait::ShardsParameters).
@@ -38,9 +41,15 @@ class ShardedOptimizer {
 ///   { frugal::optim::GatheredParameters whole(zero);  torch::save(model, "model.pt"); }
 class GatheredParameters {
  public:
-  explicit GatheredParameters(ShardedOptimizer& optimizer)
+  /// Whole: every parameter. ForForward: what a forward needs before it starts
+  /// (ShardedOptimizer::gather_for_forward); Trainer::evaluate gathers so, and units gather
+  /// themselves one at a time as the forward calls them.
+  enum class What { Whole, ForForward };
+  explicit GatheredParameters(ShardedOptimizer& optimizer, What what = What::Whole)
       : optimizer_(optimizer), gathered_(!optimizer.parameters_whole()) {
-    if (gathered_) {
+    if (gathered_ && what == What::ForForward) {
+      optimizer_.gather_for_forward();
+    } else if (gathered_) {
       optimizer_.gather_parameters();
     }
   }

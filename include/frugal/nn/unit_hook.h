@@ -1,0 +1,47 @@
+// What acts on a unit (a module reached through frugal::nn::call) around each of its calls.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace frugal::nn {
+
+/// Work done around every frugal::nn::call of one module, e.g. gathering its parameters
+/// before the forward and releasing them after (ZeRO-3 units). One hook a module; the
+/// code that registers it removes it when it goes.
+class UnitHook {
+ public:
+  virtual ~UnitHook() = default;
+  /// Before the module's forward (and before a checkpoint of it).
+  virtual void before_forward() = 0;
+  /// After the forward, with the call's Tensor outputs (none when it returned another
+  /// type: then backward cannot be reached through them); the hook may attach gradient
+  /// hooks to them.
+  virtual void after_forward(const std::vector<torch::Tensor>& outputs) = 0;
+};
+
+/// The hook registered for `module`, or null.
+std::shared_ptr<UnitHook> unit_hook(const torch::nn::Module& module);
+
+namespace detail {
+
+/// The registry of unit hooks (thread-safe); an error when `module` has one already.
+void add_unit_hook(const torch::nn::Module* module, std::shared_ptr<UnitHook> hook);
+void remove_unit_hook(const torch::nn::Module* module);
+
+/// A call's Tensor outputs, for UnitHook::after_forward.
+inline std::vector<torch::Tensor> unit_outputs(const torch::Tensor& out) { return {out}; }
+inline std::vector<torch::Tensor> unit_outputs(const std::vector<torch::Tensor>& out) {
+  return out;
+}
+template <typename T>
+std::vector<torch::Tensor> unit_outputs(const T& /*out*/) {
+  return {};
+}
+
+}  // namespace detail
+}  // namespace frugal::nn

@@ -1,0 +1,124 @@
+#include "zero_layout.h"
+
+#include <c10/core/InferenceMode.h>
+#include <c10/util/accumulate.h>
+#include <torch/torch.h>
+
+#include "compat.h"
+#include "frugal/error.h"
+
+namespace frugal::distributed::detail {
+
+ZeroLayout::ZeroLayout(std::vector<torch::Tensor> params_in,
+                       const std::vector<std::vector<std::size_t>>& unit_members,
+                       std::int64_t ranks)
+    : params(std::move(params_in)), unit_of(params.size(), 0), offsets(params.size(), 0) {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    FRUGAL_CHECK(index.emplace(params[i].unsafeGetTensorImpl(), i).second,
+                 "frugal: ZeroOptimizer got a parameter twice");
+    numels.push_back(params[i].numel());
+    shapes.push_back(params[i].sizes().vec());
+  }
+  units.resize(1 + unit_members.size());
+  for (std::size_t u = 0; u < unit_members.size(); ++u) {
+    for (const auto i : unit_members[u]) {
+      unit_of[i] = u + 1;
+    }
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    auto& unit = units[unit_of[i]];
+    unit.members.push_back(i);
+    offsets[i] = unit.total;
+    unit.total += numels[i];
+    total += numels[i];
+  }
+  std::int64_t offset = 0;
+  for (auto& unit : units) {
+    unit.range = (unit.total + ranks - 1) / ranks;
+    unit.shard_offset = offset;
+    offset += unit.range;
+  }
+}
+
+std::int64_t ZeroLayout::shard_size() const {
+  return units.back().shard_offset + units.back().range;
+}
+
+bool ZeroLayout::all_whole() const {
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    if (!whole(u)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void ZeroLayout::view_flat(std::size_t u) {
+  const auto& unit = units[u];
+  for (const auto i : unit.members) {
+    params[i].set_data(unit.flat.narrow(0, offsets[i], numels[i]).view(shapes[i]));
+    compat::refresh_grad_accumulator(params[i]);
+  }
+}
+
+torch::Tensor ZeroLayout::share(std::size_t u) const {
+  return shard.detach().narrow(0, units[u].shard_offset, units[u].range);
+}
+
+void ZeroLayout::gather(std::size_t u) {
+  if (whole(u)) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  c10::InferenceMode training_tensors(false);  // an evaluation's gather feeds later training
+  auto& unit = units[u];
+  unit.flat = torch::empty({group->size() * unit.range}, shard.options().requires_grad(false));
+  all_gather(u, /*own_too=*/true);
+  view_flat(u);
+}
+
+void ZeroLayout::release(std::size_t u) {
+  if (!whole(u)) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  auto& unit = units[u];
+  for (const auto i : unit.members) {
+    params[i].set_data(torch::empty({0}, shard.options().requires_grad(false)));
+    compat::refresh_grad_accumulator(params[i]);
+  }
+  unit.flat = torch::Tensor();
+  unit.counting = false;
+}
+
+void ZeroLayout::all_gather(std::size_t u, bool own_too) {
+  const std::int64_t n = group->size();
+  const auto& unit = units[u];
+  const auto range = unit.range;
+  const auto mine = share(u);
+  if (n == 1) {
+    if (own_too) {
+      unit.flat.copy_(mine);
+    }
+    return;
+  }
+  // A piece of every rank's share at a time, so the message buffer stays small.
+  const std::int64_t piece = std::max<std::int64_t>(
+      1, std::min(range, gather_bytes / (n * static_cast<std::int64_t>(shard.element_size()))));
+  for (std::int64_t start = 0; start < range; start += piece) {
+    const auto length = std::min(piece, range - start);
+    auto gathered = torch::empty({n * length}, mine.options());
+    std::vector<torch::Tensor> pieces;
+    for (std::int64_t r = 0; r < n; ++r) {
+      pieces.push_back(gathered.narrow(0, r * length, length));
+    }
+    group->all_gather(pieces, mine.narrow(0, start, length));
+    for (std::int64_t r = 0; r < n; ++r) {
+      if (own_too || r != group->rank()) {
+        unit.flat.narrow(0, r * range + start, length).copy_(pieces[r]);
+      }
+    }
+  }
+}
+
+}  // namespace frugal::distributed::detail
