@@ -14,6 +14,7 @@
 #include "frugal/distributed/zero.h"
 #include "frugal/error.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/leak_guard.h"
@@ -101,15 +102,20 @@ struct Run {
   std::int64_t weights_after_forward = 0;  // ledger, after the last forward of the last step
   std::int64_t weights_at_step = 0;        // ledger, at the last optimizer step
   std::int64_t weights_between = 0;        // ledger, after the last step
-  std::int64_t peak = 0;                   // the highest step peak
+  std::int64_t peak = 0;                   // the highest step peak, above the run's start
   std::int64_t whole_in_forward = 0;       // the most blocks whole inside a block's forward
   std::int64_t whole_in_backward = 0;      // ... when a block's input gradient was in
+  std::int64_t weights_in_forward = 0;     // ledger, the most inside a block's forward
+  std::int64_t rest_after_forward = 0;     // ledger's other, above the run's start
   double eval_loss = 0;
 };
 
 // mode: adam, sgd, micro (micro-batches, an accumulation window, checkpointed blocks, leak
-// guard) or bf16 (autocast); zero: 0 (a plain optimizer), 2, 3 (whole model) or 33 (units).
+// guard) or bf16 (autocast); zero: 0 (a plain optimizer), 2, 3 (whole model), 33 (units) or
+// 34 (units without prefetch).
 Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group) {
+  // Peaks count from here: a rank trains several runs and keeps each one's results.
+  const std::int64_t before = frugal::MemoryProbe(torch::kCPU).allocated();
   torch::manual_seed(7);
   const auto x = torch::randn({kSteps + 1, kGlobal, 8});
   const auto y = torch::randint(0, 4, {kSteps + 1, kGlobal});
@@ -120,9 +126,9 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
   if (zero == 0) {
     optimizer = make(model->parameters());
   } else {
-    auto options = ZeroOptimizerOptions().stage(zero == 33 ? 3 : zero).gather_bytes(4096);
-    if (zero == 33) {
-      options.units(model->blocks->children());
+    auto options = ZeroOptimizerOptions().stage(std::min(zero, 3)).gather_bytes(4096);
+    if (zero > 3) {
+      options.units(model->blocks->children()).prefetch(zero == 33);
     }
     optimizer = std::make_unique<ZeroOptimizer>(model->parameters(), group, make, options);
   }
@@ -142,8 +148,13 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
     frugal::use_mixed_precision(trainer, torch::kBFloat16);
   }
   Run run;
+  frugal::StepContext* in_forward = nullptr;
+  trainer.add_hook(frugal::Phase::BeforeForward, [&](frugal::StepContext& c) { in_forward = &c; });
   trainer.add_hook(frugal::Phase::AfterForward, [&](frugal::StepContext& c) {
-    run.weights_after_forward = frugal::measure_ledger(c.probe, c.module, &c.optimizer).weights;
+    in_forward = nullptr;
+    const auto ledger = frugal::measure_ledger(c.probe, c.module, &c.optimizer);
+    run.weights_after_forward = ledger.weights;
+    run.rest_after_forward = ledger.other - before;
   });
   trainer.add_hook(frugal::Phase::BeforeOptimizerStep, [&](frugal::StepContext& c) {
     run.weights_at_step = frugal::measure_ledger(c.probe, c.module, &c.optimizer).weights;
@@ -156,6 +167,11 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
   g_block_seen = [&](bool backward) {
     auto& most = backward || in_backward ? run.whole_in_backward : run.whole_in_forward;
     most = std::max(most, model->whole_blocks());
+    if (!backward && !in_backward && in_forward != nullptr) {
+      const auto& c = *in_forward;
+      run.weights_in_forward = std::max(
+          run.weights_in_forward, frugal::measure_ledger(c.probe, c.module, &c.optimizer).weights);
+    }
   };
   const auto share = frugal::distributed::share_of(kGlobal, group->rank(), group->size());
   const std::int64_t parts = trainer_options.accumulate();
@@ -165,7 +181,7 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
       const auto to = share.start + (k + 1) * share.length / parts;
       const auto report = trainer.step({x[s].slice(0, from, to), y[s].slice(0, from, to)});
       run.losses.push_back(report.loss);
-      run.peak = std::max(run.peak, report.peak);
+      run.peak = std::max(run.peak, report.peak - before);
       run.weights_between = report.ledger.weights;
     }
   }
@@ -211,6 +227,8 @@ TEST(ZeroUnits, EachBlockIsWholeOnlyAroundItsOwnCallsInOneProcess) {
   const std::int64_t all = parameter_elements(plain) * 4;
   const std::int64_t block = (kWidth * kWidth + kWidth) * 4;
   EXPECT_EQ(units.weights_after_forward, all + (all - kBlocks * block));
+  // Inside a block's forward: that block, and the next one's prefetched weights.
+  EXPECT_EQ(units.weights_in_forward, all + (all - kBlocks * block) + 2 * block);
   // One rank keeps its gradients on the parameters until the optimizer's step, which
   // releases the root unit; with more ranks it goes before (the tests below).
   EXPECT_EQ(units.weights_at_step, all + (all - kBlocks * block));
@@ -242,15 +260,17 @@ TEST(ZeroUnits, BadUnitsAreRefusedNamingThem) {
 // and 3 without units, and bf16 also without ZeRO: a 20-step bf16 run of this deep model
 // differs from one process by more than bf16's rounding of another summation order
 // (up to 4e-3), so units are held to the same ranks without ZeRO.
-const std::vector<std::pair<std::string, int>> kRuns{
-    {"adam", 33}, {"sgd", 33}, {"micro", 33}, {"bf16", 33}, {"adam", 2}, {"adam", 3}, {"bf16", 0}};
+const std::vector<std::pair<std::string, int>> kRuns{{"adam", 33}, {"sgd", 33}, {"micro", 33},
+                                                     {"bf16", 33}, {"adam", 2}, {"adam", 3},
+                                                     {"bf16", 0},  {"adam", 34}};
 constexpr std::size_t kBf16Plain = 6;
 
 std::vector<torch::Tensor> as_tensors(const Run& run) {
   auto out = run.weights;
   out.push_back(torch::tensor(run.losses, torch::kDouble));
   out.push_back(torch::tensor({run.weights_after_forward, run.weights_at_step, run.weights_between,
-                               run.peak, run.whole_in_forward, run.whole_in_backward}));
+                               run.peak, run.whole_in_forward, run.whole_in_backward,
+                               run.weights_in_forward, run.rest_after_forward}));
   out.push_back(torch::tensor({run.eval_loss}, torch::kDouble));
   return out;
 }
@@ -300,7 +320,7 @@ void expect_ranks_train_as_one_process(int world) {
       bytes.push_back(at[one.weights.size() + 1]);
       const auto b = bytes.back();
       const std::int64_t elements = parameter_elements(one);
-      if (zero == 33) {
+      if (zero > 3) {
         EXPECT_EQ(b[4].item<std::int64_t>(), 1) << "blocks whole in a block's forward";
         EXPECT_LE(b[5].item<std::int64_t>(), 2) << "blocks whole in a block's backward";
         // Between steps and at the update: this rank's range of each unit (root, 8 blocks).
@@ -312,15 +332,27 @@ void expect_ranks_train_as_one_process(int world) {
         EXPECT_EQ(b[2].item<std::int64_t>(), shard);
         EXPECT_LE(static_cast<double>(shard), (world == 2 ? 0.55 : 0.4) * elements * 4);
         // The root unit stays whole until the update: its flat buffer, N ranges, padded.
-        EXPECT_EQ(b[0].item<std::int64_t>(), shard + world * ((root + world - 1) / world) * 4);
+        const std::int64_t root_flat = world * ((root + world - 1) / world) * 4;
+        EXPECT_EQ(b[0].item<std::int64_t>(), shard + root_flat);
+        // Inside a block's forward: its flat buffer, and with prefetch the next block's too.
+        const std::int64_t block_flat = world * ((block + world - 1) / world) * 4;
+        EXPECT_EQ(b[6].item<std::int64_t>(), shard + root_flat + (zero == 33 ? 2 : 1) * block_flat);
       }
     }
+    // After forward, autograd's saved views of the released blocks hold no bytes: the rest
+    // is the activations, as at stage 3 of the whole model (one block would be 16 kB more).
+    const std::int64_t rest = bytes[5][7].item<std::int64_t>();
+    EXPECT_NEAR(bytes[0][7].item<std::int64_t>(), rest, 1024) << "with prefetch";
+    EXPECT_NEAR(bytes[7][7].item<std::int64_t>(), rest, 1024) << "without prefetch";
     // Adam with units against stage 2 and against stage 3 of the whole model: lower peaks.
     const auto units_peak = bytes[0][3].item<std::int64_t>();
     EXPECT_LT(units_peak, bytes[4][3].item<std::int64_t>()) << "stage 2's peak, rank " << r;
     EXPECT_LT(units_peak, bytes[5][3].item<std::int64_t>()) << "stage 3's peak, rank " << r;
+    EXPECT_LT(bytes[7][3].item<std::int64_t>(), bytes[4][3].item<std::int64_t>())
+        << "stage 2's peak against units without prefetch, rank " << r;
     std::cout << "rank " << r << " of " << world << ": step peak " << units_peak
-              << " B with units, " << bytes[4][3].item<std::int64_t>() << " B at stage 2, "
+              << " B with units (" << bytes[7][3].item<std::int64_t>() << " B without prefetch), "
+              << bytes[4][3].item<std::int64_t>() << " B at stage 2, "
               << bytes[5][3].item<std::int64_t>() << " B at stage 3 whole\n";
   }
 }

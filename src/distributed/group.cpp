@@ -72,6 +72,20 @@ void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds ti
   }
 }
 
+// A collective in flight, waited for (and its failure reported) as wait_for does.
+template <typename Ptr>
+Work in_flight(Ptr work, const char* what, int rank, std::chrono::milliseconds timeout,
+               bool release) {
+  using Target = typename Ptr::element_type;
+  c10::weak_intrusive_ptr<Target> weak(work);
+  return Work([work, what, rank, timeout,
+               release]() mutable { wait_for(std::move(work), what, rank, timeout, release); },
+              [weak] {
+                const auto strong = weak.lock();
+                return !strong || strong->isCompleted();
+              });
+}
+
 bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
@@ -215,17 +229,8 @@ Work Group::all_reduce(torch::Tensor& tensor) {
     return {};
   }
   std::vector<torch::Tensor> tensors{tensor};
-  auto work = impl_->pg->allreduce(tensors);
-  using Target = decltype(work)::element_type;
-  c10::weak_intrusive_ptr<Target> weak(work);
-  return Work(
-      [work, rank = rank_, timeout = impl_->timeout, release = impl_->release]() mutable {
-        wait_for(std::move(work), "all-reduce", rank, timeout, release);
-      },
-      [weak] {
-        const auto strong = weak.lock();
-        return !strong || strong->isCompleted();
-      });
+  return in_flight(impl_->pg->allreduce(tensors), "all-reduce", rank_, impl_->timeout,
+                   impl_->release);
 }
 
 void Group::broadcast(torch::Tensor& tensor, int root) {
@@ -242,16 +247,20 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
 }
 
 void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
+  all_gather_async(out, in).wait();
+}
+
+Work Group::all_gather_async(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
   FRUGAL_CHECK(static_cast<int>(out.size()) == size_, "frugal: all_gather needs ", size_,
                " output tensors, got ", out.size());
   if (!impl_->pg) {
     out[0].copy_(in);
-    return;
+    return {};
   }
   std::vector<std::vector<torch::Tensor>> outputs{out};
   std::vector<torch::Tensor> inputs{in};
-  wait_for(impl_->pg->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout,
-           impl_->release);
+  return in_flight(impl_->pg->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout,
+                   impl_->release);
 }
 
 void Group::barrier() {

@@ -41,6 +41,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
   auto& layout = *parts.layout;
   layout.group = group;
   layout.gather_bytes = options.gather_bytes();
+  layout.prefetch = options.prefetch();
   // Each unit's parameters move into its flat buffer (same tensors, new storage). Stages 1
   // and 2: this rank's range is a view of it, so the range's optimizer updates the
   // parameters in place and no second copy of the weights exists.
@@ -55,6 +56,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
           .copy_(layout.params[i].detach().reshape({-1}));
     }
     layout.view_flat(u);
+    unit.viewed = true;
     if (stage == 3 && n > 1) {
       group->broadcast(unit.flat, 0);  // every rank starts from rank 0's weights
     }
@@ -123,6 +125,7 @@ void ZeroOptimizer::gather_parameters() {
 }
 
 void ZeroOptimizer::gather_for_forward() {
+  layout_->begin_pass();
   if (layout_->units.size() == 1) {
     gather_parameters();
   } else {
@@ -195,7 +198,18 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
 }
 
 std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
-  return options_.stage() == 3 ? std::vector<torch::Tensor>{shard_} : std::vector<torch::Tensor>{};
+  if (options_.stage() != 3) {
+    return {};
+  }
+  // The range, and the flat buffers of units whole or arriving (a buffer the parameters
+  // view is counted once).
+  std::vector<torch::Tensor> out{shard_};
+  for (std::size_t u = 0; u < layout_->units.size(); ++u) {
+    if (layout_->held(u)) {
+      out.push_back(layout_->units[u].flat);
+    }
+  }
+  return out;
 }
 
 std::vector<torch::Tensor> ZeroOptimizer::ledger_gradients() const { return {shard_.grad()}; }

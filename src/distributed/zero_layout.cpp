@@ -4,10 +4,32 @@
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "compat.h"
 #include "frugal/error.h"
 
 namespace frugal::distributed::detail {
+namespace {
+
+// A unit's flat buffer gives its bytes back and takes new ones later as the same storage:
+// the views autograd saved in forward (a Linear keeps its weight transposed) then see the
+// bytes gathered again for backward, and hold none in between.
+void drop_bytes(const torch::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void take_bytes(const torch::Tensor& t) {
+  const c10::DeviceGuard on(t.device());
+  const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+}  // namespace
 
 ZeroLayout::ZeroLayout(std::vector<torch::Tensor> params_in,
                        const std::vector<std::vector<std::size_t>>& unit_members,
@@ -65,30 +87,106 @@ torch::Tensor ZeroLayout::share(std::size_t u) const {
   return shard.detach().narrow(0, units[u].shard_offset, units[u].range);
 }
 
-void ZeroLayout::gather(std::size_t u) {
-  if (whole(u)) {
-    return;
-  }
+void ZeroLayout::start_gather(std::size_t u) {
   torch::NoGradGuard no_grad;
   c10::InferenceMode training_tensors(false);  // an evaluation's gather feeds later training
   auto& unit = units[u];
-  unit.flat = torch::empty({group->size() * unit.range}, shard.options().requires_grad(false));
-  all_gather(u, /*own_too=*/true);
+  const std::int64_t n = group->size();
+  take_bytes(unit.flat);
+  const auto mine = share(u);
+  if (n == 1) {
+    unit.flat.copy_(mine);
+    return;
+  }
+  // Straight into the flat buffer, a piece of every rank's share at a time.
+  const std::int64_t piece = std::max<std::int64_t>(
+      1,
+      std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(shard.element_size()))));
+  for (std::int64_t start = 0; start < unit.range; start += piece) {
+    const auto length = std::min(piece, unit.range - start);
+    std::vector<torch::Tensor> pieces;
+    for (std::int64_t r = 0; r < n; ++r) {
+      pieces.push_back(unit.flat.narrow(0, r * unit.range + start, length));
+    }
+    unit.arriving.push_back(group->all_gather_async(pieces, mine.narrow(0, start, length)));
+  }
+}
+
+void ZeroLayout::gather(std::size_t u) {
+  auto& unit = units[u];
+  if (unit.viewed) {
+    return;
+  }
+  if (!held(u)) {
+    start_gather(u);
+  }
+  for (auto& work : unit.arriving) {
+    work.wait();
+  }
+  unit.arriving.clear();
   view_flat(u);
+  unit.viewed = true;
+  if (prefetched == u) {
+    prefetched = kNone;
+  }
+}
+
+void ZeroLayout::prefetch_unit(std::size_t u) {
+  if (!prefetch || u == kNone || prefetched != kNone || held(u)) {
+    return;
+  }
+  start_gather(u);
+  prefetched = u;
+}
+
+void ZeroLayout::forward_reached(std::size_t u) {
+  gather(u);
+  if (std::find(trace.begin(), trace.end(), u) == trace.end()) {
+    trace.push_back(u);
+  }
+  const auto at = std::find(order.begin(), order.end(), u);
+  if (at != order.end() && at + 1 != order.end()) {
+    prefetch_unit(*(at + 1));
+  }
+}
+
+void ZeroLayout::backward_reached(std::size_t u) {
+  gather(u);
+  const auto at = std::find(order.begin(), order.end(), u);
+  if (at != order.end() && at != order.begin()) {
+    prefetch_unit(*(at - 1));
+  }
+}
+
+void ZeroLayout::begin_pass() {
+  if (!trace.empty()) {
+    order = std::move(trace);
+    trace.clear();
+  }
 }
 
 void ZeroLayout::release(std::size_t u) {
-  if (!whole(u)) {
+  auto& unit = units[u];
+  if (!held(u)) {
     return;
   }
-  torch::NoGradGuard no_grad;
-  auto& unit = units[u];
-  for (const auto i : unit.members) {
-    params[i].set_data(torch::empty({0}, shard.options().requires_grad(false)));
-    compat::refresh_grad_accumulator(params[i]);
+  for (auto& work : unit.arriving) {
+    work.wait();  // the backend still writes into the buffer
   }
-  unit.flat = torch::Tensor();
+  unit.arriving.clear();
+  if (unit.viewed) {
+    torch::NoGradGuard no_grad;
+    for (const auto i : unit.members) {
+      params[i].set_data(torch::empty({0}, shard.options().requires_grad(false)));
+      compat::refresh_grad_accumulator(params[i]);
+    }
+  }
+  drop_bytes(unit.flat);
+  unit.viewed = false;
   unit.counting = false;
+  if (prefetched == u) {
+    prefetched = kNone;
+  }
 }
 
 void ZeroLayout::all_gather(std::size_t u, bool own_too) {

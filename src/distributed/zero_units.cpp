@@ -13,7 +13,7 @@ namespace {
 // Backward has reached unit `u` (a gradient of one of its outputs is in): its parameters
 // are needed whole again, until every one of them has its gradient.
 void begin_backward(ZeroLayout& layout, std::size_t u) {
-  layout.gather(u);
+  layout.backward_reached(u);
   auto& unit = layout.units[u];
   if (unit.counting) {
     return;  // a second call of the unit: its parameters' gradients come once, summed
@@ -42,7 +42,7 @@ class GatherUnit : public nn::UnitHook {
   GatherUnit(std::weak_ptr<ZeroLayout> layout, std::size_t unit)
       : layout_(std::move(layout)), unit_(unit) {}
 
-  void before_forward() override { layout_.lock()->gather(unit_); }
+  void before_forward() override { layout_.lock()->forward_reached(unit_); }
 
   void after_forward(const std::vector<torch::Tensor>& outputs) override {
     auto layout = layout_.lock();

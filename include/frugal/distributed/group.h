@@ -87,6 +87,8 @@ class Group {
   void broadcast(torch::Tensor& tensor, int root = 0);
   /// `out` receives every rank's `in` (same shape on every rank), in rank order; waits.
   void all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in);
+  /// The same, asynchronous: `out` and `in` must live until the Work is waited for.
+  Work all_gather_async(std::vector<torch::Tensor>& out, const torch::Tensor& in);
   /// Returns when every rank has called it.
   void barrier();
   /// The sum of one number over the ranks; waits.

@@ -38,6 +38,10 @@ struct ZeroOptimizerOptions {
   /// Units must not share parameters; a unit's forward must be reached through
   /// frugal::nn::call, or it reads empty parameters (a shape error).
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, units) = {};
+  /// With units: while a unit computes, the next one's all-gather is already under way (the
+  /// next in the last forward's order in a forward, the one before it in backward), one
+  /// unit ahead at most; it costs one more unit's whole weights at a time.
+  TORCH_ARG(bool, prefetch) = true;
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
