@@ -2,17 +2,25 @@
 // width D, heads of 32 dimensions, a byte vocabulary), D in steps of 32, two training steps
 // on one batch, for a plain LibTorch loop (AdamW, float32) and for frugal's combinations. Each
 // trial runs in a fresh process (this program, called with --trial), so that no trial inherits
-// another's allocations or caches.
+// another's allocations or caches. With --ranks N the decoder is also trained by N processes
+// under ZeRO-3 (each block a unit), each under the cap with its own batch: the per-rank cap
+// of data parallel training.
 //
 //   bench_capacity --cap-mib 512 --layers 8 --batch 4 --seq 128 --threads 2
+//   bench_capacity --cap-mib 512 --threads 1 --ranks 2 --only zero3
 //   bench_capacity --trial plain --dim 512     (one trial: exit 0 trained, 3 out of memory)
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <frugal/frugal.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -31,6 +39,7 @@ struct Args {
   std::int64_t seq = 128;
   std::int64_t max_dim = 8192;
   int threads = 2;
+  int ranks = 0;  // the ZeRO-3 row's processes (0: no such row)
   std::string device = "cpu";
   std::string only;
   std::string trial;  // a configuration's name: run one trial
@@ -53,7 +62,8 @@ struct Config {
   bool bf16_weights;
   bool factored;
   double beta1;
-  int bits;  // the quantized states' codes
+  int bits;              // the quantized states' codes
+  bool sharded = false;  // ZeRO-3 over --ranks processes, each block a unit
 };
 
 const std::vector<Config>& configs() {
@@ -68,6 +78,10 @@ const std::vector<Config>& configs() {
       {"factored-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0, 8},
       {"factored-4bit", "(instead of the row before) a 4-bit first moment (AdamW4bit's states)",
        true, false, true, true, 0.9, 4},
+      {"zero3",
+       "frugal over --ranks processes, per rank: ZeRO-3 with each block a unit (no prefetch), "
+       "checkpointed blocks, bf16 autocast, AdamW8bit",
+       true, true, false, false, 0.9, 8, true},
   };
   return all;
 }
@@ -94,6 +108,77 @@ torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& 
                                               targets.flatten());
 }
 
+// frugal's Trainer of the decoder: checkpointed blocks, and bf16 autocast if asked.
+std::unique_ptr<frugal::Trainer> decoder_trainer(tiny_lm::TinyLM& model,
+                                                 torch::optim::Optimizer& optimizer,
+                                                 torch::Device device, bool autocast) {
+  auto trainer = std::make_unique<frugal::Trainer>(
+      model.ptr(), optimizer,
+      [net = model.ptr()](const frugal::Batch& b) {
+        return net->forward(b.inputs, b.get("padding"));
+      },
+      [](const torch::Tensor& logits, const frugal::Batch& b) {
+        return next_token_loss(logits, b.targets);
+      },
+      frugal::TrainerOptions().device(device));
+  trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
+      frugal::CheckpointSelect().types({"tiny_lm::Block"})));
+  if (autocast) {
+    frugal::use_mixed_precision(*trainer, torch::kBFloat16);
+  }
+  return trainer;
+}
+
+// The ZeRO-3 row's trial, in one of the ranks: the decoder is built whole (as one loaded
+// would be) and sharded, then the cap holds for the training; every rank trains on its own
+// batch. The settings that hold least: no prefetch (one block whole at a time) and 4 MiB
+// buckets of gradients in flight. 0 when two steps ran, 3 when this rank ran out of memory;
+// a rank whose peer ran out fails in a collective (another status).
+int sharded_trial(const Args& a, const Config& config, torch::Device device) {
+  namespace fd = frugal::distributed;
+  const auto group = fd::LaunchEnv::launched()
+                         ? fd::Group::join(fd::LaunchEnv::from_environment(),
+                                           fd::GroupOptions().timeout(std::chrono::seconds(120)))
+                         : fd::Group::single();
+  torch::manual_seed(group->rank());
+  const auto tokens = torch::randint(0, 256, {a.batch, a.seq}).to(device);
+  const auto targets = torch::randint(0, 256, {a.batch, a.seq}).to(device);
+  frugal::Batch batch(tokens, targets);
+  batch.set("padding", torch::zeros({a.batch, a.seq}, torch::kBool).to(device));
+  try {
+    torch::manual_seed(0);
+    tiny_lm::TinyLM model(decoder(a, a.dim));
+    model->to(device);
+    const auto params = count_params(*model);
+    fd::ZeroOptimizer zero(
+        model->parameters(), group,
+        [&](std::vector<torch::Tensor> shard) {
+          return std::make_unique<frugal::optim::AdamW8bit>(
+              std::move(shard), torch::optim::AdamWOptions(1e-4).betas({config.beta1, 0.999}));
+        },
+        fd::ZeroOptimizerOptions().stage(3).units(model->blocks->children()).prefetch(false));
+    frugal::ScopedMemoryCap cap(device, frugal::MiB(a.cap_mib));
+    auto trainer = decoder_trainer(model, zero, device, /*autocast=*/true);
+    trainer->add_policy(std::make_shared<fd::DataParallel>(
+        group, fd::DataParallelOptions().bucket_bytes(frugal::MiB(4))));
+    float loss = 0;
+    for (int step = 0; step < 2; ++step) {
+      loss = static_cast<float>(trainer->step(batch).loss);
+    }
+    if (group->rank() == 0) {
+      fmt::print("{} dim {}: {} parameters over {} ranks, trained (loss {:.3f})\n", config.name,
+                 a.dim, params, group->size(), loss);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    if (std::string(e.what()).find("out of memory") == std::string::npos) {
+      throw;
+    }
+  }
+  fmt::print("{} dim {}: rank {} out of memory\n", config.name, a.dim, group->rank());
+  return 3;
+}
+
 // Two steps of `config` on a decoder of width a.dim under the cap: 0 when they ran, 3 when
 // memory ran out (the model itself included).
 int trial(const Args& a) {
@@ -101,6 +186,9 @@ int trial(const Args& a) {
   torch::set_num_threads(a.threads);
   frugal::CountingAllocator::install();
   const auto device = examples::pick_device(a.device);
+  if (config.sharded) {
+    return sharded_trial(a, config, device);
+  }
   torch::manual_seed(0);
   const auto tokens = torch::randint(0, 256, {a.batch, a.seq}).to(device);
   const auto targets = torch::randint(0, 256, {a.batch, a.seq}).to(device);
@@ -127,23 +215,12 @@ int trial(const Args& a) {
                                      (config.bits == 4 ? frugal::optim::four_bit_states()
                                                        : frugal::optim::QuantizedStateOptions())
                                          .factored(config.factored));
-      frugal::Trainer trainer(
-          model.ptr(), adamw,
-          [&](const frugal::Batch& b) { return model->forward(b.inputs, b.get("padding")); },
-          [](const torch::Tensor& logits, const frugal::Batch& b) {
-            return next_token_loss(logits, b.targets);
-          },
-          frugal::TrainerOptions().device(device));
-      trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
-          frugal::CheckpointSelect().types({"tiny_lm::Block"})));
-      if (config.autocast) {
-        frugal::use_mixed_precision(trainer, torch::kBFloat16);
-      }
-      trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+      auto trainer = decoder_trainer(model, adamw, device, config.autocast);
+      trainer->add_policy(std::make_shared<frugal::StepInBackward>());
       frugal::Batch batch(tokens, targets);
       batch.set("padding", padding);
       for (int step = 0; step < 2; ++step) {
-        loss = static_cast<float>(trainer.step(batch).loss);
+        loss = static_cast<float>(trainer->step(batch).loss);
       }
     }
     fmt::print("{} dim {}: {} parameters, trained (loss {:.3f})\n", config.name, a.dim,
@@ -159,8 +236,89 @@ int trial(const Args& a) {
   return 3;
 }
 
-// Whether `config` trains at width `dim`, in a fresh process.
+// A TCP port on the loopback that nothing listens on now.
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof addr;
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    throw std::runtime_error("bench_capacity: no free port on the loopback");
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// The ZeRO-3 trial as --ranks processes, started with the variables torchrun sets: whether
+// every rank trained (true), or one ran out of memory (false).
+bool sharded_fits(const Args& a, const std::string& self, const Config& config, std::int64_t dim) {
+  const std::vector<std::string> args{self,
+                                      "--trial",
+                                      config.name,
+                                      "--dim",
+                                      std::to_string(dim),
+                                      "--cap-mib",
+                                      std::to_string(a.cap_mib),
+                                      "--layers",
+                                      std::to_string(a.layers),
+                                      "--batch",
+                                      std::to_string(a.batch),
+                                      "--seq",
+                                      std::to_string(a.seq),
+                                      "--threads",
+                                      std::to_string(a.threads),
+                                      "--device",
+                                      a.device};
+  std::vector<char*> argv;
+  for (const auto& s : args) {
+    argv.push_back(const_cast<char*>(s.c_str()));
+  }
+  argv.push_back(nullptr);
+  const auto port = std::to_string(free_port());
+  const auto world = std::to_string(a.ranks);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < a.ranks; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const auto rank = std::to_string(r);
+      setenv("RANK", rank.c_str(), 1);
+      setenv("LOCAL_RANK", rank.c_str(), 1);
+      setenv("WORLD_SIZE", world.c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", world.c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", port.c_str(), 1);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    if (pid < 0) {
+      throw std::runtime_error("bench_capacity: fork failed");
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (const auto pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  }
+  const auto all = [&](auto pred) { return std::all_of(codes.begin(), codes.end(), pred); };
+  if (all([](int c) { return c == 0; })) {
+    return true;
+  }
+  if (std::find(codes.begin(), codes.end(), 3) != codes.end()) {
+    return false;
+  }
+  throw std::runtime_error(fmt::format("bench_capacity: {} at width {}: ranks ended with {}",
+                                       config.name, dim, fmt::join(codes, ", ")));
+}
+
+// Whether `config` trains at width `dim`, in a fresh process (or --ranks of them).
 bool fits(const Args& a, const std::string& self, const Config& config, std::int64_t dim) {
+  if (config.sharded) {
+    return sharded_fits(a, self, config, dim);
+  }
   const auto command = fmt::format(
       "'{}' --trial {} --dim {} --cap-mib {} --layers {} --batch {} --seq {} --threads {} "
       "--device {}",
@@ -208,6 +366,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", a.threads, "Intra-op threads")->check(CLI::Range(1, 256));
   app.add_option("--device", a.device, "cpu, cuda or cuda:N");
   app.add_option("--only", a.only, "One configuration (and the plain loop)");
+  app.add_option("--ranks", a.ranks,
+                 "Add the ZeRO-3 row: this many processes, each under the cap (1: a group of one)")
+      ->check(CLI::Range(1, 64));
   app.add_option("--trial", a.trial, "Run one trial of this configuration (internal)");
   app.add_option("--dim", a.dim, "The trial's width (a multiple of 32)")
       ->check(CLI::PositiveNumber);
@@ -232,7 +393,8 @@ int main(int argc, char** argv) {
     std::vector<Found> found;
     std::int64_t start = 256;
     for (const auto& c : configs()) {
-      if (!a.only.empty() && a.only != c.name && std::string(c.name) != "plain") {
+      if ((!a.only.empty() && a.only != c.name && std::string(c.name) != "plain") ||
+          (c.sharded && a.ranks == 0)) {
         continue;
       }
       const auto [dim, fails] = widest(a, exe, c, start);
@@ -260,8 +422,20 @@ int main(int argc, char** argv) {
       rows.push_back(
           {{"config", f.config->name}, {"dim", f.dim}, {"fails", f.fails}, {"params", n}});
     }
+    const auto row = [&](const char* name) {
+      const auto f = std::find_if(found.begin(), found.end(), [&](const Found& x) {
+        return std::string(x.config->name) == name;
+      });
+      return f != found.end() && f->dim > 0 ? params(f->dim) : 0.0;
+    };
+    if (row("zero3") > 0 && row("8bit") > 0) {
+      fmt::print(
+          "\nZeRO-3 over {} ranks / one process of frugal (the 8bit row): {:.2f}x the parameters\n",
+          a.ranks, row("zero3") / row("8bit"));
+    }
     const nlohmann::json j = {{"bench", "capacity"}, {"cap_mib", a.cap_mib}, {"layers", a.layers},
-                              {"batch", a.batch},    {"seq", a.seq},         {"rows", rows}};
+                              {"batch", a.batch},    {"seq", a.seq},         {"ranks", a.ranks},
+                              {"rows", rows}};
     fmt::print("\n{}\n", j.dump());
   } catch (const std::exception& e) {
     fmt::print(stderr, "{}\n", e.what());

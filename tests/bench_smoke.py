@@ -123,6 +123,11 @@ def runs(tmp):
         "bench_capacity": ([b("bench_capacity"), "--cap-mib", "8", "--layers", "1", "--batch",
                             "2", "--seq", "16", "--max-dim", "256", "--threads", "1", "--only",
                             "factored-b0"], ["rows.1.dim", "rows.1.params"], True, False),
+        # The ZeRO-3 row: each trial two processes that join one group.
+        "bench_capacity_zero3": ([b("bench_capacity"), "--cap-mib", "8", "--layers", "2",
+                                  "--batch", "2", "--seq", "16", "--max-dim", "256", "--threads",
+                                  "1", "--ranks", "2", "--only", "zero3"],
+                                 ["ranks", "rows.1.dim", "rows.1.params"], True, False),
         "accuracy.py": (["python3", os.path.join(TWINS, "accuracy.py"), FASHION, "--epochs", "1",
                          "--seeds", "1", "--threads", "1", "--extra",
                          "--max-steps 3 --eval-samples 100"],

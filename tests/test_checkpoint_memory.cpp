@@ -1,12 +1,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "frugal/autocast_guard.h"
 #include "frugal/checkpoint.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 #include "residual_mlp.h"
+#include "tiny_lm/model.h"
 
 namespace {
 
@@ -155,6 +157,44 @@ TEST(CheckpointMemory, EveryFormFreesItsOutputAndRngState) {
                                            << " backward: the output or its RNG state leaked";
     }
   }
+}
+
+// tiny_lm's block checkpointed under bf16 autocast: its forward runs under no_grad, where
+// LibTorch's Linear over a transposed [time, batch, dim] view is a batched matmul against one
+// copy of the weight per time step. The block gives its layer a contiguous copy.
+TEST(CheckpointMemory, TinyLmBlockUnderBf16AutocastCopiesNoWeightPerTimeStep) {
+  constexpr std::int64_t kDim = 256, kSteps = 64, kBatch = 4;
+  torch::manual_seed(4);
+  tiny_lm::Block block(kDim, kDim / 32, 0.0);
+  std::int64_t weight_bytes = 0, linear1_bytes = 0;
+  for (const auto& item : block->named_parameters()) {
+    const auto bytes = item.value().numel() * item.value().element_size();
+    weight_bytes += bytes;
+    if (item.key() == "layer.linear1.weight") {
+      linear1_bytes = bytes;
+    }
+  }
+  ASSERT_GT(linear1_bytes, 0);
+  const auto x = torch::randn({kBatch, kSteps, kDim}, torch::requires_grad());
+  const auto mask = torch::full({kSteps, kSteps}, -std::numeric_limits<float>::infinity()).triu(1);
+  frugal::MemoryProbe probe;
+  frugal::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  const auto run = [&] {
+    return frugal::checkpoint([&](const torch::Tensor& in) { return block->forward(in, mask); },
+                              frugal::CheckpointOptions().params(block->parameters()), x);
+  };
+  (void)run();  // first calls create what stays (LibTorch's kernels' caches)
+  const auto before = probe.allocated();
+  frugal::ScopedPeak peak(probe);
+  const auto y = run();
+  const auto held = peak.end() - before;
+  // Autocast's bf16 copies of the weights (half their float32 bytes) and the forward's own
+  // tensors stay below twice the float32 weights; one bf16 copy of linear1's weight per time
+  // step alone would be kSteps / 2 times linear1's float32 bytes (10.6 times all weights).
+  EXPECT_LT(held, 2 * weight_bytes)
+      << "the forward held " << held << " bytes; the block's float32 weights are " << weight_bytes
+      << ", linear1's " << linear1_bytes;
+  EXPECT_EQ(y.sizes(), x.sizes());
 }
 
 }  // namespace

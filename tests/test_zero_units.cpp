@@ -107,6 +107,7 @@ struct Run {
   std::int64_t whole_in_backward = 0;      // ... when a block's input gradient was in
   std::int64_t weights_in_forward = 0;     // ledger, the most inside a block's forward
   std::int64_t rest_after_forward = 0;     // ledger's other, above the run's start
+  std::int64_t setup_peak = 0;             // the peak while DataParallel was added
   double eval_loss = 0;
 };
 
@@ -137,8 +138,15 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
     trainer_options.micro_batch(3).accumulate(2);
   }
   frugal::Trainer trainer(model, *optimizer, cross_entropy, trainer_options);
-  trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(
-      group, frugal::distributed::DataParallelOptions().bucket_bytes(8192)));
+  Run run;
+  {
+    const frugal::MemoryProbe probe(torch::kCPU);
+    const auto start = probe.allocated();
+    frugal::ScopedPeak setup(probe);
+    trainer.add_policy(std::make_shared<frugal::distributed::DataParallel>(
+        group, frugal::distributed::DataParallelOptions().bucket_bytes(8192)));
+    run.setup_peak = setup.end() - start;
+  }
   if (mode == "micro") {
     trainer.add_policy(
         std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().types({"Block"})));
@@ -147,7 +155,6 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
   if (mode == "bf16") {
     frugal::use_mixed_precision(trainer, torch::kBFloat16);
   }
-  Run run;
   frugal::StepContext* in_forward = nullptr;
   trainer.add_hook(frugal::Phase::BeforeForward, [&](frugal::StepContext& c) { in_forward = &c; });
   trainer.add_hook(frugal::Phase::AfterForward, [&](frugal::StepContext& c) {
@@ -270,7 +277,7 @@ std::vector<torch::Tensor> as_tensors(const Run& run) {
   out.push_back(torch::tensor(run.losses, torch::kDouble));
   out.push_back(torch::tensor({run.weights_after_forward, run.weights_at_step, run.weights_between,
                                run.peak, run.whole_in_forward, run.whole_in_backward,
-                               run.weights_in_forward, run.rest_after_forward}));
+                               run.weights_in_forward, run.rest_after_forward, run.setup_peak}));
   out.push_back(torch::tensor({run.eval_loss}, torch::kDouble));
   return out;
 }
@@ -320,6 +327,9 @@ void expect_ranks_train_as_one_process(int world) {
       bytes.push_back(at[one.weights.size() + 1]);
       const auto b = bytes.back();
       const std::int64_t elements = parameter_elements(one);
+      if (zero >= 3) {  // adding DataParallel gathers nothing (once it gathered the model)
+        EXPECT_LT(b[8].item<std::int64_t>(), elements * 4 / world) << "bytes while it was added";
+      }
       if (zero > 3) {
         EXPECT_EQ(b[4].item<std::int64_t>(), 1) << "blocks whole in a block's forward";
         EXPECT_LE(b[5].item<std::int64_t>(), 2) << "blocks whole in a block's backward";

@@ -30,8 +30,11 @@ struct BlockImpl : torch::nn::Module {
                                                .activation(torch::kGELU)))) {}
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask) {
-    // LibTorch's layer takes [time, batch, dim].
-    return layer->forward(x.transpose(0, 1), mask).transpose(0, 1);
+    // LibTorch's layer takes [time, batch, dim]. Made contiguous: under bf16 autocast and
+    // no_grad (a checkpointed block's forward) a Linear over the transposed view runs as a
+    // batched matmul against one copy of the weight per time step (576 MiB for a 768 x 3072
+    // weight and 128 steps); the contiguous copy is the activation's size.
+    return layer->forward(x.transpose(0, 1).contiguous(), mask).transpose(0, 1);
   }
 
   torch::nn::TransformerEncoderLayer layer;

@@ -48,11 +48,11 @@ void DataParallel::on_add(PolicyPort& port) {
   auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&port.optimizer());
   keeper_ = sharded != nullptr && sharded->traits().has(Trait::KeepsGradients) ? sharded : nullptr;
   shards_ = keeper_ != nullptr && keeper_->traits().has(Trait::ShardsParameters);
-  // Stage 3: the buckets are laid out on the whole parameters.
-  std::unique_ptr<optim::GatheredParameters> whole;
-  if (shards_) {
-    whole = std::make_unique<optim::GatheredParameters>(*keeper_);
-  }
+  // Sizes of the whole parameters: under stage 3 they may be released (empty) now and when
+  // their gradients travel, and gathering them here would hold the whole model at once.
+  const auto whole_numel = [&](const torch::Tensor& p) {
+    return keeper_ != nullptr ? keeper_->whole_numel(p) : p.numel();
+  };
   params_.clear();
   index_.clear();
   for (auto& group : port.optimizer().param_groups()) {
@@ -68,7 +68,7 @@ void DataParallel::on_add(PolicyPort& port) {
   std::int64_t bytes = 0;
   for (std::size_t k = params_.size(); k-- > 0;) {
     const auto& p = params_[k];
-    const std::int64_t size = p.numel() * static_cast<std::int64_t>(p.element_size());
+    const std::int64_t size = whole_numel(p) * static_cast<std::int64_t>(p.element_size());
     const bool fits = !buckets_.empty() && bytes + size <= options_.bucket_bytes() &&
                       params_[buckets_.back().front()].scalar_type() == p.scalar_type() &&
                       params_[buckets_.back().front()].device() == p.device();
@@ -80,11 +80,9 @@ void DataParallel::on_add(PolicyPort& port) {
     bucket_of_[k] = buckets_.size() - 1;
     bytes += size;
   }
-  // Sizes read now: under stage 3 a unit's parameters may be released (empty) when
-  // their gradients travel.
   numel_.clear();
   for (const auto& p : params_) {
-    numel_.push_back(p.numel());
+    numel_.push_back(whole_numel(p));
   }
   bucket_numel_.clear();
   for (const auto& members : buckets_) {
@@ -96,10 +94,13 @@ void DataParallel::on_add(PolicyPort& port) {
   }
   // One flag a parameter, and a last one: this rank's loss was not finite.
   flags_ = torch::zeros({static_cast<std::int64_t>(params_.size()) + 1}, torch::kFloat);
-  // Every rank starts from rank 0's weights and buffers.
+  // Every rank starts from rank 0's weights and buffers (stage 3: the optimizer's own
+  // parameters were made rank 0's when it was built, and are left as they are).
   std::vector<torch::Tensor> state;
   for (auto& p : port.module().parameters()) {
-    state.push_back(p);
+    if (!shards_ || index_.count(p.unsafeGetTensorImpl()) == 0) {
+      state.push_back(p);
+    }
   }
   for (auto& b : port.module().buffers()) {
     state.push_back(b);

@@ -114,6 +114,11 @@ Traits ZeroOptimizer::traits() const {
 
 bool ZeroOptimizer::parameters_whole() const { return layout_->all_whole(); }
 
+std::int64_t ZeroOptimizer::whole_numel(const torch::Tensor& param) const {
+  const auto it = layout_->index.find(param.unsafeGetTensorImpl());
+  return it == layout_->index.end() ? param.numel() : layout_->numels[it->second];
+}
+
 void ZeroOptimizer::gather_parameters() {
   if (parameters_whole()) {
     return;

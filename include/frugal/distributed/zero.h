@@ -115,6 +115,7 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   /// Stage 3: the flat buffer and the parameters' gradients go; the parameters are emptied.
   void release_parameters() override;
   bool parameters_whole() const override;
+  std::int64_t whole_numel(const torch::Tensor& param) const override;
   /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
   /// goes into the range's gradient; DataParallel calls it once per parameter and step.
   void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) override;

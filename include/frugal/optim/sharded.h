@@ -31,6 +31,8 @@ class ShardedOptimizer {
   virtual void release_parameters() {}
   /// Whether the parameters are whole now (always, without Trait::ShardsParameters).
   virtual bool parameters_whole() const { return true; }
+  /// The elements `param` holds when whole, released or not.
+  virtual std::int64_t whole_numel(const torch::Tensor& param) const { return param.numel(); }
 };
 
 /// The whole parameters of a ShardedOptimizer for as long as it lives, to evaluate, read or
