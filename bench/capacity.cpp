@@ -9,12 +9,9 @@
 //   bench_capacity --cap-mib 512 --layers 8 --batch 4 --seq 128 --threads 2
 //   bench_capacity --cap-mib 512 --threads 1 --ranks 2 --only zero3
 //   bench_capacity --trial plain --dim 512     (one trial: exit 0 trained, 3 out of memory)
-#include <arpa/inet.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <frugal/frugal.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -28,6 +25,7 @@
 
 #include "bench_util.h"
 #include "device.h"
+#include "local_ranks.h"
 #include "tiny_lm/model.h"
 
 namespace {
@@ -236,75 +234,33 @@ int trial(const Args& a) {
   return 3;
 }
 
-// A TCP port on the loopback that nothing listens on now.
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof addr;
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
-    throw std::runtime_error("bench_capacity: no free port on the loopback");
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
+// The command line of one trial of `config` at width `dim`.
+std::vector<std::string> trial_command(const Args& a, const std::string& self, const Config& config,
+                                       std::int64_t dim) {
+  return {self,
+          "--trial",
+          config.name,
+          "--dim",
+          std::to_string(dim),
+          "--cap-mib",
+          std::to_string(a.cap_mib),
+          "--layers",
+          std::to_string(a.layers),
+          "--batch",
+          std::to_string(a.batch),
+          "--seq",
+          std::to_string(a.seq),
+          "--threads",
+          std::to_string(a.threads),
+          "--device",
+          a.device};
 }
 
 // The ZeRO-3 trial as --ranks processes, started with the variables torchrun sets: whether
 // every rank trained (true), or one ran out of memory (false).
 bool sharded_fits(const Args& a, const std::string& self, const Config& config, std::int64_t dim) {
-  const std::vector<std::string> args{self,
-                                      "--trial",
-                                      config.name,
-                                      "--dim",
-                                      std::to_string(dim),
-                                      "--cap-mib",
-                                      std::to_string(a.cap_mib),
-                                      "--layers",
-                                      std::to_string(a.layers),
-                                      "--batch",
-                                      std::to_string(a.batch),
-                                      "--seq",
-                                      std::to_string(a.seq),
-                                      "--threads",
-                                      std::to_string(a.threads),
-                                      "--device",
-                                      a.device};
-  std::vector<char*> argv;
-  for (const auto& s : args) {
-    argv.push_back(const_cast<char*>(s.c_str()));
-  }
-  argv.push_back(nullptr);
-  const auto port = std::to_string(free_port());
-  const auto world = std::to_string(a.ranks);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < a.ranks; ++r) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const auto rank = std::to_string(r);
-      setenv("RANK", rank.c_str(), 1);
-      setenv("LOCAL_RANK", rank.c_str(), 1);
-      setenv("WORLD_SIZE", world.c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", world.c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("MASTER_PORT", port.c_str(), 1);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    if (pid < 0) {
-      throw std::runtime_error("bench_capacity: fork failed");
-    }
-    pids.push_back(pid);
-  }
-  std::vector<int> codes;
-  for (const auto pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-  }
-  const auto all = [&](auto pred) { return std::all_of(codes.begin(), codes.end(), pred); };
-  if (all([](int c) { return c == 0; })) {
+  const auto codes = examples::run_local_ranks(trial_command(a, self, config, dim), a.ranks);
+  if (std::all_of(codes.begin(), codes.end(), [](int c) { return c == 0; })) {
     return true;
   }
   if (std::find(codes.begin(), codes.end(), 3) != codes.end()) {
@@ -319,10 +275,7 @@ bool fits(const Args& a, const std::string& self, const Config& config, std::int
   if (config.sharded) {
     return sharded_fits(a, self, config, dim);
   }
-  const auto command = fmt::format(
-      "'{}' --trial {} --dim {} --cap-mib {} --layers {} --batch {} --seq {} --threads {} "
-      "--device {}",
-      self, config.name, dim, a.cap_mib, a.layers, a.batch, a.seq, a.threads, a.device);
+  const auto command = fmt::format("'{}'", fmt::join(trial_command(a, self, config, dim), "' '"));
   const int status = std::system(command.c_str());
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (code != 0 && code != 3) {
@@ -428,10 +381,11 @@ int main(int argc, char** argv) {
       });
       return f != found.end() && f->dim > 0 ? params(f->dim) : 0.0;
     };
-    if (row("zero3") > 0 && row("8bit") > 0) {
+    const double sharded = row("zero3"), one_process = row("8bit");
+    if (sharded > 0 && one_process > 0) {
       fmt::print(
           "\nZeRO-3 over {} ranks / one process of frugal (the 8bit row): {:.2f}x the parameters\n",
-          a.ranks, row("zero3") / row("8bit"));
+          a.ranks, sharded / one_process);
     }
     const nlohmann::json j = {{"bench", "capacity"}, {"cap_mib", a.cap_mib}, {"layers", a.layers},
                               {"batch", a.batch},    {"seq", a.seq},         {"ranks", a.ranks},

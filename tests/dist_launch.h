@@ -1,10 +1,7 @@
 // Starting ranks of this test binary as torchrun starts them, on the loopback.
 #pragma once
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <functional>
@@ -14,28 +11,16 @@
 
 #include "children.h"
 #include "frugal/distributed/group.h"
+#include "local_ranks.h"
 #include "resume_setup.h"
 
 namespace frugal::testing {
-
-inline int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t size = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Starts `world` ranks of child `name` as torchrun would; their exit statuses by rank.
 inline std::vector<int> launch(const std::string& name, int world,
                                const std::vector<std::string>& args,
                                const std::string& stderr_prefix = "") {
-  const auto port = std::to_string(free_port());
+  const auto port = std::to_string(examples::free_loopback_port());
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     pids.push_back(frugal::testing::spawn_child(

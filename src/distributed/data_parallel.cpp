@@ -48,11 +48,6 @@ void DataParallel::on_add(PolicyPort& port) {
   auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&port.optimizer());
   keeper_ = sharded != nullptr && sharded->traits().has(Trait::KeepsGradients) ? sharded : nullptr;
   shards_ = keeper_ != nullptr && keeper_->traits().has(Trait::ShardsParameters);
-  // Sizes of the whole parameters: under stage 3 they may be released (empty) now and when
-  // their gradients travel, and gathering them here would hold the whole model at once.
-  const auto whole_numel = [&](const torch::Tensor& p) {
-    return keeper_ != nullptr ? keeper_->whole_numel(p) : p.numel();
-  };
   params_.clear();
   index_.clear();
   for (auto& group : port.optimizer().param_groups()) {
@@ -62,13 +57,19 @@ void DataParallel::on_add(PolicyPort& port) {
       }
     }
   }
+  // Sizes of the whole parameters: under stage 3 they may be released (empty) now and when
+  // their gradients travel, and gathering them here would hold the whole model at once.
+  numel_.clear();
+  for (const auto& p : params_) {
+    numel_.push_back(sharded != nullptr ? sharded->whole_numel(p) : p.numel());
+  }
   // Buckets in reverse order: backward produces the last layers' gradients first.
   buckets_.clear();
   bucket_of_.assign(params_.size(), 0);
   std::int64_t bytes = 0;
   for (std::size_t k = params_.size(); k-- > 0;) {
     const auto& p = params_[k];
-    const std::int64_t size = whole_numel(p) * static_cast<std::int64_t>(p.element_size());
+    const std::int64_t size = numel_[k] * static_cast<std::int64_t>(p.element_size());
     const bool fits = !buckets_.empty() && bytes + size <= options_.bucket_bytes() &&
                       params_[buckets_.back().front()].scalar_type() == p.scalar_type() &&
                       params_[buckets_.back().front()].device() == p.device();
@@ -79,10 +80,6 @@ void DataParallel::on_add(PolicyPort& port) {
     buckets_.back().push_back(k);
     bucket_of_[k] = buckets_.size() - 1;
     bytes += size;
-  }
-  numel_.clear();
-  for (const auto& p : params_) {
-    numel_.push_back(whole_numel(p));
   }
   bucket_numel_.clear();
   for (const auto& members : buckets_) {
