@@ -129,9 +129,10 @@ std::unique_ptr<frugal::Trainer> decoder_trainer(tiny_lm::TinyLM& model,
 
 // The ZeRO-3 row's trial, in one of the ranks: the decoder is built whole (as one loaded
 // would be) and sharded, then the cap holds for the training; every rank trains on its own
-// batch. The settings that hold least: no prefetch (one block whole at a time) and 4 MiB
-// buckets of gradients in flight. 0 when two steps ran, 3 when this rank ran out of memory;
-// a rank whose peer ran out fails in a collective (another status).
+// batch. The settings that hold least: no prefetch (one block whole at a time), 4 MiB
+// buckets of gradients in flight, and each block's range updated in backward as its
+// gradients arrive (AdamW8bit over one range a unit). 0 when two steps ran, 3 when this rank ran
+// out of memory; a rank whose peer ran out fails in a collective (another status).
 int sharded_trial(const Args& a, const Config& config, torch::Device device) {
   namespace fd = frugal::distributed;
   const auto group = fd::LaunchEnv::launched()
@@ -154,7 +155,11 @@ int sharded_trial(const Args& a, const Config& config, torch::Device device) {
           return std::make_unique<frugal::optim::AdamW8bit>(
               std::move(shard), torch::optim::AdamWOptions(1e-4).betas({config.beta1, 0.999}));
         },
-        fd::ZeroOptimizerOptions().stage(3).units(model->blocks->children()).prefetch(false));
+        fd::ZeroOptimizerOptions()
+            .stage(3)
+            .units(model->blocks->children())
+            .prefetch(false)
+            .step_in_backward(true));
     frugal::ScopedMemoryCap cap(device, frugal::MiB(a.cap_mib));
     auto trainer = decoder_trainer(model, zero, device, /*autocast=*/true);
     trainer->add_policy(std::make_shared<fd::DataParallel>(

@@ -196,6 +196,9 @@ check(as_one_process(distributed("dist_zero2", "--zero", "2")),
       "--distributed --zero 2: the same losses with gradients and Adam's state sharded")
 check(as_one_process(distributed("dist_zero3", "--zero", "3")),
       "--distributed --zero 3: the same losses with the weights sharded between steps too")
+check(as_one_process(distributed("dist_zero3_in_backward", "--zero", "3", "--step-in-backward")),
+      "--distributed --zero 3 --step-in-backward: the same losses, each rank's range updated "
+      "in backward")
 
 # An empty data set is refused when it is loaded, naming the file.
 empty = os.path.join(WORK, "empty_set")

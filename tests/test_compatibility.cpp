@@ -75,6 +75,10 @@ TEST(Compatibility, TraitsNoRuleNamesGoTogether) {
   EXPECT_EQ(refusal_of({{"'a'", Trait::AllGradients}}, {"'b'", Trait::AllGradients}), "");
   EXPECT_EQ(refusal_of({{"'a'", Trait::SharesGradients}}, {"'b'", Trait::AllGradients}), "");
   EXPECT_EQ(refusal_of({{"'a'", Trait::SharesGradients}}, {"'b'", Trait::Retries}), "");
+  // ZeRO-3 stepping in backward updates from gradients already averaged: DataParallel fits.
+  const Traits zero =
+      Trait::KeepsGradients | Trait::ShardsParameters | Trait::UpdatesSharesInBackward;
+  EXPECT_EQ(refusal_of({{"'a'", zero}}, {"'b'", Trait::GradReady | Trait::SharesGradients}), "");
 }
 
 TEST(Compatibility, TheTrainerRefusesAPolicyAndKeepsTheOnesBefore) {

@@ -15,6 +15,8 @@
 #include "frugal/distributed/shard.h"
 #include "frugal/distributed/zero.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/optim/adam.h"
+#include "frugal/optim/sgd.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/policy/leak_guard.h"
@@ -39,17 +41,20 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
 // micro: micro-batches, an accumulation window, checkpointing and the leak guard; bf16:
 // autocast (compared within bf16's rounding); nan: a NaN in the last rank's share, which
 // every rank must skip (the engine's guard, no GradScaler) as one process does. zeroS-MODE:
-// MODE (adam when absent) with a ZeroOptimizer of stage S around its optimizer.
-const std::vector<std::string> kModes{"sgd",         "adam",       "micro", "tokens", "scaler",
-                                      "bf16",        "zero1",      "zero2", "zero3",  "zero3-sgd",
-                                      "zero3-micro", "zero3-bf16", "nan"};
+// MODE (adam when absent) with a ZeroOptimizer of stage S around its optimizer; zero3i:
+// stepping in backward, with frugal's optimizers.
+const std::vector<std::string> kModes{"sgd",    "adam",       "micro",       "tokens",
+                                      "scaler", "bf16",       "zero1",       "zero2",
+                                      "zero3",  "zero3-sgd",  "zero3-micro", "zero3-bf16",
+                                      "nan",    "zero3i-nan", "zero3i-micro"};
 
 // The ZeRO stage of a mode (0: none) and the mode it wraps.
 std::pair<int, std::string> zero_of(const std::string& mode) {
   if (mode.rfind("zero", 0) != 0) {
     return {0, mode};
   }
-  return {mode[4] - '0', mode.size() > 6 ? mode.substr(6) : "adam"};
+  const auto dash = mode.find('-');
+  return {mode[4] - '0', dash == std::string::npos ? "adam" : mode.substr(dash + 1)};
 }
 
 // The global batches of every step: class targets, or per-position targets (tokens) of
@@ -93,7 +98,16 @@ std::vector<torch::Tensor> train(const std::string& zero_mode, const std::shared
                               torch::nn::Linear(16, 4));
   model->to(device);
   const bool sgd = mode == "sgd" || mode == "scaler" || mode == "bf16" || mode == "nan";
-  auto make = [sgd](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+  const bool in_backward = zero_mode.rfind("zero3i", 0) == 0;
+  auto make = [sgd, in_backward](
+                  std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (in_backward && sgd) {
+      return std::make_unique<frugal::optim::SGD>(params,
+                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
+    }
+    if (in_backward) {
+      return std::make_unique<frugal::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+    }
     if (sgd) {
       return std::make_unique<torch::optim::SGD>(params,
                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -105,8 +119,10 @@ std::vector<torch::Tensor> train(const std::string& zero_mode, const std::shared
     // Stages 2 and 3 also gather in pieces of 64 bytes: many pieces, uneven at the end.
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group, make,
-        frugal::distributed::ZeroOptimizerOptions().stage(stage).gather_bytes(stage == 1 ? 8 << 20
-                                                                                         : 64));
+        frugal::distributed::ZeroOptimizerOptions()
+            .stage(stage)
+            .gather_bytes(stage == 1 ? 8 << 20 : 64)
+            .step_in_backward(in_backward));
   } else {
     optimizer = make(model->parameters());
   }

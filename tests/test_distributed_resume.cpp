@@ -11,6 +11,7 @@
 #include "frugal/distributed/ranks.h"
 #include "frugal/distributed/zero.h"
 #include "frugal/fit/fit.h"
+#include "frugal/optim/adam.h"
 #include "frugal/train/trainer.h"
 #include "resume_setup.h"
 
@@ -19,7 +20,8 @@ namespace {
 namespace fs = std::filesystem;
 
 // dp-fit MODE DIR MAX_STEPS OUT: 2 ranks fit a small model on 640 samples (batch 64, Adam,
-// or Adam under ZeRO-2 or ZeRO-3 with MODE "zero2" or "zero3") up to MAX_STEPS steps, saving in DIR
+// or Adam under ZeRO-2 or ZeRO-3 with MODE "zero2" or "zero3"; "zero3-in-backward": frugal's
+// Adam under ZeRO-3 stepping in backward) up to MAX_STEPS steps, saving in DIR
 // every 5 steps and resuming from it ("-": no saving); each rank writes its weights to
 // OUT-<rank>.pt.
 int dp_fit(const std::vector<std::string>& args) {
@@ -33,7 +35,12 @@ int dp_fit(const std::vector<std::string>& args) {
   torch::manual_seed(100 + env.rank);
   torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 4));
-  auto adam = [](std::vector<torch::Tensor> params) {
+  const bool in_backward = args.at(0) == "zero3-in-backward";
+  auto adam =
+      [in_backward](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (in_backward) {
+      return std::make_unique<frugal::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
+    }
     return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-2));
   };
   std::unique_ptr<torch::optim::Optimizer> optimizer;
@@ -41,7 +48,9 @@ int dp_fit(const std::vector<std::string>& args) {
   if (zero) {
     optimizer = std::make_unique<frugal::distributed::ZeroOptimizer>(
         model->parameters(), group, adam,
-        frugal::distributed::ZeroOptimizerOptions().stage(args[0] == "zero3" ? 3 : 2));
+        frugal::distributed::ZeroOptimizerOptions()
+            .stage(args[0] == "zero2" ? 2 : 3)
+            .step_in_backward(in_backward));
   } else {
     optimizer = adam(model->parameters());
   }
@@ -111,6 +120,10 @@ TEST(DataParallelResume, ZeroStageTwoRanksResumeBitForBitFromTheirOwnSaves) {
 
 TEST(DataParallelResume, ZeroStageThreeRanksResumeBitForBitFromTheirOwnSaves) {
   expect_resumed_run_equals_straight_run("zero3");
+}
+
+TEST(DataParallelResume, ZeroStageThreeSteppedInBackwardRanksResumeBitForBit) {
+  expect_resumed_run_equals_straight_run("zero3-in-backward");
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
+#include "frugal/optim/adam.h"
+#include "frugal/optim/sgd.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/leak_guard.h"
 #include "frugal/train/trainer.h"
@@ -86,11 +88,19 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
 
+// frugal's optimizers (`in_place`, which ZeRO's step in backward needs) or LibTorch's.
 std::unique_ptr<torch::optim::Optimizer> make_inner(const std::string& mode,
-                                                    std::vector<torch::Tensor> params) {
+                                                    std::vector<torch::Tensor> params,
+                                                    bool in_place = false) {
   if (mode == "sgd" || mode == "bf16") {  // Adam would carry bf16's last bits on
-    return std::make_unique<torch::optim::SGD>(params,
-                                               torch::optim::SGDOptions(0.05).momentum(0.9));
+    const auto options = torch::optim::SGDOptions(0.05).momentum(0.9);
+    if (in_place) {
+      return std::make_unique<frugal::optim::SGD>(params, options);
+    }
+    return std::make_unique<torch::optim::SGD>(params, options);
+  }
+  if (in_place) {
+    return std::make_unique<frugal::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
   }
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
 }
@@ -108,12 +118,14 @@ struct Run {
   std::int64_t weights_in_forward = 0;     // ledger, the most inside a block's forward
   std::int64_t rest_after_forward = 0;     // ledger's other, above the run's start
   std::int64_t setup_peak = 0;             // the peak while DataParallel was added
+  std::int64_t gradients_at_step = 0;      // ledger, the most at an optimizer step
+  std::int64_t gradients_in_backward = 0;  // ledger, the most when a block's gradient was in
   double eval_loss = 0;
 };
 
 // mode: adam, sgd, micro (micro-batches, an accumulation window, checkpointed blocks, leak
-// guard) or bf16 (autocast); zero: 0 (a plain optimizer), 2, 3 (whole model), 33 (units) or
-// 34 (units without prefetch).
+// guard) or bf16 (autocast); zero: 0 (a plain optimizer), 2, 3 (whole model), 33 (units),
+// 34 (units without prefetch) or 35 (units stepped in backward, frugal's optimizers).
 Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group) {
   // Peaks count from here: a rank trains several runs and keeps each one's results.
   const std::int64_t before = frugal::MemoryProbe(torch::kCPU).allocated();
@@ -123,13 +135,15 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
   torch::manual_seed(8 + group->rank());  // DataParallel and ZeRO-3 start from rank 0's
   UnitNet model;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  auto make = [mode](std::vector<torch::Tensor> p) { return make_inner(mode, std::move(p)); };
+  auto make = [mode, zero](std::vector<torch::Tensor> p) {
+    return make_inner(mode, std::move(p), zero == 35);
+  };
   if (zero == 0) {
     optimizer = make(model->parameters());
   } else {
     auto options = ZeroOptimizerOptions().stage(std::min(zero, 3)).gather_bytes(4096);
     if (zero > 3) {
-      options.units(model->blocks->children()).prefetch(zero == 33);
+      options.units(model->blocks->children()).prefetch(zero != 34).step_in_backward(zero == 35);
     }
     optimizer = std::make_unique<ZeroOptimizer>(model->parameters(), group, make, options);
   }
@@ -156,7 +170,11 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
     frugal::use_mixed_precision(trainer, torch::kBFloat16);
   }
   frugal::StepContext* in_forward = nullptr;
-  trainer.add_hook(frugal::Phase::BeforeForward, [&](frugal::StepContext& c) { in_forward = &c; });
+  frugal::StepContext* last_step = nullptr;  // the step running now
+  trainer.add_hook(frugal::Phase::BeforeForward, [&](frugal::StepContext& c) {
+    in_forward = &c;
+    last_step = &c;
+  });
   trainer.add_hook(frugal::Phase::AfterForward, [&](frugal::StepContext& c) {
     in_forward = nullptr;
     const auto ledger = frugal::measure_ledger(c.probe, c.module, &c.optimizer);
@@ -164,7 +182,9 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
     run.rest_after_forward = ledger.other - before;
   });
   trainer.add_hook(frugal::Phase::BeforeOptimizerStep, [&](frugal::StepContext& c) {
-    run.weights_at_step = frugal::measure_ledger(c.probe, c.module, &c.optimizer).weights;
+    const auto ledger = frugal::measure_ledger(c.probe, c.module, &c.optimizer);
+    run.weights_at_step = ledger.weights;
+    run.gradients_at_step = std::max(run.gradients_at_step, ledger.gradients);
   });
   bool in_backward = false;  // a checkpointed block's forward runs again in backward
   trainer.add_hook(frugal::Phase::BeforeBackward,
@@ -174,6 +194,12 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
   g_block_seen = [&](bool backward) {
     auto& most = backward || in_backward ? run.whole_in_backward : run.whole_in_forward;
     most = std::max(most, model->whole_blocks());
+    if (backward && in_forward == nullptr && last_step != nullptr) {
+      const auto& c = *last_step;
+      run.gradients_in_backward =
+          std::max(run.gradients_in_backward,
+                   frugal::measure_ledger(c.probe, c.module, &c.optimizer).gradients);
+    }
     if (!backward && !in_backward && in_forward != nullptr) {
       const auto& c = *in_forward;
       run.weights_in_forward = std::max(
@@ -192,8 +218,9 @@ Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group
       run.weights_between = report.ledger.weights;
     }
   }
-  run.eval_loss = trainer.evaluate({x[kSteps], y[kSteps]}).loss;
   g_block_seen = nullptr;
+  last_step = nullptr;
+  run.eval_loss = trainer.evaluate({x[kSteps], y[kSteps]}).loss;
   std::unique_ptr<frugal::optim::GatheredParameters> whole;
   if (auto* sharded = dynamic_cast<frugal::optim::ShardedOptimizer*>(optimizer.get())) {
     whole = std::make_unique<frugal::optim::GatheredParameters>(*sharded);
@@ -242,6 +269,56 @@ TEST(ZeroUnits, EachBlockIsWholeOnlyAroundItsOwnCallsInOneProcess) {
   EXPECT_EQ(units.weights_between, all);  // the shard alone (one rank: all of it)
 }
 
+TEST(ZeroUnits, UnitsSteppedInBackwardTrainAsOneProcessAndKeepNoGradientToTheStep) {
+  const auto plain = train("micro", 0, Group::single());
+  const auto at_end = train("micro", 33, Group::single());
+  const auto in_backward = train("micro", 35, Group::single());
+  expect_same_training(in_backward, plain, 1e-5);
+  // Stepped at the end, the gradients of every parameter wait for the step; stepped in
+  // backward, each unit's go when its last one is in, and none is left at the step.
+  const std::int64_t all = parameter_elements(plain) * 4;
+  EXPECT_EQ(at_end.gradients_at_step, all);
+  EXPECT_EQ(in_backward.gradients_at_step, 0);
+  EXPECT_LT(in_backward.peak, at_end.peak);
+  // Without micro-batches (whose earlier backwards accumulate every gradient): the most
+  // gradients alive in backward, a few blocks' against nearly all of them.
+  const auto whole_batch_at_end = train("adam", 33, Group::single());
+  const auto whole_batch = train("adam", 35, Group::single());
+  const std::int64_t block = (kWidth * kWidth + kWidth) * 4;
+  EXPECT_LE(whole_batch.gradients_in_backward, 2 * block);
+  EXPECT_GE(whole_batch_at_end.gradients_in_backward, all - 2 * block);
+  std::cout << "one process: step peak " << in_backward.peak << " B stepped in backward, "
+            << at_end.peak << " B at the end; gradients alive in backward "
+            << whole_batch.gradients_in_backward << " B against "
+            << whole_batch_at_end.gradients_in_backward << " B\n";
+}
+
+TEST(ZeroUnits, StepInBackwardNeedsStage3AndOneOfFrugalsOptimizers) {
+  UnitNet model;
+  const std::vector<std::shared_ptr<torch::nn::Module>> blocks = model->blocks->children();
+  try {
+    ZeroOptimizer zero(
+        model->parameters(), Group::single(),
+        [](std::vector<torch::Tensor> p) { return make_inner("adam", std::move(p)); },
+        ZeroOptimizerOptions().stage(3).units(blocks).step_in_backward(true));
+    FAIL() << "LibTorch's Adam accepted";
+  } catch (const frugal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs one of frugal's optimizers"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("torch::optim::Adam"), std::string::npos) << e.what();
+  }
+  try {
+    ZeroOptimizer zero(
+        model->parameters(), Group::single(),
+        [](std::vector<torch::Tensor> p) { return make_inner("adam", std::move(p), true); },
+        ZeroOptimizerOptions().stage(2).step_in_backward(true));
+    FAIL() << "stage 2 accepted";
+  } catch (const frugal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs stage 3; got stage 2"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(ZeroUnits, BadUnitsAreRefusedNamingThem) {
   UnitNet model;
   auto make = [](std::vector<torch::Tensor> p) { return make_inner("sgd", std::move(p)); };
@@ -267,9 +344,9 @@ TEST(ZeroUnits, BadUnitsAreRefusedNamingThem) {
 // and 3 without units, and bf16 also without ZeRO: a 20-step bf16 run of this deep model
 // differs from one process by more than bf16's rounding of another summation order
 // (up to 4e-3), so units are held to the same ranks without ZeRO.
-const std::vector<std::pair<std::string, int>> kRuns{{"adam", 33}, {"sgd", 33}, {"micro", 33},
-                                                     {"bf16", 33}, {"adam", 2}, {"adam", 3},
-                                                     {"bf16", 0},  {"adam", 34}};
+const std::vector<std::pair<std::string, int>> kRuns{
+    {"adam", 33}, {"sgd", 33}, {"micro", 33}, {"bf16", 33}, {"adam", 2},
+    {"adam", 3},  {"bf16", 0}, {"adam", 34},  {"adam", 35}, {"micro", 35}};
 constexpr std::size_t kBf16Plain = 6;
 
 std::vector<torch::Tensor> as_tensors(const Run& run) {
@@ -277,7 +354,8 @@ std::vector<torch::Tensor> as_tensors(const Run& run) {
   out.push_back(torch::tensor(run.losses, torch::kDouble));
   out.push_back(torch::tensor({run.weights_after_forward, run.weights_at_step, run.weights_between,
                                run.peak, run.whole_in_forward, run.whole_in_backward,
-                               run.weights_in_forward, run.rest_after_forward, run.setup_peak}));
+                               run.weights_in_forward, run.rest_after_forward, run.setup_peak,
+                               run.gradients_at_step, run.gradients_in_backward}));
   out.push_back(torch::tensor({run.eval_loss}, torch::kDouble));
   return out;
 }
@@ -346,7 +424,7 @@ void expect_ranks_train_as_one_process(int world) {
         EXPECT_EQ(b[0].item<std::int64_t>(), shard + root_flat);
         // Inside a block's forward: its flat buffer, and with prefetch the next block's too.
         const std::int64_t block_flat = world * ((block + world - 1) / world) * 4;
-        EXPECT_EQ(b[6].item<std::int64_t>(), shard + root_flat + (zero == 33 ? 2 : 1) * block_flat);
+        EXPECT_EQ(b[6].item<std::int64_t>(), shard + root_flat + (zero != 34 ? 2 : 1) * block_flat);
       }
     }
     // After forward, autograd's saved views of the released blocks hold no bytes: the rest
@@ -360,6 +438,19 @@ void expect_ranks_train_as_one_process(int world) {
     EXPECT_LT(units_peak, bytes[5][3].item<std::int64_t>()) << "stage 3's peak, rank " << r;
     EXPECT_LT(bytes[7][3].item<std::int64_t>(), bytes[4][3].item<std::int64_t>())
         << "stage 2's peak against units without prefetch, rank " << r;
+    // Each unit stepped in backward as its gradients arrive, against the same units stepped
+    // at the end: no rank holds its range of all the gradients at once.
+    const auto& in_backward = bytes[8];
+    EXPECT_LT(in_backward[3].item<std::int64_t>(), units_peak) << "step peak, rank " << r;
+    EXPECT_LT(in_backward[10].item<std::int64_t>(), bytes[0][10].item<std::int64_t>())
+        << "gradients when a block's input gradient was in, rank " << r;
+    EXPECT_LT(in_backward[9].item<std::int64_t>(), bytes[0][9].item<std::int64_t>())
+        << "gradients at the optimizer step, rank " << r;
+    std::cout << "rank " << r << " of " << world << ": stepped in backward: peak "
+              << in_backward[3].item<std::int64_t>() << " B, gradients in backward "
+              << in_backward[10].item<std::int64_t>() << " B (" << bytes[0][10].item<std::int64_t>()
+              << " B stepped at the end), at the step " << in_backward[9].item<std::int64_t>()
+              << " B (" << bytes[0][9].item<std::int64_t>() << " B)\n";
     std::cout << "rank " << r << " of " << world << ": step peak " << units_peak
               << " B with units (" << bytes[7][3].item<std::int64_t>() << " B without prefetch), "
               << bytes[4][3].item<std::int64_t>() << " B at stage 2, "

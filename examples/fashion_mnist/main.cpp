@@ -92,7 +92,8 @@ int run(Args args) {
         [&args](std::vector<torch::Tensor> shard) {
           return make_optimizer(args, std::move(shard));
         },
-        frugal::distributed::ZeroOptimizerOptions().stage(args.zero));
+        frugal::distributed::ZeroOptimizerOptions().stage(args.zero).step_in_backward(
+            args.zero == 3 && args.step_in_backward));
   } else {
     optimizer = make_optimizer(args, model->parameters());
   }
@@ -125,7 +126,7 @@ int run(Args args) {
   if (args.autocast != "off") {
     frugal::use_mixed_precision(trainer, args.autocast == "bf16" ? torch::kBFloat16 : torch::kHalf);
   }
-  if (args.step_in_backward) {
+  if (args.step_in_backward && args.zero != 3) {  // ZeRO-3 steps its range in backward itself
     trainer.add_policy(std::make_shared<frugal::StepInBackward>());
   }
   std::shared_ptr<frugal::JsonLinesSink> jsonl;
@@ -144,10 +145,9 @@ int run(Args args) {
         args.model, device.str(), n, test.inputs.size(0), args.batch,
         args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off",
         args.weights == "bf16" ? "bf16 (" + args.rounding + " rounding)" : args.weights,
-        args.autocast,
-        args.checkpoint ? "on" : "off", args.torch_optimizer ? "LibTorch's" : "frugal's",
-        args.optimizer, args.step_in_backward ? " stepped in backward" : "",
-        torch::get_num_threads(),
+        args.autocast, args.checkpoint ? "on" : "off",
+        args.torch_optimizer ? "LibTorch's" : "frugal's", args.optimizer,
+        args.step_in_backward ? " stepped in backward" : "", torch::get_num_threads(),
         group ? fmt::format(" x {} ranks{}", group->size(),
                             args.zero > 0 ? fmt::format(", ZeRO-{}", args.zero) : "")
               : std::string(),
@@ -316,7 +316,8 @@ int main(int argc, char** argv) {
   app.add_flag("--torch-optimizer", args.torch_optimizer,
                "Use LibTorch's optimizer of that name instead of frugal's");
   app.add_flag("--step-in-backward", args.step_in_backward,
-               "Update each parameter in backward as its gradient is ready (frugal's optimizers)");
+               "Update each parameter in backward as its gradient is ready (frugal's "
+               "optimizers); with --zero 3, each rank's range once the ranks have averaged it");
   app.add_option("--dropout", args.dropout, "Dropout probability")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();

@@ -31,6 +31,11 @@ enum class Trait : std::uint32_t {
   /// Keeps each process's share of the parameters between steps and gathers them whole for
   /// the forward and backward (an optimizer's trait: ZeRO stage 3).
   ShardsParameters = 1u << 7,
+  /// Updates each process's share of the parameters during backward, from gradients the
+  /// processes have averaged already (an optimizer's trait: ZeRO stage 3 stepping in
+  /// backward): the engine skips a non-finite window's last backward, as for
+  /// UpdatesInBackward.
+  UpdatesSharesInBackward = 1u << 8,
 };
 
 /// The name a trait has in errors and reports ("all-gradients", ...).

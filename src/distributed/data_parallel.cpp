@@ -48,6 +48,7 @@ void DataParallel::on_add(PolicyPort& port) {
   auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&port.optimizer());
   keeper_ = sharded != nullptr && sharded->traits().has(Trait::KeepsGradients) ? sharded : nullptr;
   shards_ = keeper_ != nullptr && keeper_->traits().has(Trait::ShardsParameters);
+  updates_ = keeper_ != nullptr && keeper_->traits().has(Trait::UpdatesSharesInBackward);
   params_.clear();
   index_.clear();
   for (auto& group : port.optimizer().param_groups()) {
@@ -125,6 +126,7 @@ void DataParallel::on_step_begin(StepContext& ctx) {
   if (shards_) {
     keeper_->gather_for_forward();  // stage 3: units gather themselves when called
   }
+  begun_ = false;
   if (ctx.trial || group_->size() == 1) {
     return;
   }
@@ -142,7 +144,20 @@ void DataParallel::on_step_begin(StepContext& ctx) {
 }
 
 void DataParallel::on_grad_ready(StepContext& ctx, const torch::Tensor& param) {
-  if (ctx.trial || group_->size() == 1) {
+  if (ctx.trial) {
+    return;
+  }
+  if (group_->size() == 1) {
+    // Nothing to average: a keeper that updates in backward gets each gradient as it is
+    // final (the engine skips this backward when the loss is not finite).
+    if (updates_ && param.grad().defined() && index_.count(param.unsafeGetTensorImpl()) > 0) {
+      if (!begun_) {
+        keeper_->begin_gradients(true);
+        begun_ = true;
+      }
+      keeper_->keep_gradient(param, param.grad().reshape({-1}));
+      const_cast<torch::Tensor&>(param).mutable_grad().reset();
+    }
     return;
   }
   const auto it = index_.find(param.unsafeGetTensorImpl());
@@ -164,11 +179,26 @@ void DataParallel::launch_ready(StepContext& ctx) {
 
 void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   if (weight_ == 0) {
-    // The first bucket of the step: the ranks agree on the global count first.
-    global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
+    // The first bucket of the step: the ranks agree on the global count first, and whether
+    // some rank's loss was not finite (a rank that skipped its backward for it sends its
+    // buckets from before_optimizer_step, so every rank learns it before any update).
+    double non_finite = 0;
+    if (updates_) {
+      auto sums = torch::tensor({static_cast<double>(ctx.window_count), ctx.non_finite ? 1.0 : 0.0},
+                                torch::TensorOptions(torch::kDouble).device(group_->device()));
+      group_->all_reduce(sums).wait();
+      sums = sums.cpu();
+      global_count_ = static_cast<std::int64_t>(sums[0].item<double>());
+      non_finite = sums[1].item<double>();
+    } else {
+      global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
+    }
     FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(), " ranks is ",
                  global_count_);
     weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
+    if (keeper_ != nullptr) {
+      keeper_->begin_gradients(non_finite == 0);
+    }
   }
   torch::NoGradGuard no_grad;
   const auto& members = buckets_[bucket];

@@ -2,11 +2,15 @@
 
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
+#include <typeinfo>
+
 #include "compat.h"
 #include "frugal/error.h"
+#include "frugal/optim/in_place.h"
 #include "frugal/state/archive.h"
 #include "state/state_parts.h"
 #include "zero_layout.h"
@@ -17,6 +21,7 @@ namespace frugal::distributed {
 struct ZeroOptimizer::Parts {
   std::shared_ptr<detail::ZeroLayout> layout;
   torch::Tensor shard;
+  std::vector<torch::Tensor> targets;
   std::unique_ptr<torch::optim::Optimizer> inner;
 };
 
@@ -28,6 +33,8 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
   const int stage = options.stage();
   FRUGAL_CHECK(options.units().empty() || stage == 3, "frugal: ZeRO units need stage 3; got ",
                options.units().size(), " units at stage ", stage);
+  FRUGAL_CHECK(!options.step_in_backward() || stage == 3,
+               "frugal: ZeRO's step in backward needs stage 3; got stage ", stage);
   const auto& first = params.front();
   for (auto& p : params) {
     FRUGAL_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(),
@@ -66,11 +73,25 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
   auto shard = stage == 3 ? torch::cat(shares) : shares.front();
   parts.shard = shard.detach().requires_grad_(true);
   layout.shard = parts.shard;
-  parts.inner = make({parts.shard});
+  if (options.step_in_backward()) {
+    for (const auto& unit : layout.units) {  // a unit's range is updated on its own
+      parts.targets.push_back(
+          parts.shard.detach().narrow(0, unit.shard_offset, unit.range).requires_grad_(true));
+    }
+  } else {
+    parts.targets = {parts.shard};
+  }
+  parts.inner = make(parts.targets);
   FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
-                   parts.inner->param_groups()[0].params().size() == 1,
-               "frugal: ZeroOptimizer's function must return an optimizer over the one tensor "
-               "it is given");
+                   parts.inner->param_groups()[0].params().size() == parts.targets.size(),
+               "frugal: ZeroOptimizer's function must return an optimizer over the ",
+               parts.targets.size(), " tensor(s) it is given, in one parameter group");
+  FRUGAL_CHECK(!options.step_in_backward() ||
+                   dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
+               "frugal: ZeRO's step in backward updates one unit's range at a time and needs "
+               "one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
+               "AdamW8bit); the function returned ",
+               c10::demangle(typeid(*parts.inner).name()));
   return parts;
 }
 
@@ -94,9 +115,21 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
       options_(std::move(options)),
       shard_size_(layout_->shard_size()),
       shard_(std::move(parts.shard)),
+      targets_(std::move(parts.targets)),
       inner_(std::move(parts.inner)) {
   FRUGAL_CHECK(options_.stage() >= 1 && options_.stage() <= 3,
                "frugal: ZeRO stage must be 1, 2 or 3, got ", options_.stage());
+  if (options_.step_in_backward()) {
+    in_place_ = dynamic_cast<optim::InPlaceOptimizer*>(inner_.get());
+    for (const auto& unit : layout_->units) {
+      std::size_t needed = 0;
+      for (const auto i : unit.members) {
+        needed += layout_->params[i].requires_grad() ? 1 : 0;
+      }
+      progress_.needed.push_back(needed);
+    }
+    begin_gradients(false);
+  }
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
@@ -104,7 +137,9 @@ ZeroOptimizer::~ZeroOptimizer() = default;
 Traits ZeroOptimizer::traits() const {
   switch (options_.stage()) {
     case 3:
-      return Trait::KeepsGradients | Trait::ShardsParameters;
+      return options_.step_in_backward()
+                 ? Trait::KeepsGradients | Trait::ShardsParameters | Trait::UpdatesSharesInBackward
+                 : Trait::KeepsGradients | Trait::ShardsParameters;
     case 2:
       return Trait::KeepsGradients;
     default:
@@ -158,20 +193,53 @@ void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tenso
                "frugal: ZeroOptimizer got the gradient of a "
                "parameter it does not hold");
   torch::NoGradGuard no_grad;
-  auto& owned = shard_.mutable_grad();
+  const auto u = layout.unit_of[it->second];
+  const auto& unit = layout.units[u];
+  // The unit's range is the shard's part, or with step_in_backward a parameter of its own.
+  const bool apart = targets_.size() > 1;
+  auto& target = targets_[apart ? u : 0];
+  const auto at = apart ? 0 : unit.shard_offset;
+  auto& owned = target.mutable_grad();
   if (!owned.defined()) {
-    owned = torch::zeros_like(shard_);
+    owned = torch::zeros_like(target);
   }
   // The parameter's place in its unit, against this rank's range of that unit.
-  const auto& unit = layout.units[layout.unit_of[it->second]];
   const auto begin = group_->rank() * unit.range;
   const auto offset = layout.offsets[it->second];
   const auto lo = std::max(offset, begin);
   const auto hi = std::min(offset + layout.numels[it->second], begin + unit.range);
   if (lo < hi) {
-    owned.narrow(0, unit.shard_offset + lo - begin, hi - lo)
+    owned.narrow(0, at + lo - begin, hi - lo)
         .copy_(grad.reshape({-1}).narrow(0, lo - offset, hi - lo));
   }
+  progress_.any = true;
+  if (in_place_ != nullptr && progress_.may_update && !progress_.stepped[u] &&
+      ++progress_.kept[u] == progress_.needed[u]) {
+    step_unit(u);
+  }
+}
+
+void ZeroOptimizer::begin_gradients(bool will_step) {
+  for (auto& t : targets_) {
+    t.mutable_grad().reset();  // a skipped step's
+  }
+  progress_.kept.assign(layout_->units.size(), 0);
+  progress_.stepped.assign(layout_->units.size(), false);
+  progress_.may_update = will_step && in_place_ != nullptr;
+  progress_.any = false;
+}
+
+void ZeroOptimizer::sync_inner_options() {
+  // The range's optimizer follows this one's options (an LR schedule sets them here).
+  inner_->param_groups()[0].set_options(param_groups()[0].options().clone());
+}
+
+void ZeroOptimizer::step_unit(std::size_t u) {
+  torch::NoGradGuard no_grad;
+  sync_inner_options();
+  in_place_->step_parameter(targets_[u]);
+  targets_[u].mutable_grad().reset();
+  progress_.stepped[u] = true;
 }
 
 void ZeroOptimizer::gather_owned_gradient() {
@@ -185,8 +253,10 @@ void ZeroOptimizer::gather_owned_gradient() {
 torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   FRUGAL_CHECK(closure == nullptr, "frugal: ZeroOptimizer's step takes no closure");
   torch::NoGradGuard no_grad;
-  // The range's optimizer follows this one's options (an LR schedule sets them here).
-  inner_->param_groups()[0].set_options(param_groups()[0].options().clone());
+  sync_inner_options();
+  if (in_place_ != nullptr) {
+    return step_rest();
+  }
   if (!shard_.grad().defined()) {
     gather_owned_gradient();  // stage 1: every gradient is here, averaged
   }
@@ -199,6 +269,24 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   if (options_.stage() < 3) {
     layout_->all_gather(0, /*own_too=*/false);
   }
+  return {};
+}
+
+torch::Tensor ZeroOptimizer::step_rest() {
+  // Gradients still on the parameters (one process: those of earlier micro-batches only).
+  gather_owned_gradient();
+  release_parameters();
+  if (progress_.any) {
+    // Units not updated in backward; a unit no rank had a gradient for steps with zeros,
+    // as the whole range would.
+    for (std::size_t u = 0; u < targets_.size(); ++u) {
+      if (!progress_.stepped[u] && !targets_[u].grad().defined()) {
+        targets_[u].mutable_grad() = torch::zeros_like(targets_[u]);
+      }
+    }
+    inner_->step();  // frugal's optimizers pass over parameters without a gradient
+  }
+  begin_gradients(false);
   return {};
 }
 
@@ -217,7 +305,13 @@ std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
   return out;
 }
 
-std::vector<torch::Tensor> ZeroOptimizer::ledger_gradients() const { return {shard_.grad()}; }
+std::vector<torch::Tensor> ZeroOptimizer::ledger_gradients() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : targets_) {
+    out.push_back(t.grad());
+  }
+  return out;
+}
 
 std::vector<torch::Tensor> ZeroOptimizer::ledger_optimizer_state() const {
   std::vector<torch::Tensor> out;

@@ -24,6 +24,8 @@ const char* trait_name(Trait trait) {
       return "keeps-gradients";
     case Trait::ShardsParameters:
       return "shards-parameters";
+    case Trait::UpdatesSharesInBackward:
+      return "updates-shares-in-backward";
   }
   return "unknown";
 }

@@ -201,7 +201,9 @@ bool Trainer::skips_last_backward(const StepContext& ctx, const LossLog& log) {
   // A policy that updates parameters during backward leaves no later check to stop a NaN
   // or inf from reaching them: a non-finite window skips its last backward, and the
   // optimizer phase skips the step.
-  if (ctx.trial || !parts_->guard.enabled() || !traits_.has(Trait::UpdatesInBackward)) {
+  const bool updates = traits_.has(Trait::UpdatesInBackward) ||
+                       optimizer_traits_.has(Trait::UpdatesSharesInBackward);
+  if (ctx.trial || !parts_->guard.enabled() || !updates) {
     return false;
   }
   if (!parts_->window.non_finite() && std::isfinite(log.value())) {

@@ -104,6 +104,8 @@ class DataParallel : public Policy {
   std::vector<Work> works_;
   optim::ShardedOptimizer* keeper_ = nullptr;  // gradients go to its shard, not the parameters
   bool shards_ = false;                        // the keeper shards the parameters too (stage 3)
+  bool updates_ = false;  // the keeper updates its shares in backward (told when it may)
+  bool begun_ = false;    // one rank, updates_: the keeper was told this step's gradients come
   bool in_step_ = false;  // between a step's begin and its end: set when a step failed
 };
 

@@ -14,6 +14,10 @@
 #include "frugal/memory/ledger.h"
 #include "frugal/optim/sharded.h"
 
+namespace frugal::optim {
+class InPlaceOptimizer;
+}  // namespace frugal::optim
+
 namespace frugal::distributed {
 namespace detail {
 struct ZeroLayout;
@@ -42,6 +46,14 @@ struct ZeroOptimizerOptions {
   /// next in the last forward's order in a forward, the one before it in backward), one
   /// unit ahead at most; it costs one more unit's whole weights at a time.
   TORCH_ARG(bool, prefetch) = true;
+  /// Stage 3: each unit's range is updated during backward, as soon as the ranks have
+  /// averaged every gradient of the unit, and its gradients go at once (the optimizer step
+  /// in backward, on the shards): a rank holds the gradients of the units in flight, not
+  /// its range of all of them. Needs one of frugal's optimizers (frugal::optim::SGD, Adam,
+  /// AdamW, Adam8bit, AdamW8bit), which `make` gets with one parameter a unit (its range).
+  /// With DataParallel, a NaN or infinite loss on any rank skips the step on every rank
+  /// before anything changes; a failure after the first update leaves the ranks out of step.
+  TORCH_ARG(bool, step_in_backward) = false;
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
@@ -119,6 +131,9 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   /// Stage 2: the part of `param`'s averaged gradient (`grad`, flat) that this rank owns
   /// goes into the range's gradient; DataParallel calls it once per parameter and step.
   void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) override;
+  /// Drops a skipped step's kept gradients; with step_in_backward, whether units may be
+  /// updated as their gradients complete.
+  void begin_gradients(bool will_step) override;
 
   std::vector<torch::Tensor> ledger_weights() const override;
   std::vector<torch::Tensor> ledger_gradients() const override;
@@ -130,13 +145,28 @@ class ZeroOptimizer : public torch::optim::Optimizer,
                      const Factory& make, const ZeroOptimizerOptions& options);
   ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options);
   void gather_owned_gradient();
+  void sync_inner_options();
+  torch::Tensor step_rest();  // step_in_backward: the units backward did not update
+  // step_in_backward: updates unit `u`'s range and frees its gradient.
+  void step_unit(std::size_t u);
 
   std::shared_ptr<detail::ZeroLayout> layout_;
   std::shared_ptr<Group> group_;
   ZeroOptimizerOptions options_;
   std::int64_t shard_size_ = 0;
-  torch::Tensor shard_;  // this rank's range, the inner optimizer's one parameter
+  torch::Tensor shard_;  // this rank's range
+  // The inner optimizer's parameters: the shard, or with step_in_backward each unit's range
+  // of it (a view).
+  std::vector<torch::Tensor> targets_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
+  optim::InPlaceOptimizer* in_place_ = nullptr;  // step_in_backward: steps one unit's range
+  struct Progress {                              // step_in_backward, this step's
+    std::vector<std::size_t> kept;               // gradients kept, a unit
+    std::vector<std::size_t> needed;             // ... that complete it
+    std::vector<bool> stepped;
+    bool may_update = false;
+    bool any = false;  // some gradient was kept
+  } progress_;
   std::unique_ptr<detail::ZeroUnitHooks> hooks_;  // stage 3 with units
 };
 

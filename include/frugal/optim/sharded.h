@@ -21,6 +21,12 @@ class ShardedOptimizer {
   /// With Trait::KeepsGradients: `grad` is `param`'s averaged gradient, flat; the
   /// optimizer keeps the part this process owns. Called once per parameter and step.
   virtual void keep_gradient(const torch::Tensor& param, const torch::Tensor& grad) = 0;
+  /// With Trait::KeepsGradients: a step's gradients begin to arrive (called once a step,
+  /// before its first keep_gradient); `will_step` is false when the step will be skipped
+  /// (some process's loss was NaN or infinite). With Trait::UpdatesSharesInBackward the
+  /// optimizer updates each share as its gradients are all kept, during backward, and
+  /// only when `will_step`.
+  virtual void begin_gradients(bool will_step) { (void)will_step; }
   /// With Trait::ShardsParameters: puts the whole parameters back from every process's
   /// share before a forward (collective: every process calls it), if they are released.
   virtual void gather_parameters() {}
