@@ -156,7 +156,7 @@ void DataParallel::on_grad_ready(StepContext& ctx, const torch::Tensor& param) {
         begun_ = true;
       }
       keeper_->keep_gradient(param, param.grad().reshape({-1}));
-      const_cast<torch::Tensor&>(param).mutable_grad().reset();
+      param.mutable_grad().reset();
     }
     return;
   }
@@ -182,22 +182,14 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
     // The first bucket of the step: the ranks agree on the global count first, and whether
     // some rank's loss was not finite (a rank that skipped its backward for it sends its
     // buckets from before_optimizer_step, so every rank learns it before any update).
-    double non_finite = 0;
-    if (updates_) {
-      auto sums = torch::tensor({static_cast<double>(ctx.window_count), ctx.non_finite ? 1.0 : 0.0},
-                                torch::TensorOptions(torch::kDouble).device(group_->device()));
-      group_->all_reduce(sums).wait();
-      sums = sums.cpu();
-      global_count_ = static_cast<std::int64_t>(sums[0].item<double>());
-      non_finite = sums[1].item<double>();
-    } else {
-      global_count_ = static_cast<std::int64_t>(group_->sum(static_cast<double>(ctx.window_count)));
-    }
+    const auto sums =
+        group_->sums({static_cast<double>(ctx.window_count), ctx.non_finite ? 1.0 : 0.0});
+    global_count_ = static_cast<std::int64_t>(sums[0]);
     FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(), " ranks is ",
                  global_count_);
     weight_ = static_cast<double>(ctx.window_count) / static_cast<double>(global_count_);
     if (keeper_ != nullptr) {
-      keeper_->begin_gradients(non_finite == 0);
+      keeper_->begin_gradients(sums[1] == 0);
     }
   }
   torch::NoGradGuard no_grad;

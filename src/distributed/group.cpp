@@ -269,10 +269,13 @@ void Group::barrier() {
   }
 }
 
-double Group::sum(double value) {
-  auto t = torch::tensor({value}, torch::TensorOptions(torch::kDouble).device(impl_->device));
+double Group::sum(double value) { return sums({value}).front(); }
+
+std::vector<double> Group::sums(const std::vector<double>& values) {
+  auto t = torch::tensor(values, torch::TensorOptions(torch::kDouble).device(impl_->device));
   all_reduce(t).wait();
-  return t.item<double>();
+  t = t.cpu();
+  return {t.data_ptr<double>(), t.data_ptr<double>() + t.numel()};
 }
 
 }  // namespace frugal::distributed

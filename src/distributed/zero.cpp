@@ -136,10 +136,13 @@ ZeroOptimizer::~ZeroOptimizer() = default;
 
 Traits ZeroOptimizer::traits() const {
   switch (options_.stage()) {
-    case 3:
-      return options_.step_in_backward()
-                 ? Trait::KeepsGradients | Trait::ShardsParameters | Trait::UpdatesSharesInBackward
-                 : Trait::KeepsGradients | Trait::ShardsParameters;
+    case 3: {
+      Traits traits = Trait::KeepsGradients | Trait::ShardsParameters;
+      if (options_.step_in_backward()) {
+        traits |= Trait::UpdatesSharesInBackward;
+      }
+      return traits;
+    }
     case 2:
       return Trait::KeepsGradients;
     default:
@@ -227,6 +230,9 @@ void ZeroOptimizer::begin_gradients(bool will_step) {
   progress_.stepped.assign(layout_->units.size(), false);
   progress_.may_update = will_step && in_place_ != nullptr;
   progress_.any = false;
+  if (progress_.may_update) {
+    sync_inner_options();  // once for the units this backward updates
+  }
 }
 
 void ZeroOptimizer::sync_inner_options() {
@@ -236,7 +242,6 @@ void ZeroOptimizer::sync_inner_options() {
 
 void ZeroOptimizer::step_unit(std::size_t u) {
   torch::NoGradGuard no_grad;
-  sync_inner_options();
   in_place_->step_parameter(targets_[u]);
   targets_[u].mutable_grad().reset();
   progress_.stepped[u] = true;

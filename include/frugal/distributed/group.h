@@ -93,6 +93,8 @@ class Group {
   void barrier();
   /// The sum of one number over the ranks; waits.
   double sum(double value);
+  /// The sums of a few numbers over the ranks, in one message; waits.
+  std::vector<double> sums(const std::vector<double>& values);
 
  private:
   struct Impl;
