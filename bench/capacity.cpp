@@ -77,8 +77,8 @@ const std::vector<Config>& configs() {
       {"factored-4bit", "(instead of the row before) a 4-bit first moment (AdamW4bit's states)",
        true, false, true, true, 0.9, 4},
       {"zero3",
-       "frugal over --ranks processes, per rank: ZeRO-3 with each block a unit (no prefetch), "
-       "checkpointed blocks, bf16 autocast, AdamW8bit",
+       "frugal over --ranks processes, per rank: ZeRO-3 with each block a unit gathered in "
+       "bf16 (no prefetch), checkpointed blocks, bf16 autocast, AdamW8bit",
        true, true, false, false, 0.9, 8, true},
   };
   return all;
@@ -129,9 +129,10 @@ std::unique_ptr<frugal::Trainer> decoder_trainer(tiny_lm::TinyLM& model,
 
 // The ZeRO-3 row's trial, in one of the ranks: the decoder is built whole (as one loaded
 // would be) and sharded, then the cap holds for the training; every rank trains on its own
-// batch. The settings that hold least: no prefetch (one block whole at a time), 4 MiB
-// buckets of gradients in flight, and each block's range updated in backward as its
-// gradients arrive (AdamW8bit over one range a unit). 0 when two steps ran, 3 when this rank ran
+// batch. The settings that hold least: no prefetch (one block whole at a time), units
+// gathered in bf16 (the float32 ranges are the weights AdamW8bit updates), 4 MiB buckets of
+// gradients in flight, and each block's range updated in backward as its gradients arrive
+// (AdamW8bit over one range a unit). 0 when two steps ran, 3 when this rank ran
 // out of memory; a rank whose peer ran out fails in a collective (another status).
 int sharded_trial(const Args& a, const Config& config, torch::Device device) {
   namespace fd = frugal::distributed;
@@ -159,7 +160,8 @@ int sharded_trial(const Args& a, const Config& config, torch::Device device) {
             .stage(3)
             .units(model->blocks->children())
             .prefetch(false)
-            .step_in_backward(true));
+            .step_in_backward(true)
+            .param_dtype(torch::kBFloat16));
     frugal::ScopedMemoryCap cap(device, frugal::MiB(a.cap_mib));
     auto trainer = decoder_trainer(model, zero, device, /*autocast=*/true);
     trainer->add_policy(std::make_shared<fd::DataParallel>(

@@ -16,10 +16,13 @@ TEST(Autocast, Bf16PolicyLowersActivationsAndKeepsFloatParameters) {
   auto model = make_mlp(16, 32, 4);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   torch::ScalarType output_dtype = torch::kFloat;
-  frugal::Trainer trainer(model, sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
-    output_dtype = o.scalar_type();
-    return F::mse_loss(o.to(torch::kFloat), t);
-  }, frugal::TrainerOptions().set_to_none(false));
+  frugal::Trainer trainer(
+      model, sgd,
+      [&](const torch::Tensor& o, const torch::Tensor& t) {
+        output_dtype = o.scalar_type();
+        return F::mse_loss(o.to(torch::kFloat), t);
+      },
+      frugal::TrainerOptions().set_to_none(false));
   trainer.add_policy(std::make_shared<frugal::AutocastPolicy>(torch::kCPU, torch::kBFloat16));
   trainer.step({torch::randn({8, 16}), torch::randn({8, 4})});
   EXPECT_EQ(output_dtype, torch::kBFloat16);
@@ -27,6 +30,32 @@ TEST(Autocast, Bf16PolicyLowersActivationsAndKeepsFloatParameters) {
     EXPECT_EQ(p.scalar_type(), torch::kFloat);
     EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);
   }
+  EXPECT_FALSE(frugal::compat::autocast_enabled(torch::kCPU));  // left as it was
+}
+
+TEST(Autocast, EvaluationRunsUnderThePolicysAutocastAndLeavesItAsItWas) {
+  auto model = make_mlp(16, 32, 4);
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  std::vector<torch::ScalarType> seen;
+  frugal::Trainer trainer(model, sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
+    seen.push_back(o.scalar_type());
+    return F::mse_loss(o.to(torch::kFloat), t);
+  });
+  const frugal::Batch data(torch::randn({8, 16}), torch::randn({8, 4}));
+  const auto float32 = trainer.evaluate(data).loss;
+  auto policy = std::make_shared<frugal::AutocastPolicy>(torch::kCPU, torch::kBFloat16);
+  trainer.add_policy(policy);
+  const auto bf16 = trainer.evaluate(data, /*batch_size=*/4).loss;  // two chunks
+  policy->set_enabled(false);
+  const auto off = trainer.evaluate(data).loss;
+  ASSERT_EQ(seen.size(), 4u);
+  EXPECT_EQ(seen[0], torch::kFloat);
+  EXPECT_EQ(seen[1], torch::kBFloat16);
+  EXPECT_EQ(seen[2], torch::kBFloat16);
+  EXPECT_EQ(seen[3], torch::kFloat);
+  EXPECT_EQ(off, float32);
+  EXPECT_NE(bf16, float32);  // bf16's rounding shows in the loss
+  EXPECT_NEAR(bf16, float32, 0.05 * float32);
   EXPECT_FALSE(frugal::compat::autocast_enabled(torch::kCPU));  // left as it was
 }
 
@@ -97,17 +126,16 @@ TEST(Autocast, Fp16OnTheCpuEitherRunsOrSaysWhichLibTorchItNeeds) {
     frugal::AutocastPolicy policy(torch::kCPU, torch::kHalf);
     FAIL() << "fp16 CPU autocast accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Half needs LibTorch 2.4"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("Half needs LibTorch 2.4"), std::string::npos) << e.what();
   }
 }
 
 TEST(Autocast, Fp16MixedPrecisionAddsAScalerByDefault) {
   auto model = make_mlp(4, 4, 2);
   torch::optim::SGD sgd(model->parameters(), 0.1);
-  frugal::Trainer trainer(model, sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
-    return F::mse_loss(o, t);
-  }, frugal::TrainerOptions().device(torch::kCPU));
+  frugal::Trainer trainer(
+      model, sgd, [](const torch::Tensor& o, const torch::Tensor& t) { return F::mse_loss(o, t); },
+      frugal::TrainerOptions().device(torch::kCPU));
   if (!frugal::compat::autocast_supports(torch::kCPU, torch::kHalf)) {
     EXPECT_THROW(frugal::use_mixed_precision(trainer, torch::kHalf), c10::Error);
     return;
@@ -124,10 +152,13 @@ TEST(CudaAutocast, Fp16StepWithScalerKeepsFloatGradients) {
   model->to(torch::kCUDA);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   torch::ScalarType output_dtype = torch::kFloat;
-  frugal::Trainer trainer(model, sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
-    output_dtype = o.scalar_type();
-    return F::mse_loss(o.to(torch::kFloat), t);
-  }, frugal::TrainerOptions().device(torch::kCUDA).set_to_none(false));
+  frugal::Trainer trainer(
+      model, sgd,
+      [&](const torch::Tensor& o, const torch::Tensor& t) {
+        output_dtype = o.scalar_type();
+        return F::mse_loss(o.to(torch::kFloat), t);
+      },
+      frugal::TrainerOptions().device(torch::kCUDA).set_to_none(false));
   const auto scaler = frugal::use_mixed_precision(trainer, torch::kHalf);
   ASSERT_NE(scaler, nullptr);
   const auto report = trainer.step({torch::randn({8, 16}), torch::randn({8, 4})});

@@ -42,6 +42,11 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
                  p.scalar_type(), " on ", p.device(), " beside ", first.scalar_type(), " on ",
                  first.device());
   }
+  const auto compute = options.param_dtype().value_or(first.scalar_type());
+  FRUGAL_CHECK(compute == first.scalar_type() || stage == 3,
+               "frugal: ZeRO's param_dtype needs stage 3; got ", compute, " at stage ", stage);
+  FRUGAL_CHECK(c10::isFloatingType(compute),
+               "frugal: ZeRO's param_dtype must be a floating-point dtype; got ", compute);
   const auto members = detail::unit_members(params, options.units());
   Parts parts;
   parts.layout = std::make_shared<detail::ZeroLayout>(std::move(params), members, group->size());
@@ -73,6 +78,13 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
   auto shard = stage == 3 ? torch::cat(shares) : shares.front();
   parts.shard = shard.detach().requires_grad_(true);
   layout.shard = parts.shard;
+  if (compute != first.scalar_type()) {
+    // The parameters take the dtype they are gathered in now, before anything hooks them.
+    for (std::size_t u = 0; u < layout.units.size(); ++u) {
+      layout.units[u].flat = layout.units[u].flat.to(compute);
+      layout.view_flat(u);
+    }
+  }
   if (options.step_in_backward()) {
     for (const auto& unit : layout.units) {  // a unit's range is updated on its own
       parts.targets.push_back(
@@ -306,6 +318,7 @@ std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
     if (layout_->held(u)) {
       out.push_back(layout_->units[u].flat);
     }
+    out.push_back(layout_->units[u].sending);  // a share rounded to param_dtype, being sent
   }
   return out;
 }

@@ -93,15 +93,16 @@ void ZeroLayout::start_gather(std::size_t u) {
   auto& unit = units[u];
   const std::int64_t n = group->size();
   take_bytes(unit.flat);
-  const auto mine = share(u);
   if (n == 1) {
-    unit.flat.copy_(mine);
+    unit.flat.copy_(share(u));  // rounded to the flat buffer's dtype, if it has another
     return;
   }
+  // This rank's share in the dtype the units are gathered in (FSDP's param_dtype).
+  unit.sending = share(u).to(unit.flat.scalar_type());
+  const auto& mine = unit.sending;
   // Straight into the flat buffer, a piece of every rank's share at a time.
   const std::int64_t piece = std::max<std::int64_t>(
-      1,
-      std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(shard.element_size()))));
+      1, std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(mine.element_size()))));
   for (std::int64_t start = 0; start < unit.range; start += piece) {
     const auto length = std::min(piece, unit.range - start);
     std::vector<torch::Tensor> pieces;
@@ -124,6 +125,7 @@ void ZeroLayout::gather(std::size_t u) {
     work.wait();
   }
   unit.arriving.clear();
+  unit.sending = torch::Tensor();
   view_flat(u);
   unit.viewed = true;
   if (prefetched == u) {
@@ -174,10 +176,12 @@ void ZeroLayout::release(std::size_t u) {
     work.wait();  // the backend still writes into the buffer
   }
   unit.arriving.clear();
+  unit.sending = torch::Tensor();
   if (unit.viewed) {
     torch::NoGradGuard no_grad;
     for (const auto i : unit.members) {
-      params[i].set_data(torch::empty({0}, shard.options().requires_grad(false)));
+      // The parameters keep their dtype: a new one would drop their gradient hooks.
+      params[i].set_data(torch::empty({0}, unit.flat.options().requires_grad(false)));
       compat::refresh_grad_accumulator(params[i]);
     }
   }

@@ -23,4 +23,14 @@ void AutocastPolicy::after_forward(StepContext&) {
   }
 }
 
+void AutocastPolicy::on_evaluate_begin(PolicyPort&) {
+  active_.push_back(std::make_unique<AutocastGuard>(type_, dtype_, enabled_));
+}
+
+void AutocastPolicy::on_evaluate_end(PolicyPort&) {
+  if (!active_.empty()) {
+    active_.pop_back();
+  }
+}
+
 }  // namespace frugal

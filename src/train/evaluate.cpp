@@ -141,6 +141,20 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
     no_grad = std::make_unique<torch::NoGradGuard>();
   }
 
+  // The policies' evaluation scopes (autocast), ended in reverse order however it ends.
+  struct Scopes {
+    Trainer& trainer;
+    std::size_t begun = 0;
+    ~Scopes() {
+      while (begun > 0) {
+        trainer.policies_[--begun]->on_evaluate_end(trainer);
+      }
+    }
+  } scopes{*this};
+  for (; scopes.begun < policies_.size(); ++scopes.begun) {
+    policies_[scopes.begun]->on_evaluate_begin(*this);
+  }
+
   ScopedPeak peak(probe_);
   double loss_sum = 0;
   std::int64_t correct = 0;
@@ -174,9 +188,8 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
       offset += n;
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
-        return p->on_eval_error(*this, size, error);
-      });
+      const bool retry = std::any_of(policies_.begin(), policies_.end(),
+                                     [&](auto& p) { return p->on_eval_error(*this, size, error); });
       if (!retry) {
         throw;
       }

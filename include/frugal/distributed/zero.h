@@ -54,6 +54,16 @@ struct ZeroOptimizerOptions {
   /// With DataParallel, a NaN or infinite loss on any rank skips the step on every rank
   /// before anything changes; a failure after the first update leaves the ranks out of step.
   TORCH_ARG(bool, step_in_backward) = false;
+  /// Stage 3: the dtype units are gathered in for the forward and backward (FSDP's
+  /// `param_dtype`), e.g. torch::kBFloat16: each rank's range stays in the parameters'
+  /// dtype (float32: the weights the optimizer updates), and each gather rounds it to this
+  /// dtype, so a unit whole costs 2 bytes an element instead of 4 and bf16 autocast has no
+  /// weight to cast. The parameters take this dtype when the optimizer is built (build it
+  /// before anything hooks them) and keep it: their gradients have it, DataParallel
+  /// averages them in it, and the owned part is kept in the range's dtype. Run the forward
+  /// under autocast of this dtype (frugal::use_mixed_precision) or feed it inputs of this
+  /// dtype; GatheredParameters gives the weights in it. Unset: the parameters' dtype.
+  TORCH_ARG(c10::optional<torch::Dtype>, param_dtype) = c10::nullopt;
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's

@@ -22,6 +22,8 @@ class AutocastPolicy : public Policy {
   std::string name() const override;
   void before_forward(StepContext& ctx) override;
   void after_forward(StepContext& ctx) override;
+  void on_evaluate_begin(PolicyPort& port) override;
+  void on_evaluate_end(PolicyPort& port) override;
 
   torch::DeviceType device_type() const { return type_; }
   torch::Dtype dtype() const { return dtype_; }

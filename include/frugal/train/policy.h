@@ -50,8 +50,8 @@ struct StepContext {
   torch::nn::Module& module;
   torch::optim::Optimizer& optimizer;
   const MemoryProbe& probe;
-  const Batch& batch;           ///< the whole batch of this call
-  Batch micro;                  ///< the micro-batch in flight (forward/backward phases)
+  const Batch& batch;  ///< the whole batch of this call
+  Batch micro;         ///< the micro-batch in flight (forward/backward phases)
   std::int64_t micro_index = 0;
   std::int64_t micro_count = 0;
   /// From AfterForward on: the micro-batch's loss, already weighted by its share of the
@@ -123,6 +123,11 @@ class Policy {
   /// throw an error of its own in place of `error` (OomRecovery does for out-of-memory).
   /// No retry: the step's memory does not depend on the micro-batch.
   virtual void on_optimizer_error(StepContext&, const std::exception&) {}
+  /// Around an evaluation (Trainer::evaluate and evaluate_each): its forwards and losses run
+  /// between these, the end called in reverse order even when the evaluation threw.
+  /// AutocastPolicy evaluates under its autocast, as it trains (Lightning's precision does).
+  virtual void on_evaluate_begin(PolicyPort&) {}
+  virtual void on_evaluate_end(PolicyPort&) {}
   /// An evaluation chunk of `batch_size` samples threw; return true to go on from that
   /// chunk (with a smaller eval batch, PolicyPort::set_eval_batch, say).
   virtual bool on_eval_error(PolicyPort&, std::int64_t /*batch_size*/, const std::exception&) {
