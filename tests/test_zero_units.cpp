@@ -3,8 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "children.h"
-#include "dist_launch.h"
 #include "frugal/error.h"
 #include "zero_units_harness.h"
 
@@ -83,23 +81,14 @@ TEST(ZeroUnits, StepInBackwardNeedsStage3AndOneOfFrugalsOptimizers) {
 
 TEST(ZeroUnits, BadUnitsAreRefusedNamingThem) {
   UnitNet model;
-  auto make = [](std::vector<torch::Tensor> p) { return make_inner("sgd", std::move(p)); };
-  auto expect_error = [&](const ZeroOptimizerOptions& options, const std::string& text) {
-    try {
-      ZeroOptimizer zero(model->parameters(), Group::single(), make, options);
-      FAIL() << "accepted; wanted an error saying: " << text;
-    } catch (const frugal::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-    }
-  };
   const std::vector<std::shared_ptr<torch::nn::Module>> blocks = model->blocks->children();
-  expect_error(ZeroOptimizerOptions().stage(2).units(blocks),
-               "ZeRO units need stage 3; got 8 units at stage 2");
-  expect_error(ZeroOptimizerOptions().stage(3).units({blocks[0], model->blocks.ptr()}),
-               "share a parameter; units must not overlap");
+  expect_refused(model, ZeroOptimizerOptions().stage(2).units(blocks),
+                 "ZeRO units need stage 3; got 8 units at stage 2");
+  expect_refused(model, ZeroOptimizerOptions().stage(3).units({blocks[0], model->blocks.ptr()}),
+                 "share a parameter; units must not overlap");
   torch::nn::Linear stranger(2, 2);
-  expect_error(ZeroOptimizerOptions().stage(3).units({stranger.ptr()}),
-               "holds none of the optimizer's parameters");
+  expect_refused(model, ZeroOptimizerOptions().stage(3).units({stranger.ptr()}),
+                 "holds none of the optimizer's parameters");
 }
 
 // zero-units-train PREFIX: every rank trains each mode with units, adam also at stages 2
@@ -111,18 +100,7 @@ const std::vector<std::pair<std::string, int>> kRuns{
     {"adam", 3},  {"bf16", 0}, {"adam", 34},  {"adam", 35}, {"micro", 35}};
 constexpr std::size_t kBf16Plain = 6;
 
-const frugal::testing::RegisterChild register_units(
-    "zero-units-train", [](const std::vector<std::string>& args) {
-      return frugal::testing::train_rank_and_save(args, [](const std::shared_ptr<Group>& group) {
-        std::vector<torch::Tensor> out;
-        for (const auto& [mode, zero] : kRuns) {
-          for (auto& t : as_tensors(train(mode, zero, group))) {
-            out.push_back(std::move(t));
-          }
-        }
-        return out;
-      });
-    });
+const RegisterChild register_units = register_training("zero-units-train", kRuns);
 
 void expect_ranks_train_as_one_process(int world) {
   const auto ranks = frugal::testing::launch_and_load("zero-units-train", world);

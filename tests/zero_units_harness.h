@@ -11,10 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "children.h"
+#include "dist_launch.h"
 #include "frugal/compose/mixed_precision.h"
 #include "frugal/distributed/data_parallel.h"
 #include "frugal/distributed/shard.h"
 #include "frugal/distributed/zero.h"
+#include "frugal/error.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
@@ -305,6 +308,36 @@ inline std::vector<torch::Tensor> as_tensors(const Run& run) {
                                run.gradients_at_step, run.gradients_in_backward}));
   out.push_back(torch::tensor({run.eval_loss}, torch::kDouble));
   return out;
+}
+
+// Building a ZeroOptimizer over `model` with `options` fails with an error holding `text`.
+inline void expect_refused(UnitNet& model, const ZeroOptimizerOptions& options,
+                           const std::string& text) {
+  try {
+    ZeroOptimizer zero(
+        model->parameters(), Group::single(),
+        [](std::vector<torch::Tensor> p) { return make_inner("sgd", std::move(p)); }, options);
+    FAIL() << "accepted; wanted an error saying: " << text;
+  } catch (const frugal::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+// A child of this binary, `name`, that trains each of `runs` (mode, zero) on its rank and
+// saves what as_tensors makes of them, in order.
+inline RegisterChild register_training(const std::string& name,
+                                       std::vector<std::pair<std::string, int>> runs) {
+  return RegisterChild(name, [runs](const std::vector<std::string>& args) {
+    return train_rank_and_save(args, [&runs](const std::shared_ptr<Group>& group) {
+      std::vector<torch::Tensor> out;
+      for (const auto& [mode, zero] : runs) {
+        for (auto& t : as_tensors(train(mode, zero, group))) {
+          out.push_back(std::move(t));
+        }
+      }
+      return out;
+    });
+  });
 }
 
 }  // namespace frugal::testing::zero_units

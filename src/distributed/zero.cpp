@@ -318,7 +318,6 @@ std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
     if (layout_->held(u)) {
       out.push_back(layout_->units[u].flat);
     }
-    out.push_back(layout_->units[u].sending);  // a share rounded to param_dtype, being sent
   }
   return out;
 }

@@ -93,13 +93,13 @@ void ZeroLayout::start_gather(std::size_t u) {
   auto& unit = units[u];
   const std::int64_t n = group->size();
   take_bytes(unit.flat);
+  // This rank's share goes into its own place first (rounded to the flat buffer's dtype,
+  // FSDP's param_dtype, if it has another) and is sent from there: no copy of it is made.
+  const auto mine = unit.flat.narrow(0, group->rank() * unit.range, unit.range);
+  mine.copy_(share(u));
   if (n == 1) {
-    unit.flat.copy_(share(u));  // rounded to the flat buffer's dtype, if it has another
     return;
   }
-  // This rank's share in the dtype the units are gathered in (FSDP's param_dtype).
-  unit.sending = share(u).to(unit.flat.scalar_type());
-  const auto& mine = unit.sending;
   // Straight into the flat buffer, a piece of every rank's share at a time.
   const std::int64_t piece = std::max<std::int64_t>(
       1, std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(mine.element_size()))));
@@ -125,7 +125,6 @@ void ZeroLayout::gather(std::size_t u) {
     work.wait();
   }
   unit.arriving.clear();
-  unit.sending = torch::Tensor();
   view_flat(u);
   unit.viewed = true;
   if (prefetched == u) {
@@ -176,7 +175,6 @@ void ZeroLayout::release(std::size_t u) {
     work.wait();  // the backend still writes into the buffer
   }
   unit.arriving.clear();
-  unit.sending = torch::Tensor();
   if (unit.viewed) {
     torch::NoGradGuard no_grad;
     for (const auto i : unit.members) {

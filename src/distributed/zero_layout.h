@@ -22,7 +22,6 @@ struct ZeroUnit {
   std::int64_t shard_offset = 0;     // where this rank's share starts in the shard
   torch::Tensor flat;                // N ranges, padded; stage 3: bytes while whole or arriving
   std::vector<Work> arriving;        // a prefetch's all-gathers into `flat`, in flight
-  torch::Tensor sending;             // this rank's share in `flat`'s dtype, while arriving
   bool viewed = false;               // the parameters view `flat` (the unit is whole)
   std::size_t awaiting = 0;          // backward: gradients not accumulated yet
   bool counting = false;             // backward has reached the unit
