@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "backend.h"
+#include "compat.h"
 #include "frugal/error.h"
 
 namespace frugal::distributed {
@@ -131,6 +132,13 @@ struct Group::Impl {
   std::chrono::milliseconds timeout{0};
   torch::Device device = torch::kCPU;
   bool release = true;  // Gloo: wait for its worker to drop each work (NCCL's watchdog keeps them)
+  bool no_bfloat16 = false;  // Gloo before LibTorch 2.2 refuses bfloat16 ("Invalid scalar type")
+
+  // A transfer's tensor as the backend takes it: bfloat16 where it is refused moves the
+  // same bits as Half.
+  torch::Tensor as_sent(const torch::Tensor& t) const {
+    return no_bfloat16 && t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+  }
 };
 
 Group::Group(std::unique_ptr<Impl> impl, int rank, int size)
@@ -221,12 +229,24 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   }
   impl->pg =
       c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
+  impl->no_bfloat16 = !FRUGAL_TORCH_AT_LEAST(2, 2);
   return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
 }
 
 Work Group::all_reduce(torch::Tensor& tensor) {
   if (!impl_->pg) {
     return {};
+  }
+  if (impl_->no_bfloat16 && tensor.scalar_type() == torch::kBFloat16) {
+    // Summed in float32 and rounded back once the sum is in.
+    std::vector<torch::Tensor> wide{tensor.to(torch::kFloat)};
+    auto work = std::make_shared<Work>(
+        in_flight(impl_->pg->allreduce(wide), "all-reduce", rank_, impl_->timeout, impl_->release));
+    return {[work, wide, tensor]() mutable {
+              work->wait();
+              tensor.copy_(wide.front());
+            },
+            [work] { return work->done(); }};
   }
   std::vector<torch::Tensor> tensors{tensor};
   return in_flight(impl_->pg->allreduce(tensors), "all-reduce", rank_, impl_->timeout,
@@ -239,7 +259,7 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
   if (!impl_->pg) {
     return;
   }
-  std::vector<torch::Tensor> tensors{tensor};
+  std::vector<torch::Tensor> tensors{impl_->as_sent(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   wait_for(impl_->pg->broadcast(tensors, options), "broadcast", rank_, impl_->timeout,
@@ -257,8 +277,11 @@ Work Group::all_gather_async(std::vector<torch::Tensor>& out, const torch::Tenso
     out[0].copy_(in);
     return {};
   }
-  std::vector<std::vector<torch::Tensor>> outputs{out};
-  std::vector<torch::Tensor> inputs{in};
+  std::vector<std::vector<torch::Tensor>> outputs(1);
+  for (const auto& t : out) {
+    outputs.front().push_back(impl_->as_sent(t));
+  }
+  std::vector<torch::Tensor> inputs{impl_->as_sent(in)};
   return in_flight(impl_->pg->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout,
                    impl_->release);
 }
