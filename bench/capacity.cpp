@@ -129,11 +129,10 @@ std::unique_ptr<frugal::Trainer> decoder_trainer(tiny_lm::TinyLM& model,
 
 // The ZeRO-3 row's trial, in one of the ranks: the decoder is built whole (as one loaded
 // would be) and sharded, then the cap holds for the training; every rank trains on its own
-// batch. The settings that hold least: no prefetch (one block whole at a time), units
-// gathered in bf16 (the float32 ranges are the weights AdamW8bit updates), 4 MiB buckets of
-// gradients in flight, and each block's range updated in backward as its gradients arrive
-// (AdamW8bit over one range a unit). 0 when two steps ran, 3 when this rank ran
-// out of memory; a rank whose peer ran out fails in a collective (another status).
+// batch. The settings that hold least: no prefetch, units gathered in bf16 from the float32
+// ranges, 4 MiB buckets, each block's range updated in backward by AdamW8bit. 0 when two
+// steps ran, 3 when this rank ran out of memory; a rank whose peer ran out fails in a
+// collective (another status).
 int sharded_trial(const Args& a, const Config& config, torch::Device device) {
   namespace fd = frugal::distributed;
   const auto group = fd::LaunchEnv::launched()

@@ -16,13 +16,10 @@ TEST(Autocast, Bf16PolicyLowersActivationsAndKeepsFloatParameters) {
   auto model = make_mlp(16, 32, 4);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   torch::ScalarType output_dtype = torch::kFloat;
-  frugal::Trainer trainer(
-      model, sgd,
-      [&](const torch::Tensor& o, const torch::Tensor& t) {
-        output_dtype = o.scalar_type();
-        return F::mse_loss(o.to(torch::kFloat), t);
-      },
-      frugal::TrainerOptions().set_to_none(false));
+  frugal::Trainer trainer(model, sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
+    output_dtype = o.scalar_type();
+    return F::mse_loss(o.to(torch::kFloat), t);
+  }, frugal::TrainerOptions().set_to_none(false));
   trainer.add_policy(std::make_shared<frugal::AutocastPolicy>(torch::kCPU, torch::kBFloat16));
   trainer.step({torch::randn({8, 16}), torch::randn({8, 4})});
   EXPECT_EQ(output_dtype, torch::kBFloat16);
@@ -126,16 +123,17 @@ TEST(Autocast, Fp16OnTheCpuEitherRunsOrSaysWhichLibTorchItNeeds) {
     frugal::AutocastPolicy policy(torch::kCPU, torch::kHalf);
     FAIL() << "fp16 CPU autocast accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Half needs LibTorch 2.4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("Half needs LibTorch 2.4"), std::string::npos)
+        << e.what();
   }
 }
 
 TEST(Autocast, Fp16MixedPrecisionAddsAScalerByDefault) {
   auto model = make_mlp(4, 4, 2);
   torch::optim::SGD sgd(model->parameters(), 0.1);
-  frugal::Trainer trainer(
-      model, sgd, [](const torch::Tensor& o, const torch::Tensor& t) { return F::mse_loss(o, t); },
-      frugal::TrainerOptions().device(torch::kCPU));
+  frugal::Trainer trainer(model, sgd, [](const torch::Tensor& o, const torch::Tensor& t) {
+    return F::mse_loss(o, t);
+  }, frugal::TrainerOptions().device(torch::kCPU));
   if (!frugal::compat::autocast_supports(torch::kCPU, torch::kHalf)) {
     EXPECT_THROW(frugal::use_mixed_precision(trainer, torch::kHalf), c10::Error);
     return;
@@ -152,13 +150,10 @@ TEST(CudaAutocast, Fp16StepWithScalerKeepsFloatGradients) {
   model->to(torch::kCUDA);
   torch::optim::SGD sgd(model->parameters(), 0.1);
   torch::ScalarType output_dtype = torch::kFloat;
-  frugal::Trainer trainer(
-      model, sgd,
-      [&](const torch::Tensor& o, const torch::Tensor& t) {
-        output_dtype = o.scalar_type();
-        return F::mse_loss(o.to(torch::kFloat), t);
-      },
-      frugal::TrainerOptions().device(torch::kCUDA).set_to_none(false));
+  frugal::Trainer trainer(model, sgd, [&](const torch::Tensor& o, const torch::Tensor& t) {
+    output_dtype = o.scalar_type();
+    return F::mse_loss(o.to(torch::kFloat), t);
+  }, frugal::TrainerOptions().device(torch::kCUDA).set_to_none(false));
   const auto scaler = frugal::use_mixed_precision(trainer, torch::kHalf);
   ASSERT_NE(scaler, nullptr);
   const auto report = trainer.step({torch::randn({8, 16}), torch::randn({8, 4})});

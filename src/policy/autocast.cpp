@@ -13,24 +13,19 @@ std::string AutocastPolicy::name() const {
   return std::string("autocast-") + c10::toString(dtype_);
 }
 
-void AutocastPolicy::before_forward(StepContext&) {
+void AutocastPolicy::enter() {
   active_.push_back(std::make_unique<AutocastGuard>(type_, dtype_, enabled_));
 }
 
-void AutocastPolicy::after_forward(StepContext&) {
+void AutocastPolicy::leave() {
   if (!active_.empty()) {
     active_.pop_back();
   }
 }
 
-void AutocastPolicy::on_evaluate_begin(PolicyPort&) {
-  active_.push_back(std::make_unique<AutocastGuard>(type_, dtype_, enabled_));
-}
-
-void AutocastPolicy::on_evaluate_end(PolicyPort&) {
-  if (!active_.empty()) {
-    active_.pop_back();
-  }
-}
+void AutocastPolicy::before_forward(StepContext&) { enter(); }
+void AutocastPolicy::after_forward(StepContext&) { leave(); }
+void AutocastPolicy::on_evaluate_begin(PolicyPort&) { enter(); }
+void AutocastPolicy::on_evaluate_end(PolicyPort&) { leave(); }
 
 }  // namespace frugal

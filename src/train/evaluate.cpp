@@ -188,8 +188,9 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
       offset += n;
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(),
-                                     [&](auto& p) { return p->on_eval_error(*this, size, error); });
+      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
+        return p->on_eval_error(*this, size, error);
+      });
       if (!retry) {
         throw;
       }

@@ -32,6 +32,8 @@ class AutocastPolicy : public Policy {
   bool enabled() const { return enabled_; }
 
  private:
+  void enter();  // a forward or an evaluation begins: its autocast region
+  void leave();
   torch::DeviceType type_;
   torch::Dtype dtype_;
   bool enabled_ = true;

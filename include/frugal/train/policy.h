@@ -50,8 +50,8 @@ struct StepContext {
   torch::nn::Module& module;
   torch::optim::Optimizer& optimizer;
   const MemoryProbe& probe;
-  const Batch& batch;  ///< the whole batch of this call
-  Batch micro;         ///< the micro-batch in flight (forward/backward phases)
+  const Batch& batch;           ///< the whole batch of this call
+  Batch micro;                  ///< the micro-batch in flight (forward/backward phases)
   std::int64_t micro_index = 0;
   std::int64_t micro_count = 0;
   /// From AfterForward on: the micro-batch's loss, already weighted by its share of the
