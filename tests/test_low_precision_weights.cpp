@@ -310,6 +310,43 @@ TEST(StochasticRounding, ChunksDrawTheBitsTheWholeWouldAndSpecialValuesStay) {
   EXPECT_TRUE(torch::equal(finite, finite.to(torch::kBFloat16).to(torch::kFloat32)));
 }
 
+TEST(StochasticRounding, OnePassNarrowingGivesTheBitsOfRoundingThenNarrowing) {
+  auto generator = torch::make_generator<torch::CPUGeneratorImpl>(6);
+  auto x = torch::randn({6000}, generator) * 100;
+  const float specials[] = {std::numeric_limits<float>::max(),
+                            -std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::denorm_min() * 777,
+                            0.0F,
+                            -0.0F};
+  for (std::size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) {
+    x[static_cast<std::int64_t>(100 * i)] = specials[i];
+  }
+  const auto input = x.clone();
+  // Two passes over elements 1000..5999 of a parameter: rounded in place, then narrowed.
+  auto rounded = x.clone();
+  frugal::optim::detail::round_stochastic_cpu(rounded.data_ptr<float>(), 6000, 21, 1000);
+  auto two = torch::empty({6000}, torch::kBFloat16);
+  frugal::optim::detail::to_bfloat16_bits(
+      rounded.data_ptr<float>(), 6000,
+      reinterpret_cast<std::uint16_t*>(two.data_ptr<at::BFloat16>()));
+  // One pass, in two pieces at an odd place.
+  auto one = torch::empty({6000}, torch::kBFloat16);
+  auto* out = reinterpret_cast<std::uint16_t*>(one.data_ptr<at::BFloat16>());
+  frugal::optim::detail::to_bfloat16_bits_stochastic(x.data_ptr<float>(), 2501, 21, 1000, out);
+  frugal::optim::detail::to_bfloat16_bits_stochastic(x.data_ptr<float>() + 2501, 3499, 21, 3501,
+                                                     out + 2501);
+  EXPECT_TRUE(torch::equal(one.view(torch::kShort), two.view(torch::kShort)));
+  EXPECT_TRUE(torch::equal(x.view(torch::kInt), input.view(torch::kInt)));  // x as it was
+  // Not a rounding to nearest: a share of the values went the other way.
+  const auto nearest = input.to(torch::kBFloat16);
+  const auto finite = torch::isfinite(input);
+  const auto differ = (one.view(torch::kShort) != nearest.view(torch::kShort)) & finite;
+  EXPECT_GT(differ.sum().item<std::int64_t>(), 1000);
+}
+
 TEST(StochasticRounding, BfloatBitsRoundToNearestEvenAsACast) {
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(4);
   auto x = torch::randn({5000}, generator) * 1e3;

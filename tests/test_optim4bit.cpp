@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <iostream>
 #include <sstream>
 
@@ -57,6 +58,36 @@ std::int64_t four_bit_bytes(const std::vector<torch::Tensor>& params, bool facto
     bytes += n < 4096 ? 8 * n : codes + (matrix ? 4 * (p.size(0) + p.size(1)) : codes);
   }
   return bytes;
+}
+
+TEST(Optim4bit, ABlocksLargestNegativeFirstMomentIsKeptAsItsLargestPositiveIs) {
+  // Each block of 128 has its largest gradient twice: -1 at element 0 and +1 at element 1.
+  // Their first moments are each step the block's scale, so both are exact, mirrored:
+  // (1 - beta1^t) of the gradient, where a map that reaches 1 but not -1 shrinks the
+  // negative one at every step.
+  torch::manual_seed(31);
+  auto g = torch::rand({32, 128}) * 0.5 - 0.25;
+  g.select(1, 0).fill_(-1.0);
+  g.select(1, 1).fill_(1.0);
+  for (const bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused CPU step" : "tensor-ops step (a strided parameter)");
+    auto p = fused ? torch::zeros({32, 128}) : torch::zeros({128, 32}).t();
+    ASSERT_EQ(p.is_contiguous(), fused);
+    fo::Adam4bit adam({p}, to::AdamOptions(1e-3));
+    for (int t = 1; t <= 8; ++t) {
+      p.mutable_grad() = g.clone();
+      adam.step();
+      const auto m = moment_values(state_of(adam, p), true, p);
+      const double expected = 1.0 - std::pow(0.9, t);
+      EXPECT_NEAR(m.select(1, 0).min().item<double>(), -expected, 1e-6 * expected) << t;
+      EXPECT_NEAR(m.select(1, 0).max().item<double>(), -expected, 1e-6 * expected) << t;
+      EXPECT_TRUE(torch::equal(m.select(1, 0), -m.select(1, 1))) << t;
+    }
+  }
+  // The map itself: -1 and 1 at its ends.
+  const auto map = fo::moment_map(true, 4);
+  EXPECT_EQ(map.min().item<float>(), -1.0F);
+  EXPECT_EQ(map.max().item<float>(), 1.0F);
 }
 
 TEST(Optim4bit, TheLedgerCountsTheFormatsBytes) {

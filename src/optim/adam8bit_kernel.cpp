@@ -228,10 +228,9 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
     }
     update(p, g, m_read, v_read, m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
            a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b], a);
-    if (bf16) {  // stochastic rounding leaves bfloat16 values: nearest then is exact
-      if (w.stochastic) {
-        round_stochastic_range(buf.p, count, w.key, begin);
-      }
+    if (bf16 && w.stochastic) {
+      to_bfloat16_bits_stochastic(buf.p, count, w.key, begin, w.p16 + begin);
+    } else if (bf16) {
       to_bfloat16_bits(buf.p, count, w.p16 + begin);
     }
     if (has_m) {

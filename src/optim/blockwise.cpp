@@ -222,7 +222,13 @@ NearestCode::NearestCode(const torch::Tensor& map) {
 }
 
 torch::Tensor moment_map(bool is_signed, int bits) {
-  return dynamic_map(is_signed, is_signed, bits);
+  auto map = dynamic_map(is_signed, is_signed, bits);
+  if (is_signed && bits == 4) {
+    // The dynamic map reaches 1 but only -0.8875: a block whose largest moment is negative
+    // would shrink it by a ninth at every step. Its lowest value becomes -1.
+    map[0] = -1.0F;
+  }
+  return map;
 }
 
 const NearestCode& nearest_code(bool is_signed, int bits) {

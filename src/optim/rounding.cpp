@@ -31,18 +31,44 @@ inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer
   return x;
 }
 
+// The random bits of element `index` under a key's two halves: 16 of them.
+inline std::uint32_t noise16(std::uint32_t index, std::uint32_t low_key, std::uint32_t high_key) {
+  return mix32(mix32(index + low_key) ^ high_key) & 0xFFFFU;
+}
+
+inline bool special(std::uint32_t b) {  // infinity or NaN
+  return (b & 0x7F800000U) == 0x7F800000U;
+}
+
+// Rounded to nearest, ties to even; a NaN is bfloat16's quiet NaN.
+inline std::uint16_t nearest_bits(std::uint32_t b) {
+  const bool nan = (b & 0x7FFFFFFFU) > 0x7F800000U;
+  const std::uint32_t rounded = (b + 0x7FFFU + ((b >> 16) & 1U)) >> 16;
+  return static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
+}
+
 FRUGAL_VECTOR_CLONES
 void round_range(std::uint32_t* bits, std::int64_t n, std::uint32_t low_key, std::uint32_t high_key,
                  std::uint32_t first) {
   for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint32_t noise =
-        mix32(mix32(first + static_cast<std::uint32_t>(i) + low_key) ^ high_key) & 0xFFFFU;
-    const std::uint32_t b = bits[i];
     // Adding up to one unit of bfloat16's last place to the float32's bits and cutting the
     // 16 low bits rounds the magnitude up with probability (low bits) / 2^16.
-    const std::uint32_t rounded = (b + noise) & 0xFFFF0000U;
-    const bool special = (b & 0x7F800000U) == 0x7F800000U;  // infinity or NaN
-    bits[i] = special ? b : rounded;
+    const std::uint32_t b = bits[i];
+    const std::uint32_t rounded =
+        (b + noise16(first + static_cast<std::uint32_t>(i), low_key, high_key)) & 0xFFFF0000U;
+    bits[i] = special(b) ? b : rounded;
+  }
+}
+
+// round_range and then nearest_even in one pass: the stochastic result is a bfloat16 value,
+// which rounding to nearest keeps, and an infinity or NaN is rounded to nearest as it is.
+FRUGAL_VECTOR_CLONES
+void narrow_range(const std::uint32_t* __restrict x, std::int64_t n, std::uint32_t low_key,
+                  std::uint32_t high_key, std::uint32_t first, std::uint16_t* __restrict out) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint32_t b = x[i];
+    const std::uint32_t up = b + noise16(first + static_cast<std::uint32_t>(i), low_key, high_key);
+    out[i] = special(b) ? nearest_bits(b) : static_cast<std::uint16_t>(up >> 16);
   }
 }
 
@@ -57,12 +83,10 @@ struct SplitKey {
 };
 
 FRUGAL_VECTOR_CLONES
-void nearest_even(const std::uint32_t* __restrict x, std::int64_t n, std::uint16_t* __restrict out) {
+void nearest_even(const std::uint32_t* __restrict x, std::int64_t n,
+                  std::uint16_t* __restrict out) {
   for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint32_t b = x[i];
-    const bool nan = (b & 0x7FFFFFFFU) > 0x7F800000U;
-    const std::uint32_t rounded = (b + 0x7FFFU + ((b >> 16) & 1U)) >> 16;
-    out[i] = static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
+    out[i] = nearest_bits(x[i]);
   }
 }
 
@@ -79,15 +103,15 @@ std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update) {
   return mix64(mix64(seed + 0x9E3779B97F4A7C15ULL) ^ update);
 }
 
-void round_stochastic_range(float* x, std::int64_t n, std::uint64_t key, std::int64_t first) {
-  static_assert(sizeof(float) == sizeof(std::uint32_t));
-  const SplitKey k(key, first);
-  round_range(reinterpret_cast<std::uint32_t*>(x), n, k.low, k.high,
-              static_cast<std::uint32_t>(first));
-}
-
 void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out) {
   nearest_even(reinterpret_cast<const std::uint32_t*>(x), n, out);
+}
+
+void to_bfloat16_bits_stochastic(const float* x, std::int64_t n, std::uint64_t key,
+                                 std::int64_t first, std::uint16_t* out) {
+  const SplitKey k(key, first);
+  narrow_range(reinterpret_cast<const std::uint32_t*>(x), n, k.low, k.high,
+               static_cast<std::uint32_t>(first), out);
 }
 
 void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out) {

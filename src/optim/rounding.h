@@ -18,13 +18,14 @@ std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update);
 /// Infinities and NaN stay as they are.
 void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first);
 
-/// round_stochastic_cpu on this thread alone: for a caller that shares out the work itself.
-/// The same bits for the same `key` and indices.
-void round_stochastic_range(float* x, std::int64_t n, std::uint64_t key, std::int64_t first);
-
 /// bfloat16's bits of x[0..n) rounded to nearest, ties to even (as a cast rounds; a NaN
 /// stays a NaN), into `out`.
 void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out);
+
+/// round_stochastic_cpu and then to_bfloat16_bits in one pass on this thread alone, for a
+/// caller that shares out the work itself: the same bits out, and x left as it was.
+void to_bfloat16_bits_stochastic(const float* x, std::int64_t n, std::uint64_t key,
+                                 std::int64_t first, std::uint16_t* out);
 
 /// x[0..n), bfloat16's bits, widened to float32 (exactly) into `out`.
 void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out);
