@@ -56,6 +56,30 @@ TEST(MicroBatchPlan, CountsAreSamplesOrWhatTheCountFunctionSays) {
   EXPECT_TRUE(by_tokens.micros[1].targets.equal(batch.targets.slice(0, 4, 6)));
 }
 
+TEST(MicroBatchPlan, SplitIntoKeepsItsRoomAndIsLeftEmptyWhenRefused) {
+  const MicroBatchPlan tokens(c10::nullopt, [](const frugal::Batch& b) {
+    return b.targets.ne(-100).sum().item<std::int64_t>();
+  });
+  const frugal::Batch batch{torch::randn({6, 2}), torch::tensor({1, -100, 2, -100, -100, 3})};
+  MicroBatchPlan::Split out;
+  tokens.split_into(batch, 2, out);
+  const auto fresh = tokens.split(batch, 2);
+  EXPECT_EQ(out.counts, fresh.counts);
+  EXPECT_EQ(out.total, fresh.total);
+  ASSERT_EQ(out.micros.size(), 3U);
+  const auto* room = out.micros.data();
+  tokens.split_into(batch, 4, out);  // fewer parts: the same lists, nothing left of before
+  EXPECT_EQ(out.micros.data(), room);
+  EXPECT_EQ(out.counts, (std::vector<std::int64_t>{2, 1}));
+  EXPECT_EQ(out.total, 3);
+  EXPECT_TRUE(out.micros[1].targets.equal(batch.targets.slice(0, 4, 6)));
+  const frugal::Batch padding{torch::randn({4, 2}), torch::full({4}, -100)};
+  EXPECT_THROW(tokens.split_into(padding, 2, out), frugal::Error);
+  EXPECT_TRUE(out.micros.empty());
+  EXPECT_TRUE(out.counts.empty());
+  EXPECT_EQ(out.total, 0);
+}
+
 TEST(MicroBatchPlan, TheWholeBatchInOnePartIsTheBatchItself) {
   const frugal::Batch batch{torch::randn({5, 2}), torch::randn({5})};
   const auto split = MicroBatchPlan(c10::nullopt, nullptr).split(batch, 0);

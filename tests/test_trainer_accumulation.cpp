@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <thread>
+
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 
@@ -165,6 +168,32 @@ TEST(Accumulation, ReportedLossIsTheBatchMean) {
   torch::optim::SGD sgd(model->parameters(), 0.1);
   frugal::Trainer trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(16));
   EXPECT_NEAR(trainer.step(batch).loss, expected, 1e-6);
+}
+
+TEST(Accumulation, PhaseTimesFollowOneAnotherWithinTheTotal) {
+  // Hooks that sleep put lower bounds on the phases they run in.
+  auto model = make_mlp(10, 32, 3);
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, mse, frugal::TrainerOptions().micro_batch(16));
+  const auto nap = [](int ms) {
+    return [ms](frugal::StepContext&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    };
+  };
+  trainer.add_hook(frugal::Phase::BeforeForward, nap(2));
+  trainer.add_hook(frugal::Phase::BeforeBackward, nap(3));
+  trainer.add_hook(frugal::Phase::BeforeOptimizerStep, nap(4));
+  for (int step = 0; step < 2; ++step) {
+    const auto report = trainer.step(regression_batch(48, 7));
+    const auto& t = report.time;
+    ASSERT_EQ(report.micro_batches, 3);
+    EXPECT_GE(t.forward_ms, 3 * 2.0);
+    EXPECT_GE(t.backward_ms, 3 * 3.0);
+    EXPECT_GE(t.optimizer_ms, 4.0);
+    EXPECT_GE(t.data_ms, 0.0);
+    // The phases are consecutive stretches of the step: together no longer than it.
+    EXPECT_LE(t.data_ms + t.forward_ms + t.backward_ms + t.optimizer_ms, t.total_ms + 1e-9);
+  }
 }
 
 TEST(CudaAccumulation, MicroBatchGradientsEqualTheFullBatch) {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 #include <algorithm>
+#include <array>
 #include <typeinfo>
 #include <unordered_set>
 #include <vector>
@@ -19,7 +20,7 @@ namespace {
 // Sums each storage on one device once, across all the categories it is asked about.
 class StorageCounter {
  public:
-  explicit StorageCounter(torch::Device device) : device_(device) { list_.reserve(16); }
+  explicit StorageCounter(torch::Device device) : device_(device) {}
 
   std::int64_t add(const torch::Tensor& t) {
     if (!t.defined() || !t.has_storage() || t.device() != device_) {
@@ -33,15 +34,16 @@ class StorageCounter {
   }
 
  private:
-  // A short list searched in place until it grows long: most models have a few dozen
-  // tensors, where a hash set's allocation per entry costs more than the search.
+  // A short list on the stack, searched in place until it fills: most models have a few
+  // dozen tensors, where a hash set's allocation per entry costs more than the search.
   static constexpr std::size_t kListed = 64;
   bool first_sight(const void* storage) {
-    if (set_.empty() && list_.size() < kListed) {
-      if (std::find(list_.begin(), list_.end(), storage) != list_.end()) {
+    if (set_.empty() && listed_ < kListed) {
+      const auto end = list_.begin() + listed_;
+      if (std::find(list_.begin(), end, storage) != end) {
         return false;
       }
-      list_.push_back(storage);
+      list_[listed_++] = storage;
       return true;
     }
     if (set_.empty()) {
@@ -51,7 +53,8 @@ class StorageCounter {
   }
 
   torch::Device device_;
-  std::vector<const void*> list_;
+  std::array<const void*, kListed> list_;
+  std::size_t listed_ = 0;
   std::unordered_set<const void*> set_;
 };
 
@@ -138,9 +141,10 @@ void ModuleTensors::read(std::vector<torch::Tensor>& parameters,
 
 Ledger measure_ledger(const MemorySnapshot& now, ModuleTensors& tensors,
                       const torch::optim::Optimizer* optimizer) {
-  std::vector<torch::Tensor> parameters, buffers;
-  tensors.read(parameters, buffers);
-  return measure_parts(now, parameters, buffers, optimizer);
+  return tensors.with_tensors(
+      [&](const std::vector<torch::Tensor>& parameters, const std::vector<torch::Tensor>& buffers) {
+        return measure_parts(now, parameters, buffers, optimizer);
+      });
 }
 
 namespace {

@@ -30,6 +30,20 @@ class ModuleTensors {
   /// The parameters and buffers alive now, into `parameters` and `buffers`; walks the tree
   /// again first where one read before has been freed.
   void read(std::vector<torch::Tensor>& parameters, std::vector<torch::Tensor>& buffers);
+  /// Calls `fn(parameters, buffers)` with the tensors alive now, held only for the call, in
+  /// lists that keep their room from one call to the next (a step allocates none).
+  template <typename Fn>
+  auto with_tensors(Fn fn) {
+    read(held_parameters_, held_buffers_);
+    struct Release {
+      ModuleTensors& t;
+      ~Release() {
+        t.held_parameters_.clear();
+        t.held_buffers_.clear();
+      }
+    } release{*this};
+    return fn(held_parameters_, held_buffers_);
+  }
 
  private:
   using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -38,6 +52,7 @@ class ModuleTensors {
   const torch::nn::Module& module_;
   std::vector<Weak> parameters_;
   std::vector<Weak> buffers_;
+  std::vector<torch::Tensor> held_parameters_, held_buffers_;  // with_tensors' lists
 };
 
 /// measure_ledger over the tensors of `module` as `tensors` holds them, on the device of

@@ -36,6 +36,21 @@ inline double ms_since(Clock::time_point start, const c10::Device& device) {
   return ms_since(start);
 }
 
+/// Milliseconds from `mark` to now, with `mark` moved to now: consecutive phases share the
+/// clock read between them.
+inline double lap(Clock::time_point& mark) {
+  const auto now = Clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - mark).count();
+  mark = now;
+  return ms;
+}
+
+/// The same once the work queued on `device` is done.
+inline double lap(Clock::time_point& mark, const c10::Device& device) {
+  wait_for(device);
+  return lap(mark);
+}
+
 inline void check_positive(const c10::optional<std::int64_t>& value, const char* name) {
   FRUGAL_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ", *value);
 }

@@ -24,15 +24,28 @@ class MicroBatchPlan {
     std::vector<Batch> micros;
     std::vector<std::int64_t> counts;
     std::int64_t total = 0;
+    /// Empty, keeping the lists' room for the next batch.
+    void clear() {
+      micros.clear();
+      counts.clear();
+      total = 0;
+    }
   };
   /// The sizes of the micro-batches of `samples` at micro-batch size `size` (0: none set).
   std::vector<std::int64_t> sizes(std::int64_t samples, std::int64_t size) const;
   /// The batch cut by sizes(); throws when its global count is not positive.
   Split split(const Batch& batch, std::int64_t size) const;
+  /// The same into `out`, whose lists keep their room from one batch to the next: a step
+  /// allocates nothing to cut its batch. `out` is left empty when this throws.
+  void split_into(const Batch& batch, std::int64_t size, Split& out) const;
   /// What `micro` counts; throws on a negative count.
   std::int64_t count(const Batch& micro) const;
 
  private:
+  // Calls `part(n)` for each micro-batch's size n, in order, as sizes() lists them.
+  template <typename Part>
+  void for_each_size(std::int64_t samples, std::int64_t size, Part part) const;
+
   c10::optional<std::int64_t> parts_;
   CountFn count_;
 };

@@ -14,7 +14,6 @@
 namespace frugal {
 
 using detail::Clock;
-using detail::ms_since;
 
 // The batch's logged loss: one read for one micro-batch, as a plain loop does; for several,
 // summed on the device and read once.
@@ -81,16 +80,15 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
     }
   };
   for (bool first = true;; first = false) {
-    const auto data_start = Clock::now();
+    parts_->mark = Clock::now();  // data time runs on into the first micro-batch's
     if (!first) {
-      split = parts_->plan.split(ctx.batch, micro_batch_);  // with the size a policy chose
+      parts_->plan.split_into(ctx.batch, micro_batch_, split);  // the size a policy chose
     }
     report.count = split.total;
     report.micro_batches = static_cast<std::int64_t>(split.micros.size());
     report.micro_batch = split.micros.front().size();
     parts_->batch_statistics.check(*module_, report.micro_batches, report.micro_batch);
     ctx.micro_count = report.micro_batches;
-    report.time.data_ms += ms_since(data_start);
     parts_->metrics.clear();  // a retried attempt counts from nothing
     try {
       run_micro_batches(ctx, &aside);
@@ -100,7 +98,7 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
       // Drop everything the failed attempt made: its graph, outputs and gradients.
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
-      split = {};
+      split.clear();
       for (auto& p : module_->parameters()) {
         p.mutable_grad().reset();
       }
@@ -147,13 +145,12 @@ void Trainer::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* as
   ctx.window_count = ctx.trial ? split.total : window.count() + split.total;
   const double ready_scale = ctx.trial ? 1.0 : window.scale(ctx.window_count);
   LossLog log(split.micros.size() == 1);
+  auto& t = parts_->mark;  // one clock read between phases
   for (std::size_t i = 0; i < split.micros.size(); ++i) {
-    auto t = Clock::now();
     ctx.micro = split.micros[i].to(options_.device());
     ctx.micro_index = static_cast<std::int64_t>(i);
-    report.time.data_ms += ms_since(t);
+    report.time.data_ms += detail::lap(t);
 
-    t = Clock::now();
     {
       ScopedPeak forward_peak(probe_);
       {
@@ -162,18 +159,17 @@ void Trainer::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* as
       }  // AfterForward hooks see ctx.loss
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
     }
-    report.time.forward_ms += ms_since(t, options_.device());
+    report.time.forward_ms += detail::lap(t, options_.device());
 
-    t = Clock::now();
     const bool last = i + 1 == split.micros.size();
     if (completes_step && last && skips_last_backward(ctx, log)) {
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
-      report.time.backward_ms += ms_since(t, options_.device());
+      report.time.backward_ms += detail::lap(t, options_.device());
       break;
     }
     backward(ctx, completes_step && last, aside, ready_scale);
-    report.time.backward_ms += ms_since(t, options_.device());
+    report.time.backward_ms += detail::lap(t, options_.device());
   }
   report.loss = log.value() / static_cast<double>(split.total);
   if (!ctx.trial && !std::isfinite(report.loss)) {

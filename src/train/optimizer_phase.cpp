@@ -15,9 +15,6 @@
 
 namespace frugal {
 
-using detail::Clock;
-using detail::ms_since;
-
 namespace {
 
 // Puts back what a failed optimizer step did not finish; returns what it had written.
@@ -30,7 +27,7 @@ std::vector<torch::Tensor> undo_unfinished(detail::OptimizerStepGuard& guard) {
 }  // namespace
 
 void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch) {
-  const auto t = Clock::now();
+  // The phase's time runs from the batch's last clock read (flush's own, without a batch).
   ctx.skip_optimizer_step = false;
   ctx.window_count = window_count;
   {
@@ -76,7 +73,7 @@ void Trainer::optimizer_phase(StepContext& ctx, std::int64_t window_count, bool 
   for (auto& policy : policies_) {
     policy->after_zero_grad(ctx);
   }
-  ctx.report.time.optimizer_ms = ms_since(t, options_.device());
+  ctx.report.time.optimizer_ms = detail::lap(parts_->mark, options_.device());
 }
 
 void Trainer::drop_window() {

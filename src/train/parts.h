@@ -10,6 +10,7 @@
 #include "frugal/train/trainer.h"
 #include "grad_ready.h"
 #include "gradient_window.h"
+#include "internal.h"
 #include "micro_batch_plan.h"
 #include "non_finite_guard.h"
 #include "step_halt.h"
@@ -35,6 +36,7 @@ struct Trainer::Parts {
   detail::StepHalt halt;
   detail::BatchStatisticsCheck batch_statistics;
   std::map<std::string, double> metrics;  // the attempt in flight's, summed
+  detail::Clock::time_point mark;         // the attempt's last boundary between phases
 };
 
 }  // namespace frugal

@@ -118,8 +118,8 @@ StepReport Trainer::step(const Batch& batch) {
   const std::int64_t samples = batch.size();
   FRUGAL_CHECK(samples > 0, "frugal: the batch is empty (0 samples)");
   // A bad count fails here, before anything is computed.
-  parts_->split = parts_->plan.split(batch, micro_batch_);
-  const auto release = c10::make_scope_exit([this] { parts_->split = {}; });
+  parts_->plan.split_into(batch, micro_batch_, parts_->split);
+  const auto release = c10::make_scope_exit([this] { parts_->split.clear(); });
 
   StepReport report;
   report.samples = samples;
@@ -183,8 +183,8 @@ StepReport Trainer::trial(const Batch& batch) {
       for (auto& policy : policies_) {
         policy->on_step_begin(ctx);
       }
-      parts_->split = parts_->plan.split(batch, micro_batch_);
-      const auto release = c10::make_scope_exit([this] { parts_->split = {}; });
+      parts_->plan.split_into(batch, micro_batch_, parts_->split);
+      const auto release = c10::make_scope_exit([this] { parts_->split.clear(); });
       run_batch(ctx, /*isolate=*/false);
     } catch (...) {
       window.put_back(std::move(aside), /*add=*/false);
@@ -210,6 +210,7 @@ bool Trainer::flush() {
   StepReport report;
   Batch none;
   StepContext ctx(*this, none, report);
+  parts_->mark = Clock::now();
   optimizer_phase(ctx, parts_->window.count(), /*ends_batch=*/false);
   return true;
 }

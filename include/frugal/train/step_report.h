@@ -13,7 +13,9 @@ namespace frugal {
 /// Wall time of a step and of its phases, in milliseconds. On CUDA the trainer waits for
 /// the device at the end of the forward, backward and optimizer phases and of the step, so
 /// that each phase counts its kernels, not their launches (the planner's times rest on
-/// them); host-to-device copies are queued without waiting and count in the forward.
+/// them); host-to-device copies are queued without waiting and count in the forward. The
+/// phases follow one another, each from where the one before ended (one clock read between
+/// two), so that they add up to the step's time less its start and end.
 struct PhaseTimes {
   double data_ms = 0;       ///< splitting the batch and queuing micro-batches to the device
   double forward_ms = 0;    ///< forward passes and loss, all micro-batches
