@@ -130,12 +130,11 @@ bool ModuleTensors::lock(const std::vector<Weak>& from, std::vector<torch::Tenso
   return true;
 }
 
-void ModuleTensors::read(std::vector<torch::Tensor>& parameters,
-                         std::vector<torch::Tensor>& buffers) {
-  if (!lock(parameters_, parameters) || !lock(buffers_, buffers)) {
+void ModuleTensors::read() {
+  if (!lock(parameters_, held_parameters_) || !lock(buffers_, held_buffers_)) {
     refresh();
-    lock(parameters_, parameters);
-    lock(buffers_, buffers);
+    lock(parameters_, held_parameters_);
+    lock(buffers_, held_buffers_);
   }
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/core/TensorImpl.h>
+#include <c10/util/ScopeExit.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -27,25 +28,21 @@ class ModuleTensors {
 
   /// Walks the module tree again (after the module registered new parameters or buffers).
   void refresh();
-  /// The parameters and buffers alive now, into `parameters` and `buffers`; walks the tree
-  /// again first where one read before has been freed.
-  void read(std::vector<torch::Tensor>& parameters, std::vector<torch::Tensor>& buffers);
-  /// Calls `fn(parameters, buffers)` with the tensors alive now, held only for the call, in
-  /// lists that keep their room from one call to the next (a step allocates none).
+  /// Calls `fn(parameters, buffers)` with the parameters and buffers alive now, walking the
+  /// tree again first where one read before has been freed. They are held only for the
+  /// call, in lists that keep their room from one call to the next (a step allocates none).
   template <typename Fn>
   auto with_tensors(Fn fn) {
-    read(held_parameters_, held_buffers_);
-    struct Release {
-      ModuleTensors& t;
-      ~Release() {
-        t.held_parameters_.clear();
-        t.held_buffers_.clear();
-      }
-    } release{*this};
+    read();
+    const auto release = c10::make_scope_exit([this] {
+      held_parameters_.clear();
+      held_buffers_.clear();
+    });
     return fn(held_parameters_, held_buffers_);
   }
 
  private:
+  void read();  // locks the weak lists into the held ones
   using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   static bool lock(const std::vector<Weak>& from, std::vector<torch::Tensor>& to);
 

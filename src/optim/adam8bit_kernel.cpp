@@ -228,10 +228,8 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
     }
     update(p, g, m_read, v_read, m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
            a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b], a);
-    if (bf16 && w.stochastic) {
-      to_bfloat16_bits_stochastic(buf.p, count, w.key, begin, w.p16 + begin);
-    } else if (bf16) {
-      to_bfloat16_bits(buf.p, count, w.p16 + begin);
+    if (bf16) {
+      store_bf16_weights(w, buf.p, begin, count);
     }
     if (has_m) {
       encode(buf.m_new, count, m_book, s.bits, buf.wide, m_codes, &s.m_scales[b]);
@@ -294,6 +292,15 @@ FusedWeights fused_weights(ParamUpdate& u) {
   w.stochastic = u.low != nullptr && u.low->rounding == Rounding::Stochastic;
   w.key = u.low != nullptr ? u.low->key : 0;
   return w;
+}
+
+void store_bf16_weights(const FusedWeights& w, const float* p, std::int64_t begin,
+                        std::int64_t count) {
+  if (w.stochastic) {
+    to_bfloat16_bits_stochastic(p, count, w.key, begin, w.p16 + begin);
+  } else {
+    to_bfloat16_bits(p, count, w.p16 + begin);
+  }
 }
 
 void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,

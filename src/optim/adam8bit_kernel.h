@@ -63,6 +63,11 @@ bool fused_cpu(const ParamUpdate& u);
 /// The fused loop's view of `u` (fused_cpu must hold for it).
 FusedWeights fused_weights(ParamUpdate& u);
 
+/// Elements [begin, begin + count) of `w`'s bfloat16 weights (`p16`) from their updated
+/// float32 values `p`, rounded as `w` says.
+void store_bf16_weights(const FusedWeights& w, const float* p, std::int64_t begin,
+                        std::int64_t count);
+
 /// A parameter of `n` elements (`w`) and moments as codes (`m_codes`, `v_codes`: 8-bit, or
 /// 4-bit two to a byte as quantize_into packs them, as `bits` says) with one scale per block
 /// of `block` elements (even for 4-bit codes); blocks are shared out among

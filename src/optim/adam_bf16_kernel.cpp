@@ -59,11 +59,7 @@ void adam_bf16_cpu(const FusedWeights& w, std::uint16_t* m, std::uint16_t* v, st
       adam_block(p, g, mf, vf, count, a);
       to_bfloat16_bits(mf, count, m + begin);
       to_bfloat16_bits(vf, count, v + begin);
-      if (w.stochastic) {
-        to_bfloat16_bits_stochastic(p, count, w.key, begin, w.p16 + begin);
-      } else {
-        to_bfloat16_bits(p, count, w.p16 + begin);
-      }
+      store_bf16_weights(w, p, begin, count);
     }
   });
 }
