@@ -310,6 +310,36 @@ TEST(StochasticRounding, ChunksDrawTheBitsTheWholeWouldAndSpecialValuesStay) {
   EXPECT_TRUE(torch::equal(finite, finite.to(torch::kBFloat16).to(torch::kFloat32)));
 }
 
+TEST(StochasticRounding, NeighboursDrawTheirBitsIndependentlyWhereverAPieceStarts) {
+  // Elements 2j and 2j + 1 take the two halves of one hash: a value halfway between two
+  // bfloat16 values rounds up in half of the draws, and both of a pair in a quarter.
+  const double gap = std::ldexp(1.0, -7);
+  const std::int64_t n = 1 << 16;
+  auto whole = torch::full({n}, 1 + 0.5 * gap, torch::kFloat32);
+  auto pieces = whole.clone();
+  frugal::optim::detail::round_stochastic_cpu(whole.data_ptr<float>(), n, 77, 0);
+  const auto up = (whole == static_cast<float>(1 + gap)).to(torch::kDouble);
+  const auto pairs = up.view({n / 2, 2});
+  const double both = (pairs.select(1, 0) * pairs.select(1, 1)).mean().item<double>();
+  const double across = (up.narrow(0, 1, n - 2).view({n / 2 - 1, 2}).select(1, 0) *
+                         up.narrow(0, 2, n - 2).view({n / 2 - 1, 2}).select(1, 0))
+                            .mean()
+                            .item<double>();
+  const double sd = std::sqrt(0.25 * 0.75 / static_cast<double>(n / 2));  // of a share of pairs
+  EXPECT_NEAR(up.mean().item<double>(), 0.5, 6 * std::sqrt(0.25 / n));
+  EXPECT_NEAR(both, 0.25, 6 * sd);    // within a hash
+  EXPECT_NEAR(across, 0.25, 6 * sd);  // between two hashes
+  // Pieces that start at odd places and span several of the kernel's chunks draw the bits
+  // the whole did.
+  float* data = pieces.data_ptr<float>();
+  const std::int64_t cuts[] = {0, 1, 700, 701, 1999, n};
+  for (std::size_t i = 0; i + 1 < sizeof(cuts) / sizeof(cuts[0]); ++i) {
+    frugal::optim::detail::round_stochastic_cpu(data + cuts[i], cuts[i + 1] - cuts[i], 77,
+                                                cuts[i]);
+  }
+  EXPECT_TRUE(torch::equal(whole, pieces));
+}
+
 TEST(StochasticRounding, OnePassNarrowingGivesTheBitsOfRoundingThenNarrowing) {
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(6);
   auto x = torch::randn({6000}, generator) * 100;

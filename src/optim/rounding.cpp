@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "frugal/error.h"
@@ -31,11 +32,6 @@ inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer
   return x;
 }
 
-// The random bits of element `index` under a key's two halves: 16 of them.
-inline std::uint32_t noise16(std::uint32_t index, std::uint32_t low_key, std::uint32_t high_key) {
-  return mix32(mix32(index + low_key) ^ high_key) & 0xFFFFU;
-}
-
 inline bool special(std::uint32_t b) {  // infinity or NaN
   return (b & 0x7F800000U) == 0x7F800000U;
 }
@@ -47,28 +43,66 @@ inline std::uint16_t nearest_bits(std::uint32_t b) {
   return static_cast<std::uint16_t>(nan ? 0x7FC0U : rounded);
 }
 
+// Elements are drawn for a chunk at a time, on the stack.
+constexpr std::int64_t kChunk = 256;
+
+// The hashes of pairs [pair, pair + count) under a key's two halves.
 FRUGAL_VECTOR_CLONES
-void round_range(std::uint32_t* bits, std::int64_t n, std::uint32_t low_key, std::uint32_t high_key,
-                 std::uint32_t first) {
+void hash_pairs(std::uint32_t pair, std::int64_t count, std::uint32_t low_key,
+                std::uint32_t high_key, std::uint32_t* __restrict out) {
+  for (std::int64_t j = 0; j < count; ++j) {
+    out[j] = mix32(mix32(pair + static_cast<std::uint32_t>(j) + low_key) ^ high_key);
+  }
+}
+
+// The 16 random bits of elements [first, first + n), n <= kChunk: elements 2j and 2j + 1
+// take the low and the high half of pair j's hash (one hash for two elements), so that an
+// element's bits depend on its index alone, not on where a chunk starts.
+void draw_noise(std::uint32_t first, std::int64_t n, std::uint32_t low_key, std::uint32_t high_key,
+                std::uint16_t* out) {
+  std::uint32_t pairs[kChunk / 2 + 1];
+  const std::uint32_t odd = first & 1U;
+  hash_pairs(first >> 1, (odd + n + 1) / 2, low_key, high_key, pairs);
+  // Byte order: the low half of a pair's hash is the element of even index wherever the
+  // bytes put it, as each chunk reads them alike.
+  std::memcpy(out, reinterpret_cast<const unsigned char*>(pairs) + 2 * odd,
+              static_cast<std::size_t>(n) * sizeof(std::uint16_t));
+}
+
+FRUGAL_VECTOR_CLONES
+void round_with(std::uint32_t* __restrict bits, std::int64_t n,
+                const std::uint16_t* __restrict noise) {
   for (std::int64_t i = 0; i < n; ++i) {
     // Adding up to one unit of bfloat16's last place to the float32's bits and cutting the
     // 16 low bits rounds the magnitude up with probability (low bits) / 2^16.
     const std::uint32_t b = bits[i];
-    const std::uint32_t rounded =
-        (b + noise16(first + static_cast<std::uint32_t>(i), low_key, high_key)) & 0xFFFF0000U;
+    const std::uint32_t rounded = (b + noise[i]) & 0xFFFF0000U;
     bits[i] = special(b) ? b : rounded;
   }
 }
 
-// round_range and then nearest_even in one pass: the stochastic result is a bfloat16 value,
+// round_with and then nearest_even in one pass: the stochastic result is a bfloat16 value,
 // which rounding to nearest keeps, and an infinity or NaN is rounded to nearest as it is.
 FRUGAL_VECTOR_CLONES
-void narrow_range(const std::uint32_t* __restrict x, std::int64_t n, std::uint32_t low_key,
-                  std::uint32_t high_key, std::uint32_t first, std::uint16_t* __restrict out) {
+void narrow_with(const std::uint32_t* __restrict x, std::int64_t n,
+                 const std::uint16_t* __restrict noise, std::uint16_t* __restrict out) {
   for (std::int64_t i = 0; i < n; ++i) {
     const std::uint32_t b = x[i];
-    const std::uint32_t up = b + noise16(first + static_cast<std::uint32_t>(i), low_key, high_key);
+    const std::uint32_t up = b + noise[i];
     out[i] = special(b) ? nearest_bits(b) : static_cast<std::uint16_t>(up >> 16);
+  }
+}
+
+// `fn(offset, count, noise)` over elements [0, n) a chunk at a time, with the random bits
+// of elements first + offset on.
+template <typename Fn>
+void by_chunks(std::int64_t n, std::uint32_t first, std::uint32_t low_key, std::uint32_t high_key,
+               Fn fn) {
+  std::uint16_t noise[kChunk];
+  for (std::int64_t at = 0; at < n; at += kChunk) {
+    const std::int64_t count = std::min(kChunk, n - at);
+    draw_noise(first + static_cast<std::uint32_t>(at), count, low_key, high_key, noise);
+    fn(at, count, noise);
   }
 }
 
@@ -110,8 +144,11 @@ void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out) {
 void to_bfloat16_bits_stochastic(const float* x, std::int64_t n, std::uint64_t key,
                                  std::int64_t first, std::uint16_t* out) {
   const SplitKey k(key, first);
-  narrow_range(reinterpret_cast<const std::uint32_t*>(x), n, k.low, k.high,
-               static_cast<std::uint32_t>(first), out);
+  const auto* bits = reinterpret_cast<const std::uint32_t*>(x);
+  by_chunks(n, static_cast<std::uint32_t>(first), k.low, k.high,
+            [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+              narrow_with(bits + at, count, noise, out + at);
+            });
 }
 
 void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out) {
@@ -122,8 +159,10 @@ void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int6
   const SplitKey k(key, first);
   auto* bits = reinterpret_cast<std::uint32_t*>(x);
   at::parallel_for(0, n, 1 << 16, [&](std::int64_t begin, std::int64_t end) {
-    round_range(bits + begin, end - begin, k.low, k.high,
-                static_cast<std::uint32_t>(first + begin));
+    by_chunks(end - begin, static_cast<std::uint32_t>(first + begin), k.low, k.high,
+              [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+                round_with(bits + begin + at, count, noise);
+              });
   });
 }
 

@@ -13,8 +13,9 @@ std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update);
 
 /// Rounds each of `x[0..n)` (float32, in place) to one of the two bfloat16 values around
 /// it, up with probability (x - down) / (up - down), so each result is a bfloat16 value held
-/// exactly in float32 and equals x in expectation. The random bits of element i are a hash
-/// of `key` and `first + i` (its index in the parameter), the same whatever the chunks.
+/// exactly in float32 and equals x in expectation. The random bits of element i (its index
+/// in the parameter is `first + i`) are one half of a hash of `key` and that index divided
+/// by 2, a hash drawing the bits of two neighbours; the same whatever the chunks.
 /// Infinities and NaN stay as they are.
 void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first);
 
