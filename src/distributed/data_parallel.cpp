@@ -70,7 +70,10 @@ void DataParallel::on_add(PolicyPort& port) {
   std::int64_t bytes = 0;
   for (std::size_t k = params_.size(); k-- > 0;) {
     const auto& p = params_[k];
-    const std::int64_t size = numel_[k] * static_cast<std::int64_t>(p.element_size());
+    // The bytes as sent: bfloat16 that the backend sums in float32 travels as float32.
+    const std::int64_t size =
+        numel_[k] *
+        static_cast<std::int64_t>(c10::elementSize(group_->summed_dtype(p.scalar_type())));
     const bool fits = !buckets_.empty() && bytes + size <= options_.bucket_bytes() &&
                       params_[buckets_.back().front()].scalar_type() == p.scalar_type() &&
                       params_[buckets_.back().front()].device() == p.device();
@@ -196,7 +199,11 @@ void DataParallel::launch(std::size_t bucket, StepContext& ctx) {
   const auto& members = buckets_[bucket];
   const auto& first = params_[members.front()];
   const auto numel = bucket_numel_[bucket];
-  auto flat = torch::empty({numel}, first.options().requires_grad(false));
+  // In the dtype the backend sums in, filled straight from the gradients: where that is
+  // wider than theirs, no second copy of the bucket is made to send it.
+  auto flat = torch::empty(
+      {numel},
+      first.options().dtype(group_->summed_dtype(first.scalar_type())).requires_grad(false));
   std::int64_t offset = 0;
   for (const auto k : members) {
     auto& p = params_[k];
@@ -236,11 +243,13 @@ void DataParallel::finish(std::size_t bucket) {
   for (const auto k : buckets_[bucket]) {
     auto& p = params_[k];
     const auto n = numel_[k];
+    // The averaged gradient: a view of the bucket (no second copy), or where the bucket was
+    // summed in a wider dtype, the sum rounded once to the parameter's.
+    auto averaged = flat.narrow(0, offset, n).to(p.scalar_type());
     if (keeper_ != nullptr) {
-      keeper_->keep_gradient(p, flat.narrow(0, offset, n));
+      keeper_->keep_gradient(p, averaged);
     } else if (any[k] > 0) {
-      // The averaged gradient, as a view of the bucket (no second copy).
-      p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
+      p.mutable_grad() = averaged.view(p.sizes());
     }
     offset += n;
   }

@@ -253,6 +253,10 @@ Work Group::all_reduce(torch::Tensor& tensor) {
                    impl_->release);
 }
 
+torch::ScalarType Group::summed_dtype(torch::ScalarType dtype) const {
+  return impl_->no_bfloat16 && dtype == torch::kBFloat16 ? torch::kFloat : dtype;
+}
+
 void Group::broadcast(torch::Tensor& tensor, int root) {
   FRUGAL_CHECK(root >= 0 && root < size_, "frugal: broadcast from rank ", root, " in a group of ",
                size_);

@@ -83,6 +83,10 @@ class Group {
 
   /// Sums `tensor` over the ranks, in place; asynchronous.
   Work all_reduce(torch::Tensor& tensor);
+  /// The dtype the backend sums `dtype` in: `dtype` itself, except bfloat16 on Gloo before
+  /// LibTorch 2.2, which is summed in float32 (all_reduce then makes a float32 copy while the
+  /// sum is in flight; a caller that fills its own buffer can make it float32 instead).
+  torch::ScalarType summed_dtype(torch::ScalarType dtype) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place; waits.
   void broadcast(torch::Tensor& tensor, int root = 0);
   /// `out` receives every rank's `in` (same shape on every rank), in rank order; waits.
