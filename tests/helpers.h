@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,20 @@ inline std::int64_t step_overhead(torch::optim::Optimizer& optimizer,
 /// The distance from each value of `x` (1-D) to the nearest value of `map` (1-D).
 inline torch::Tensor nearest_distance(const torch::Tensor& x, const torch::Tensor& map) {
   return (x.unsqueeze(1) - map.unsqueeze(0)).abs().amin(1);
+}
+
+// How far each of `values` lies from the nearer of the two values of `map` (sorted) around
+// the matching element of `x`: the highest at or below it and the lowest above it (the
+// lowest or the highest of the map where there is none).
+inline torch::Tensor bracket_distance(const torch::Tensor& values, const torch::Tensor& x,
+                                      const torch::Tensor& map) {
+  const auto at_or_below = map.unsqueeze(0) <= x.unsqueeze(1);
+  const auto inf = std::numeric_limits<float>::infinity();
+  auto below = torch::where(at_or_below, map.unsqueeze(0), torch::full({}, -inf)).amax(1);
+  auto above = torch::where(at_or_below, torch::full({}, inf), map.unsqueeze(0)).amin(1);
+  below = torch::where(torch::isinf(below), map[0], below);
+  above = torch::where(torch::isinf(above), map[-1], above);
+  return torch::minimum((values - below).abs(), (values - above).abs());
 }
 
 }  // namespace frugal::testing

@@ -88,8 +88,8 @@ inline torch::Tensor code_per_element(const torch::Tensor& codes, std::int64_t b
 
 // How far one quantized step is from float32 Adam's from the same state (see
 // Optim8bit.OneStepFromTheSameStateIsFloat32AdamsStep): the largest update difference, over
-// the largest update, and how far any new state lies beyond its nearest code, over its
-// block's scale.
+// the largest update, and how far any new state lies beyond its nearest code (with
+// stochastic codes: beyond the nearer of the two codes around it), over its block's scale.
 struct OneStepGap {
   double update = 0, state = 0;
 };
@@ -132,7 +132,7 @@ inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
          {std::make_tuple(true, s8.exp_avg_scales(), float_state(i).exp_avg()),
           std::make_tuple(false, s8.exp_avg_sq_scales(), float_state(i).exp_avg_sq())}) {
       // Each scale is the block's largest magnitude, and each value the nearest code to the
-      // float32 state's (up to the rounding above).
+      // float32 state's, or one of the two around it (up to the rounding above).
       const auto flat = exact.contiguous().view(-1);
       const auto blocks = (flat.numel() + block - 1) / block;
       const auto padded = torch::cat({flat.abs(), torch::zeros({blocks * block - flat.numel()})});
@@ -142,7 +142,9 @@ inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
       const auto values = moment_values(s8, first, params8[i]).contiguous().view(-1);
       const auto error = (values - flat).abs() / scale;
       const auto map = fo::moment_map(first, q.bits());
-      const auto excess = error - frugal::testing::nearest_distance(flat / scale, map);
+      const auto excess = q.stochastic_codes()
+                              ? frugal::testing::bracket_distance(values / scale, flat / scale, map)
+                              : error - frugal::testing::nearest_distance(flat / scale, map);
       gap.state = std::max(gap.state, excess.max().item<double>());
     }
   }
@@ -154,8 +156,8 @@ inline OneStepGap one_step_gap(const fo::QuantizedStateOptions& q) {
 inline void expect_one_step_is_adams(const fo::QuantizedStateOptions& q, const char* label) {
   const auto gap = one_step_gap(q);
   std::cout << label << " one step from the same state: largest update difference " << gap.update
-            << " of the update; states at most " << gap.state
-            << " (of the scale) beyond the nearest code\n";
+            << " of the update; states at most " << gap.state << " (of the scale) beyond the "
+            << (q.stochastic_codes() ? "two codes around it" : "nearest code") << "\n";
   EXPECT_LE(gap.update, 1e-4);
   EXPECT_LE(gap.state, 1e-5);
 }

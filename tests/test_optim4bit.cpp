@@ -29,8 +29,47 @@ using namespace frugal::testing::optim8bit;
 
 TEST(Optim4bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
   // As Optim8bit's test: the arithmetic is Adam's, and each new state is its float32 value
-  // rounded to the nearest of the 16 codes of its block's scale.
+  // rounded to one of the two codes around it of the 16 of its block's scale (stochastic
+  // codes, four_bit_states()' default), or to the nearest one.
   expect_one_step_is_adams(fo::four_bit_states().min_elements(0), "[ 4-bit    ]");
+  expect_one_step_is_adams(fo::four_bit_states().min_elements(0).stochastic_codes(false),
+                           "[ 4-bit, nearest codes ]");
+}
+
+// 4-bit Adam's second moment against the exact moving average of the same gradients (drawn
+// at random, the update plays no part): 2000 steps of gradients of one scale, then `steps`
+// in which half of each block's elements get gradients a tenth as large. The mean of the
+// second moment of those elements, over its exact value.
+double fading_moment_mean(bool stochastic, int steps) {
+  torch::manual_seed(11);
+  auto p = torch::zeros({32, 128}, torch::requires_grad());
+  fo::Adam4bit adam({p}, to::AdamOptions(1e-3),
+                    fo::four_bit_states().min_elements(0).stochastic_codes(stochastic));
+  const auto fading = torch::arange(32 * 128).remainder(2).eq(1);
+  auto v = torch::zeros({32 * 128}, torch::kDouble);
+  for (int k = 0; k < 2000 + steps; ++k) {
+    auto g = torch::randn({32 * 128});
+    if (k >= 2000) {
+      g = torch::where(fading, g * 0.1, g);
+    }
+    p.mutable_grad() = g.view({32, 128}).clone();
+    adam.step();
+    v = 0.999 * v + 0.001 * g.to(torch::kDouble).square();
+  }
+  const auto v4 = moment_values(state_of(adam, p), false, p).view(-1).to(torch::kDouble);
+  return (v4.masked_select(fading).mean() / v.masked_select(fading).mean()).item<double>();
+}
+
+TEST(Optim4bit, StochasticCodesFollowAFadingSecondMomentThatNearestCodesHoldBack) {
+  // A step moves the second moment by a thousandth, less than half the gap between two of
+  // 16 codes: rounded to the nearest code, a moment that should fade mostly stays.
+  const double nearest = fading_moment_mean(false, 300);
+  const double stochastic = fading_moment_mean(true, 300);
+  std::cout << "[ 4-bit    ] 300 steps after the gradients of half the elements fell tenfold, "
+               "their second moment's mean over the exact one: "
+            << nearest << " with nearest codes, " << stochastic << " with stochastic ones\n";
+  EXPECT_NEAR(stochastic, 1.0, 0.03);
+  EXPECT_GT(nearest, 1.1);
 }
 
 TEST(Optim4bit, TheFusedCpuStepAgreesWithTheTensorOpsStep) {

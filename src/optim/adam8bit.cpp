@@ -15,6 +15,7 @@
 #include "compat.h"
 #include "factored.h"
 #include "frugal/error.h"
+#include "rounding.h"
 
 namespace frugal::optim {
 namespace detail {
@@ -57,7 +58,8 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
   FRUGAL_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
   FRUGAL_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
   FRUGAL_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
-  FRUGAL_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
+  FRUGAL_CHECK(!o.amsgrad(),
+               "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
                "(amsgrad must be false)");
   FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
                q.block());
@@ -90,7 +92,8 @@ typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
     f.factored = s.factored();
     f.first_moment = s.exp_avg().defined();
   } else {
-    static_cast<detail::StateFormat&>(f) = detail::new_state_format<Options>(param, options, enabled_, quantized_);
+    static_cast<detail::StateFormat&>(f) =
+        detail::new_state_format<Options>(param, options, enabled_, quantized_);
   }
   return f;
 }
@@ -129,15 +132,16 @@ Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options d
 template <typename Options>
 void Adam8bitBase<Options>::set_quantized(bool on) {
   FRUGAL_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
-               ") after states exist (", state().size(), " parameters): the states' format is "
+               ") after states exist (", state().size(),
+               " parameters): the states' format is "
                "chosen before the first step");
   enabled_ = on;
 }
 
 template <typename Options>
 void Adam8bitBase<Options>::set_factored(bool on) {
-  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(",
-               on ? "true" : "false", ") after states exist (", state().size(),
+  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(", on ? "true" : "false",
+               ") after states exist (", state().size(),
                " parameters): the states' format is chosen before the first step");
   quantized_.factored(on);
 }
@@ -238,7 +242,9 @@ std::unique_ptr<torch::optim::OptimizerParamState> Adam8bitBase<Options>::make_s
 
 template <typename Options>
 int Adam8bitBase<Options>::scratch_buffers(const torch::optim::OptimizerOptions&) const {
-  return 4;  // the two moments in float32, the denominator, the codes' indices
+  // The two moments in float32, the denominator, the codes' indices; and two for codes
+  // rounded stochastically.
+  return quantized_.stochastic_codes() ? 6 : 4;
 }
 
 // The fused CPU loop needs no scratch; float32 states need the denominator only; gradients
@@ -250,9 +256,13 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   // Without a state yet (the planner asks before the first step): as make_state would.
   const auto format = format_of(param, state, options);
   const double beta1 = std::get<0>(static_cast<const Options&>(options).betas());
-  FRUGAL_CHECK(format.first_moment || beta1 == 0, "frugal: the 8-bit state of a parameter of "
-               "shape ", param.sizes(), " keeps no first moment (it was made with beta1 0), "
-               "but beta1 is now ", beta1);
+  FRUGAL_CHECK(format.first_moment || beta1 == 0,
+               "frugal: the 8-bit state of a parameter of "
+               "shape ",
+               param.sizes(),
+               " keeps no first moment (it was made with beta1 0), "
+               "but beta1 is now ",
+               beta1);
   const bool quantized = format.quantized;
   const bool is_float = param.scalar_type() == torch::kFloat32;
   // Float32 copies: the gradient, and a float64 parameter (bfloat16 and float16 weights
@@ -262,7 +272,7 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
     return 1 + copies;
   }
   if (format.factored) {
-    return detail::kFactoredBuffers + copies;
+    return detail::factored_buffers(quantized_.stochastic_codes()) + copies;
   }
   const bool fused = detail::fused_cpu(param, flat, this->in_place_options().rounding());
   return fused ? 0 : scratch_buffers(options) + copies;
@@ -279,8 +289,15 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const Books* b = s.quantized()
                        ? books_.at({u.param.device().type(), u.param.device().index(), bits}).get()
                        : nullptr;
+  // Stochastic codes: this step's random bits, from the parameter's stream and the step.
+  detail::CodeRounding codes;
+  if (b != nullptr && quantized_.stochastic_codes()) {
+    const auto key = detail::rounding_key(u.stream, static_cast<std::uint64_t>(s.step()));
+    codes = {true, detail::rounding_key(key, 0), detail::rounding_key(key, 1)};
+  }
   if (s.factored()) {
-    detail::factored_adam_update(u, s, step, s.exp_avg().defined() ? &b->signed_book : nullptr);
+    detail::factored_adam_update(u, s, step, s.exp_avg().defined() ? &b->signed_book : nullptr,
+                                 codes);
     return;
   }
   const bool first_moment = s.exp_avg().defined();  // else beta1 is 0: m is the gradient
@@ -292,7 +309,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
         detail::fused_weights(u), first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
         first_moment ? s.exp_avg_scales().data_ptr<float>() : nullptr,
         s.exp_avg_sq().data_ptr<std::uint8_t>(), s.exp_avg_sq_scales().data_ptr<float>(), u.numel(),
-        s.block(), bits, detail::adam_scalars(step));
+        s.block(), bits, detail::adam_scalars(step, codes));
     return;
   }
   const bool cast = u.grad.scalar_type() != torch::kFloat32;
@@ -306,7 +323,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     // Buffers: the moments, the work buffer and the indices when quantized, the work buffer
     // alone when not; then float32 copies of a gradient and a float64 parameter.
     auto work = u.scratch_part(b != nullptr ? 2 : 0, n);
-    const std::size_t first = b != nullptr ? 4 : 1;
+    const std::size_t first = b != nullptr ? static_cast<std::size_t>(scratch_buffers(o)) : 1;
     if (cast) {
       grad = u.scratch_part(first, n).copy_(grad);
     }
@@ -345,12 +362,20 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
     }
     u.store_weights(p, offset, n);
     if (b != nullptr) {
+      StochasticCodes m_rounding, v_rounding;
+      if (codes.stochastic) {
+        m_rounding = {codes.m_key, offset, u.scratch_part(4, n).view(-1),
+                      u.scratch_part(5, n).view(-1)};
+        v_rounding = {codes.v_key, offset, m_rounding.noise, m_rounding.spare};
+      }
+      const auto* m_stochastic = codes.stochastic ? &m_rounding : nullptr;
+      const auto* v_stochastic = codes.stochastic ? &v_rounding : nullptr;
       if (first_moment) {
         quantize_into(m.view(-1), m_codes, m_scales, b->signed_book, s.block(), work.view(-1),
-                      index);
+                      index, m_stochastic);
       }
       quantize_into(v.view(-1), v_codes, v_scales, b->unsigned_book, s.block(), work.view(-1),
-                    index);
+                    index, v_stochastic);
     }
   });
 }

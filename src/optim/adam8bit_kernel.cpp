@@ -106,6 +106,24 @@ void encode_block(const float* __restrict x, float scale, std::int32_t* __restri
   }
 }
 
+// Moves each nearest code in codes[0..count) (of x[i] / scale) to the code at or below the
+// value or the one above, up with probability (y - below) / (above - below) (16 random bits
+// an element, `noise`): the code stands for y in expectation. `gaps[k]` is values[k + 1] -
+// values[k]; `last` the highest code. The same arithmetic as quantize_into's with noise.
+FRUGAL_VECTOR_CLONES
+void round_codes_stochastically(const float* __restrict x, float scale,
+                                std::int32_t* __restrict codes, const float* __restrict values,
+                                const float* __restrict gaps, std::int32_t last,
+                                const std::uint16_t* __restrict noise, std::int64_t count) {
+  for (std::int64_t i = 0; i < count; ++i) {
+    const float y = x[i] / scale;
+    const std::int32_t c = codes[i];
+    const std::int32_t below = std::min(std::max(c - (values[c] > y ? 1 : 0), 0), last - 1);
+    const float u = static_cast<float>(noise[i]) * (1.0F / 65536.0F);
+    codes[i] = below + (y - values[below] > u * gaps[below] ? 1 : 0);
+  }
+}
+
 FRUGAL_VECTOR_CLONES
 void narrow_codes(const std::int32_t* __restrict wide, std::uint8_t* __restrict codes,
                   std::int64_t count) {
@@ -156,13 +174,19 @@ struct Moments {
   int bits = 8;  ///< the codes' width: 8, or 4 (two to a byte)
 };
 
-// The codes of x[0..count) under `book`, into `codes`, and their scale (the largest magnitude).
+// The codes of x[0..count) under `book`, into `codes`, and their scale (the largest
+// magnitude): the nearest, or with `noise` (16 random bits an element) rounded
+// stochastically.
 void encode(const float* x, std::int64_t count, const NearestCode& book, int bits,
-            std::int32_t* wide, std::uint8_t* codes, float* scale) {
+            std::int32_t* wide, const std::uint16_t* noise, std::uint8_t* codes, float* scale) {
   const float most = max_magnitude(x, count);
   // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
   // NaN and so is every value it stands for.
-  encode_block(x, most == 0 ? 1.0F : most, wide, book.bases(), book.bounds(), count);
+  const float by = most == 0 ? 1.0F : most;
+  encode_block(x, by, wide, book.bases(), book.bounds(), count);
+  if (noise != nullptr) {
+    round_codes_stochastically(x, by, wide, book.values(), book.gaps(), book.last(), noise, count);
+  }
   if (bits == 4) {
     pack_codes(wide, codes, count);
   } else {
@@ -181,6 +205,7 @@ struct BlockBuffers {
   float* g;
   std::uint8_t* m_codes;
   std::uint8_t* v_codes;
+  std::uint16_t* noise;
 };
 
 // Blocks [first, last) of the step.
@@ -231,11 +256,18 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
     if (bf16) {
       store_bf16_weights(w, buf.p, begin, count);
     }
+    const std::uint16_t* noise = a.codes.stochastic ? buf.noise : nullptr;
     if (has_m) {
-      encode(buf.m_new, count, m_book, s.bits, buf.wide, m_codes, &s.m_scales[b]);
+      if (noise != nullptr) {
+        draw_bits16(a.codes.m_key, begin, count, buf.noise);
+      }
+      encode(buf.m_new, count, m_book, s.bits, buf.wide, noise, m_codes, &s.m_scales[b]);
     }
     if (!factored) {
-      encode(buf.v_new, count, v_book, s.bits, buf.wide, v_codes, &s.v_scales[b]);
+      if (noise != nullptr) {
+        draw_bits16(a.codes.v_key, begin, count, buf.noise);
+      }
+      encode(buf.v_new, count, v_book, s.bits, buf.wide, noise, v_codes, &s.v_scales[b]);
     }
   }
 }
@@ -252,17 +284,20 @@ void step_all(const FusedWeights& w, const Moments& s, std::int64_t n, std::int6
     thread_local std::vector<float> floats;
     thread_local std::vector<std::int32_t> wide;
     thread_local std::vector<std::uint8_t> codes;
+    thread_local std::vector<std::uint16_t> noise;
     const auto size = static_cast<std::size_t>(block);
     floats.resize(4 * size);
     wide.resize(size);
     codes.resize(2 * size);
+    noise.resize(a.codes.stochastic ? size : 0);
     const BlockBuffers buf{floats.data(),
                            floats.data() + size,
                            wide.data(),
                            floats.data() + 2 * size,
                            floats.data() + 3 * size,
                            codes.data(),
-                           codes.data() + size};
+                           codes.data() + size,
+                           noise.data()};
     step_blocks(w, s, n, block, a, first, last, buf);
   });
 }

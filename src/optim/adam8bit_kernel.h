@@ -12,6 +12,14 @@
 
 namespace frugal::optim::detail {
 
+/// How a step rounds its new codes: to the nearest, or stochastically
+/// (QuantizedStateOptions::stochastic_codes), the first moment's with the random bits of
+/// `m_key`, the second's with those of `v_key` (each element's from its index).
+struct CodeRounding {
+  bool stochastic = false;
+  std::uint64_t m_key = 0, v_key = 0;
+};
+
 /// The step's scalars, as the tensor-ops step uses them (float32 arithmetic).
 struct AdamScalars {
   float beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
@@ -19,11 +27,13 @@ struct AdamScalars {
   float neg_step_size = 0, bias_correction2_sqrt = 1;
   bool decoupled = false;  ///< AdamW's decay (else L2 added to the gradient)
   bool fresh = false;      ///< no moments yet: start from zeros
+  CodeRounding codes;      ///< how the new codes round
 };
 
-/// The scalars of a step whose constants are `step`.
-inline AdamScalars adam_scalars(const AdamChunkStep& step) {
+/// The scalars of a step whose constants are `step`, its codes rounded as `codes` says.
+inline AdamScalars adam_scalars(const AdamChunkStep& step, const CodeRounding& codes = {}) {
   AdamScalars a;
+  a.codes = codes;
   a.beta1 = static_cast<float>(step.beta1);
   a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
   a.beta2 = static_cast<float>(step.beta2);

@@ -10,6 +10,7 @@
 
 #include "codebook.h"
 #include "frugal/error.h"
+#include "rounding.h"
 
 namespace frugal::optim {
 namespace {
@@ -49,6 +50,31 @@ int map_bits(const torch::Tensor& map) {
 torch::Tensor evens(const torch::Tensor& x, std::int64_t n) { return x.slice(0, 0, n, 2); }
 torch::Tensor odds(const torch::Tensor& x, std::int64_t n) { return x.slice(0, 1, n, 2); }
 
+// The codes of `w` (values in the book's range; overwritten) into `idx`, rounded
+// stochastically as the fused step's round_codes_stochastically rounds them.
+void round_stochastically(torch::Tensor& w, torch::Tensor& idx, const CodeBook& book,
+                          const StochasticCodes& s) {
+  const std::int64_t n = w.numel();
+  auto low = s.spare.narrow(0, 0, n);
+  auto gap = s.noise.narrow(0, 0, n);
+  const auto last = book.values.numel() - 1;
+  // The code at or below each value (the count of values at or below it, less one), kept
+  // one below the highest code so that the one above exists.
+  at::bucketize_out(idx, w, book.values, /*out_int32=*/true, /*right=*/true);
+  idx.sub_(1).clamp_(0, last - 1);
+  at::index_select_out(low, book.values, 0, idx);
+  w.sub_(low);  // value - below
+  idx.add_(1);
+  at::index_select_out(gap, book.values, 0, idx);
+  idx.sub_(1);
+  gap.sub_(low);  // above - below
+  detail::uniform16(low, s.key, s.first);
+  low.mul_(gap);
+  w.gt_(low);  // 1 where the code goes up
+  low.copy_(idx).add_(w);
+  idx.copy_(low);
+}
+
 }  // namespace
 
 torch::Tensor dynamic_map(bool is_signed, bool with_zero, int bits) {
@@ -85,8 +111,10 @@ torch::Tensor dynamic_map(bool is_signed, bool with_zero, int bits) {
 BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& map,
                                   std::int64_t block) {
   check_block(block);
-  FRUGAL_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
-               "tensor, got ", x.scalar_type());
+  FRUGAL_CHECK(x.is_floating_point(),
+               "frugal: quantize_blockwise takes a floating-point "
+               "tensor, got ",
+               x.scalar_type());
   const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
   const std::int64_t n = flat.numel();
   const auto options = flat.options();
@@ -153,9 +181,9 @@ void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
   });
 }
 
-void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
-                   const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
-                   const torch::Tensor& work, const torch::Tensor& index) {
+void quantize_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                   const CodeBook& book, std::int64_t block, const torch::Tensor& work,
+                   const torch::Tensor& index, const StochasticCodes* stochastic) {
   const std::int64_t n = x.numel();
   auto w = work.narrow(0, 0, n);
   auto idx = index.narrow(0, 0, n);
@@ -169,7 +197,11 @@ void quantize_into(const torch::Tensor& x, const torch::Tensor& codes,
     b += r;
   });
   w.nan_to_num_(0.0);  // 0 / 0 in an all-zero block
-  at::bucketize_out(idx, w, book.boundaries, /*out_int32=*/true, /*right=*/false);
+  if (stochastic != nullptr) {
+    round_stochastically(w, idx, book, *stochastic);
+  } else {
+    at::bucketize_out(idx, w, book.boundaries, /*out_int32=*/true, /*right=*/false);
+  }
   if (book.bits == 4) {  // the odd element's code into the high half of its even one's byte
     odds(idx, n).mul_(16);
     evens(idx, n).narrow(0, 0, n / 2).add_(odds(idx, n));
@@ -183,6 +215,9 @@ NearestCode::NearestCode(const torch::Tensor& map) {
   const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
   map_bits(host);
   values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
+  for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
+    gaps_.push_back(values_[i + 1] - values_[i]);
+  }
   std::vector<float> boundaries;  // as CodeBook computes them, in float32
   for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
     boundaries.push_back((values_[i] + values_[i + 1]) / 2);
@@ -198,8 +233,8 @@ NearestCode::NearestCode(const torch::Tensor& map) {
   for (int negative = 0; negative < 2; ++negative) {
     for (std::int64_t k = 0; k < kBuckets; ++k) {
       const float lo = k == 0 ? 0.0F : key_value(kFirstKey + k);
-      const float hi = k == kBuckets - 1 ? std::numeric_limits<float>::infinity()
-                                         : key_value(kFirstKey + k + 1);
+      const float hi =
+          k == kBuckets - 1 ? std::numeric_limits<float>::infinity() : key_value(kFirstKey + k + 1);
       // The bucket holds y in [lo, hi), or (-hi, -lo] for negatives; its code is the count
       // of boundaries below y: those below the bucket, plus the one inside if y is above.
       std::int64_t below = 0, inside = 0;

@@ -38,12 +38,24 @@ void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
                      const torch::Tensor& scales, const CodeBook& book, std::int64_t block,
                      const torch::Tensor& index);
 
+/// Codes rounded stochastically (QuantizedStateOptions::stochastic_codes): the random bits
+/// of elements from index `first` on under `key` (detail::uniform16), and two float32
+/// scratch buffers of the elements' count.
+struct StochasticCodes {
+  std::uint64_t key = 0;
+  std::int64_t first = 0;
+  torch::Tensor noise, spare;
+};
+
 /// In place, without allocating a tensor: quantizes `x` (float32, n, contiguous) into
 /// `codes` and `scales` as dequantize_into reads them. `work` (float32, n) and `index`
-/// (int32, n) are scratch; `x` is left as it was.
+/// (int32, n) are scratch; `x` is left as it was. Each code is the nearest, or with
+/// `stochastic` the one at or below the value or the one above, up with probability
+/// (value - below) / (above - below) (16 random bits: u * 2^16 an integer, up when value -
+/// below > u * (above - below)).
 void quantize_into(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                    const CodeBook& book, std::int64_t block, const torch::Tensor& work,
-                   const torch::Tensor& index);
+                   const torch::Tensor& index, const StochasticCodes* stochastic = nullptr);
 
 /// Rounding to the nearest code in O(1) on the host, as quantize_into rounds: a table
 /// over the float32 bit pattern (sign, exponent from 2^-23 up, the mantissa's top 8
@@ -56,6 +68,10 @@ class NearestCode {
     return static_cast<std::uint8_t>(code(y, base_.data(), bound_.data()));
   }
   const float* values() const { return values_.data(); }
+  /// values()[k + 1] - values()[k], in float32.
+  const float* gaps() const { return gaps_.data(); }
+  /// The highest code: 255 or 15.
+  std::int32_t last() const { return static_cast<std::int32_t>(values_.size()) - 1; }
   const std::int32_t* bases() const { return base_.data(); }
   const float* bounds() const { return bound_.data(); }
 
@@ -73,7 +89,7 @@ class NearestCode {
   static constexpr int kShift = 23 - 8;                // keep 8 mantissa bits
   static constexpr std::int32_t kFirstKey = 104 << 8;  // 2^-23
   static constexpr std::int32_t kBuckets = 32 << 8;    // 2^-23 up to 2^9: a power of 2
-  std::vector<float> values_, bound_;
+  std::vector<float> values_, gaps_, bound_;
   std::vector<std::int32_t> base_;
 };
 

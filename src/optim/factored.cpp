@@ -45,7 +45,7 @@ struct RowViews {
 }  // namespace
 
 void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunkStep& step,
-                          const CodeBook* m_book) {
+                          const CodeBook* m_book, const CodeRounding& codes) {
   const auto shape = factored_shape(u.param);
   const auto& row = s.exp_avg_sq_row();
   const auto col = s.exp_avg_sq_col().view(RowViews(u.param, 1).col);
@@ -57,7 +57,9 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
   const bool wide = u.param.scalar_type() == torch::kFloat64;
   const bool l2 = !step.decoupled && step.weight_decay != 0;
   // Buffers: 0 the first moment, 1 the denominator, 2 work, 3 the codes' indices, 4 the
-  // column statistics' sum, then the column statistics over the rows' mean; then copies.
+  // column statistics' sum, then the column statistics over the rows' mean; 5 with codes
+  // rounded stochastically (and the denominator's, used by then); then copies.
+  const int copies = factored_buffers(codes.stochastic);
   auto columns = u.scratch.at(4).narrow(0, 0, shape.cols).view(col.sizes());
   // Elements [offset, offset + n) in float32: the weights (`p`, written back into `out`
   // for a float64 parameter; undefined when the first pass needs none) and the gradient
@@ -69,14 +71,14 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     Loaded x;
     x.grad = u.part(u.grad, offset, n);
     if (cast) {
-      x.grad = u.scratch_part(kFactoredBuffers, n).copy_(x.grad);
+      x.grad = u.scratch_part(copies, n).copy_(x.grad);
     }
     if (!weights) {
       return x;
     }
     x.p = x.out = u.weights(offset, n);
     if (wide) {
-      x.p = u.scratch_part(kFactoredBuffers + 1, n).copy_(x.p);
+      x.p = u.scratch_part(copies + 1, n).copy_(x.p);
     }
     if (l2) {
       auto out = u.scratch_part(decayed, n);
@@ -119,7 +121,7 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     adam8bit_factored_cpu(fused_weights(u), has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
                           has_m ? s.exp_avg_scales().data_ptr<float>() : nullptr,
                           row.data_ptr<float>(), columns.data_ptr<float>(), shape.cols, u.numel(),
-                          s.block(), s.bits(), adam_scalars(step));
+                          s.block(), s.bits(), adam_scalars(step, codes));
     return;
   }
 
@@ -158,7 +160,12 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
     }
     u.store_weights(p, offset, n);
     if (has_m) {
-      quantize_into(m.view(-1), m_codes, m_scales, *m_book, s.block(), work.view(-1), index);
+      StochasticCodes stochastic;
+      if (codes.stochastic) {
+        stochastic = {codes.m_key, offset, denom.view(-1), u.scratch_part(5, n).view(-1)};
+      }
+      quantize_into(m.view(-1), m_codes, m_scales, *m_book, s.block(), work.view(-1), index,
+                    codes.stochastic ? &stochastic : nullptr);
     }
   });
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "adam8bit_kernel.h"
 #include "adam_chunk.h"
 #include "codebook.h"
 #include "frugal/optim/adam8bit.h"
@@ -24,16 +25,18 @@ FactoredShape factored_shape(const torch::Tensor& param);
 /// a matrix (2+ dimensions) with 4 (rows + columns) < elements.
 bool worth_factoring(const torch::Tensor& param);
 
-/// Chunk-sized float32 buffers factored_adam_update uses (then float32 copies of a gradient
-/// of another dtype, and of a float64 parameter, as Adam8bit's other steps).
-constexpr int kFactoredBuffers = 5;
+/// Chunk-sized float32 buffers factored_adam_update uses, with the first moment's codes
+/// rounded stochastically or not (then float32 copies of a gradient of another dtype, and
+/// of a float64 parameter, as Adam8bit's other steps).
+constexpr int factored_buffers(bool stochastic) { return stochastic ? 6 : 5; }
 
 /// One step of `u`'s parameter (contiguous: chunks of whole rows; or whole), allocating no
 /// tensor. The squared gradient's row and column means join `s`'s moving averages first
 /// (one pass), then each element's second moment is taken as row x column / mean of the
 /// rows, and the parameter moves as Adam moves it. `m_book`: the first moment's code book,
-/// or null when the state keeps no first moment (beta1 0: the gradient stands for it).
+/// or null when the state keeps no first moment (beta1 0: the gradient stands for it);
+/// its codes round as `codes` says.
 void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunkStep& step,
-                          const CodeBook* m_book);
+                          const CodeBook* m_book, const CodeRounding& codes);
 
 }  // namespace frugal::optim::detail

@@ -18,7 +18,8 @@ torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
   if (!flat) {
     return t;
   }
-  FRUGAL_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
+  FRUGAL_CHECK(t.is_contiguous(),
+               "frugal: an optimizer state tensor is not contiguous while "
                "its parameter is; it cannot be updated in place chunk by chunk");
   return t.view(-1).narrow(0, offset, length);
 }
@@ -73,6 +74,7 @@ struct InPlaceOptimizer::Planned {
   torch::Tensor param;
   torch::optim::OptimizerParamGroup* group = nullptr;
   compat::OptimizerStateKey key;  // computed once: text formatting on LibTorch 1.13
+  std::uint64_t place = 0;        // among all the groups' parameters, in order
   std::unique_ptr<torch::optim::OptimizerParamState> new_state;
   bool has_state = false;
   bool flat = true;
@@ -100,11 +102,13 @@ torch::Tensor InPlaceOptimizer::run_step(const torch::optim::Optimizer::LossClos
     loss = closure();
   }
   std::vector<Planned> work;
+  std::uint64_t place = 0;
   for (auto& group : optimizer().param_groups()) {
     for (auto& p : group.params()) {
       if (p.grad().defined()) {
-        work.emplace_back(p, &group);
+        work.emplace_back(p, &group).place = place;
       }
+      ++place;
     }
   }
   apply(work);
@@ -112,13 +116,13 @@ torch::Tensor InPlaceOptimizer::run_step(const torch::optim::Optimizer::LossClos
 }
 
 void InPlaceOptimizer::step_parameter(const torch::Tensor& param) {
-  auto& group = group_of(param);
+  const auto [group, place] = group_of(param);
   if (!param.grad().defined()) {
     return;
   }
   torch::NoGradGuard no_grad;
   std::vector<Planned> work;
-  work.emplace_back(param, &group);
+  work.emplace_back(param, group).place = place;
   apply(work);
 }
 
@@ -137,8 +141,8 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                  " does not support sparse gradients");
     FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
                  "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
-                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
-                 p.device(), ")");
+                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ", p.device(),
+                 ")");
     w.has_state = state.count(w.key) != 0;
     if (!w.has_state) {
       w.new_state = make_state(p, w.group->options());
@@ -191,6 +195,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                   w.flat,
                   w.chunk,
                   scratch[kind_of(p, scratch_type(p))]};
+    u.stream = detail::rounding_key(~in_place_.seed(), w.place);
     if (w.low()) {
       auto& low = w.low_precision;
       const auto& f32 = scratch[kind_of(p, torch::kFloat32)];
@@ -226,21 +231,23 @@ void InPlaceOptimizer::plan_low_precision(Planned& w) {
   low.buffers.resize(bits ? 2 : 1);
 }
 
-torch::optim::OptimizerParamGroup& InPlaceOptimizer::group_of(const torch::Tensor& param) {
+std::pair<torch::optim::OptimizerParamGroup*, std::uint64_t> InPlaceOptimizer::group_of(
+    const torch::Tensor& param) {
   auto& groups = optimizer().param_groups();
   auto it = group_index_.find(param.unsafeGetTensorImpl());
-  if (it == group_index_.end() || it->second >= groups.size()) {
+  if (it == group_index_.end() || it->second.first >= groups.size()) {
     group_index_.clear();  // groups were added since: index them again
+    std::uint64_t place = 0;
     for (std::size_t g = 0; g < groups.size(); ++g) {
       for (const auto& p : groups[g].params()) {
-        group_index_[p.unsafeGetTensorImpl()] = g;
+        group_index_[p.unsafeGetTensorImpl()] = {g, place++};
       }
     }
     it = group_index_.find(param.unsafeGetTensorImpl());
   }
   FRUGAL_CHECK(it != group_index_.end(), "frugal: step_parameter got a tensor of shape ",
                param.sizes(), " that is not a parameter of this optimizer");
-  return groups[it->second];
+  return {&groups[it->second.first], it->second.second};
 }
 
 std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,

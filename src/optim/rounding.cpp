@@ -151,6 +151,37 @@ void to_bfloat16_bits_stochastic(const float* x, std::int64_t n, std::uint64_t k
             });
 }
 
+void draw_bits16(std::uint64_t key, std::int64_t first, std::int64_t n, std::uint16_t* out) {
+  const SplitKey k(key, first);
+  by_chunks(n, static_cast<std::uint32_t>(first), k.low, k.high,
+            [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+              std::memcpy(out + at, noise, static_cast<std::size_t>(count) * sizeof(*noise));
+            });
+}
+
+void uniform16(const at::Tensor& out, std::uint64_t key, std::int64_t first) {
+  FRUGAL_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(),
+               "frugal: random fractions need contiguous float32 values, got ", out.scalar_type(),
+               " ", out.sizes());
+  constexpr float kUnit = 1.0F / 65536.0F;
+  if (out.device().is_cpu()) {
+    float* values = out.data_ptr<float>();
+    const SplitKey k(key, first);
+    by_chunks(out.numel(), static_cast<std::uint32_t>(first), k.low, k.high,
+              [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+                for (std::int64_t i = 0; i < count; ++i) {
+                  values[at + i] = static_cast<float>(noise[i]) * kUnit;
+                }
+              });
+    return;
+  }
+  auto generator = at::globalContext().defaultGenerator(out.device()).clone();
+  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
+  auto flat = out.view(-1);
+  at::randint_out(flat, 1 << 16, {out.numel()}, generator);
+  flat.mul_(kUnit);
+}
+
 void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out) {
   widen(x, n, reinterpret_cast<std::uint32_t*>(out));
 }

@@ -19,6 +19,15 @@ std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update);
 /// Infinities and NaN stay as they are.
 void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int64_t first);
 
+/// The 16 random bits of elements [first, first + n) under `key` (as round_stochastic_cpu
+/// draws them: element i's from `key` and its index alone), into `out`; on this thread.
+void draw_bits16(std::uint64_t key, std::int64_t first, std::int64_t n, std::uint16_t* out);
+
+/// `out` (float32, contiguous) filled with random multiples of 2^-16 in [0, 1): on the CPU
+/// draw_bits16's bits of elements from `first` on under `key`, times 2^-16; elsewhere from
+/// a generator of that device seeded from `key` and `first` (other bits than the CPU's).
+void uniform16(const at::Tensor& out, std::uint64_t key, std::int64_t first);
+
 /// bfloat16's bits of x[0..n) rounded to nearest, ties to even (as a cast rounds; a NaN
 /// stays a NaN), into `out`.
 void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out);

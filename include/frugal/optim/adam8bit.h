@@ -38,6 +38,14 @@ struct QuantizedStateOptions {
   /// their mean stands for each element's. 4 bytes a row and a column instead of about 1 a
   /// parameter; taken wherever that is fewer bytes than the codes.
   TORCH_ARG(bool, factored) = false;
+  /// Each step's new codes rounded up or down at random (to the code at or below the value or
+  /// the one above, up with probability (value - below) / (above - below)), so that a code
+  /// stands for its moment in expectation: a moment's changes smaller than half the gap
+  /// between two codes add up instead of being lost (with 16 codes, most of the second
+  /// moment's are). The random bits come from InPlaceOptions::seed, the parameter's place
+  /// among the optimizer's parameters and its state's step count, so a resumed run rounds
+  /// as the uninterrupted one. On in four_bit_states().
+  TORCH_ARG(bool, stochastic_codes) = false;
 };
 
 /// One parameter's state in Adam8bit and AdamW8bit (and the 4-bit ones). Quantized (`block`
@@ -51,9 +59,8 @@ struct QuantizedStateOptions {
 /// `exp_avg_sq`, which is undefined. Without a first moment (beta1 0 when the state was made)
 /// `exp_avg` is undefined. Not quantized (`block` 0): float32 tensors shaped like the
 /// parameter, as torch's Adam keeps them.
-struct Adam8bitParamState
-    : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
-      public StateTensorList {
+struct Adam8bitParamState : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
+                            public StateTensorList {
   TORCH_ARG(std::int64_t, step) = 0;
   TORCH_ARG(std::int64_t, block) = 0;
   TORCH_ARG(std::int64_t, bits) = 8;  ///< the codes' width (a file without it: 8)
@@ -201,7 +208,7 @@ class AdamW8bit : public Adam8bitBase<torch::optim::AdamWOptions> {
 
 /// The states of Adam4bit and AdamW4bit when none are given: 4-bit codes in blocks of 128.
 inline QuantizedStateOptions four_bit_states() {
-  return QuantizedStateOptions().bits(4).block(128);
+  return QuantizedStateOptions().bits(4).block(128).stochastic_codes(true);
 }
 
 /// Adam8bitBase with 4-bit codes: QuantizedStateOptions::bits is 4 whatever the options

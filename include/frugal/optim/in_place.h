@@ -48,7 +48,8 @@ struct InPlaceOptions {
   /// How bfloat16 and float16 parameters take their update (computed in float32); float32
   /// and float64 parameters are updated exactly as LibTorch's optimizer would.
   TORCH_ARG(Rounding, rounding) = Rounding::Stochastic;
-  /// The seed of stochastic rounding's random bits.
+  /// The seed of stochastic rounding's random bits (of the weights, and of 4-bit optimizer
+  /// states' codes).
   TORCH_ARG(std::uint64_t, seed) = 0;
 };
 
@@ -63,6 +64,10 @@ struct ParamUpdate {
   bool flat = true;                    ///< contiguous: chunks are ranges of the flattened tensors
   std::int64_t chunk = 0;              ///< elements per chunk (the whole parameter if not flat)
   std::vector<torch::Tensor> scratch;  ///< buffers of at least `chunk` elements
+  /// The parameter's own stream of random bits, from InPlaceOptions::seed and its place among
+  /// the optimizer's parameters: an update that rounds its state stochastically keys each
+  /// step's bits from this and a count of the state's (saved) steps.
+  std::uint64_t stream = 0;
 
   std::int64_t numel() const { return param.numel(); }
   /// The parameter's elements [offset, offset + length) to compute the update on: `part` of
@@ -162,7 +167,8 @@ class InPlaceOptimizer : public LedgerParts {
   struct Planned;
   void apply(std::vector<Planned>& work);
   void plan_low_precision(Planned& w);
-  torch::optim::OptimizerParamGroup& group_of(const torch::Tensor& param);
+  // The group of `param` and its place among all the groups' parameters.
+  std::pair<torch::optim::OptimizerParamGroup*, std::uint64_t> group_of(const torch::Tensor& param);
   std::int64_t chunk_of(const torch::Tensor& param, bool flat,
                         const torch::optim::OptimizerParamState* state,
                         const torch::optim::OptimizerOptions& options) const;
@@ -170,7 +176,8 @@ class InPlaceOptimizer : public LedgerParts {
   std::vector<torch::Tensor> all_params();
 
   InPlaceOptions in_place_;
-  std::unordered_map<const void*, std::size_t> group_index_;  // TensorImpl -> group
+  // TensorImpl -> its group and its place among all the groups' parameters
+  std::unordered_map<const void*, std::pair<std::size_t, std::uint64_t>> group_index_;
   std::uint64_t updates_ = 0;  // low-precision updates stochastically rounded so far
   std::unordered_map<const void*, torch::Tensor> compensation_;  // TensorImpl -> buffer
 };
