@@ -58,8 +58,7 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
   FRUGAL_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
   FRUGAL_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
   FRUGAL_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
-  FRUGAL_CHECK(!o.amsgrad(),
-               "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
+  FRUGAL_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
                "(amsgrad must be false)");
   FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
                q.block());
@@ -92,8 +91,7 @@ typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
     f.factored = s.factored();
     f.first_moment = s.exp_avg().defined();
   } else {
-    static_cast<detail::StateFormat&>(f) =
-        detail::new_state_format<Options>(param, options, enabled_, quantized_);
+    static_cast<detail::StateFormat&>(f) = detail::new_state_format<Options>(param, options, enabled_, quantized_);
   }
   return f;
 }
@@ -132,16 +130,15 @@ Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options d
 template <typename Options>
 void Adam8bitBase<Options>::set_quantized(bool on) {
   FRUGAL_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
-               ") after states exist (", state().size(),
-               " parameters): the states' format is "
+               ") after states exist (", state().size(), " parameters): the states' format is "
                "chosen before the first step");
   enabled_ = on;
 }
 
 template <typename Options>
 void Adam8bitBase<Options>::set_factored(bool on) {
-  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(", on ? "true" : "false",
-               ") after states exist (", state().size(),
+  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(",
+               on ? "true" : "false", ") after states exist (", state().size(),
                " parameters): the states' format is chosen before the first step");
   quantized_.factored(on);
 }
@@ -256,13 +253,9 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   // Without a state yet (the planner asks before the first step): as make_state would.
   const auto format = format_of(param, state, options);
   const double beta1 = std::get<0>(static_cast<const Options&>(options).betas());
-  FRUGAL_CHECK(format.first_moment || beta1 == 0,
-               "frugal: the 8-bit state of a parameter of "
-               "shape ",
-               param.sizes(),
-               " keeps no first moment (it was made with beta1 0), "
-               "but beta1 is now ",
-               beta1);
+  FRUGAL_CHECK(format.first_moment || beta1 == 0, "frugal: the 8-bit state of a parameter of "
+               "shape ", param.sizes(), " keeps no first moment (it was made with beta1 0), "
+               "but beta1 is now ", beta1);
   const bool quantized = format.quantized;
   const bool is_float = param.scalar_type() == torch::kFloat32;
   // Float32 copies: the gradient, and a float64 parameter (bfloat16 and float16 weights
@@ -366,7 +359,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
       if (codes.stochastic) {
         m_rounding = {codes.m_key, offset, u.scratch_part(4, n).view(-1),
                       u.scratch_part(5, n).view(-1)};
-        v_rounding = {codes.v_key, offset, m_rounding.noise, m_rounding.spare};
+        v_rounding = {codes.v_key, offset, m_rounding.scratch_a, m_rounding.scratch_b};
       }
       const auto* m_stochastic = codes.stochastic ? &m_rounding : nullptr;
       const auto* v_stochastic = codes.stochastic ? &v_rounding : nullptr;

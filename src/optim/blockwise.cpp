@@ -55,8 +55,8 @@ torch::Tensor odds(const torch::Tensor& x, std::int64_t n) { return x.slice(0, 1
 void round_stochastically(torch::Tensor& w, torch::Tensor& idx, const CodeBook& book,
                           const StochasticCodes& s) {
   const std::int64_t n = w.numel();
-  auto low = s.spare.narrow(0, 0, n);
-  auto gap = s.noise.narrow(0, 0, n);
+  auto low = s.scratch_a.narrow(0, 0, n);  // the code below; then the random fractions
+  auto gap = s.scratch_b.narrow(0, 0, n);
   const auto last = book.values.numel() - 1;
   // The code at or below each value (the count of values at or below it, less one), kept
   // one below the highest code so that the one above exists.
@@ -111,10 +111,8 @@ torch::Tensor dynamic_map(bool is_signed, bool with_zero, int bits) {
 BlockwiseCodes quantize_blockwise(const torch::Tensor& x, const torch::Tensor& map,
                                   std::int64_t block) {
   check_block(block);
-  FRUGAL_CHECK(x.is_floating_point(),
-               "frugal: quantize_blockwise takes a floating-point "
-               "tensor, got ",
-               x.scalar_type());
+  FRUGAL_CHECK(x.is_floating_point(), "frugal: quantize_blockwise takes a floating-point "
+               "tensor, got ", x.scalar_type());
   const auto flat = x.detach().to(torch::kFloat32).contiguous().view(-1);
   const std::int64_t n = flat.numel();
   const auto options = flat.options();
@@ -215,11 +213,9 @@ NearestCode::NearestCode(const torch::Tensor& map) {
   const auto host = map.to(torch::kCPU, torch::kFloat32).contiguous();
   map_bits(host);
   values_.assign(host.data_ptr<float>(), host.data_ptr<float>() + host.numel());
-  for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
-    gaps_.push_back(values_[i + 1] - values_[i]);
-  }
   std::vector<float> boundaries;  // as CodeBook computes them, in float32
   for (std::size_t i = 0; i + 1 < values_.size(); ++i) {
+    gaps_.push_back(values_[i + 1] - values_[i]);
     boundaries.push_back((values_[i] + values_[i + 1]) / 2);
   }
   const auto key_value = [](std::int64_t key) {
@@ -233,8 +229,8 @@ NearestCode::NearestCode(const torch::Tensor& map) {
   for (int negative = 0; negative < 2; ++negative) {
     for (std::int64_t k = 0; k < kBuckets; ++k) {
       const float lo = k == 0 ? 0.0F : key_value(kFirstKey + k);
-      const float hi =
-          k == kBuckets - 1 ? std::numeric_limits<float>::infinity() : key_value(kFirstKey + k + 1);
+      const float hi = k == kBuckets - 1 ? std::numeric_limits<float>::infinity()
+                                         : key_value(kFirstKey + k + 1);
       // The bucket holds y in [lo, hi), or (-hi, -lo] for negatives; its code is the count
       // of boundaries below y: those below the bucket, plus the one inside if y is above.
       std::int64_t below = 0, inside = 0;

@@ -44,7 +44,7 @@ void dequantize_into(const torch::Tensor& out, const torch::Tensor& codes,
 struct StochasticCodes {
   std::uint64_t key = 0;
   std::int64_t first = 0;
-  torch::Tensor noise, spare;
+  torch::Tensor scratch_a, scratch_b;
 };
 
 /// In place, without allocating a tensor: quantizes `x` (float32, n, contiguous) into

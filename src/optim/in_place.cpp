@@ -18,8 +18,7 @@ torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
   if (!flat) {
     return t;
   }
-  FRUGAL_CHECK(t.is_contiguous(),
-               "frugal: an optimizer state tensor is not contiguous while "
+  FRUGAL_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
                "its parameter is; it cannot be updated in place chunk by chunk");
   return t.view(-1).narrow(0, offset, length);
 }
@@ -141,8 +140,8 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
                  " does not support sparse gradients");
     FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
                  "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
-                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ", p.device(),
-                 ")");
+                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
+                 p.device(), ")");
     w.has_state = state.count(w.key) != 0;
     if (!w.has_state) {
       w.new_state = make_state(p, w.group->options());

@@ -116,6 +116,20 @@ struct SplitKey {
   std::uint32_t low, high;
 };
 
+// by_chunks over elements [first, first + n) under `key`: `fn(offset, count, noise)`.
+template <typename Fn>
+void with_bits16(std::uint64_t key, std::int64_t first, std::int64_t n, Fn fn) {
+  const SplitKey k(key, first);
+  by_chunks(n, static_cast<std::uint32_t>(first), k.low, k.high, fn);
+}
+
+// A generator of `device`'s kind seeded from `key` and `first`: the random bits off the CPU.
+at::Generator seeded_generator(const at::Device& device, std::uint64_t key, std::int64_t first) {
+  auto generator = at::globalContext().defaultGenerator(device).clone();
+  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
+  return generator;
+}
+
 FRUGAL_VECTOR_CLONES
 void nearest_even(const std::uint32_t* __restrict x, std::int64_t n,
                   std::uint16_t* __restrict out) {
@@ -143,20 +157,16 @@ void to_bfloat16_bits(const float* x, std::int64_t n, std::uint16_t* out) {
 
 void to_bfloat16_bits_stochastic(const float* x, std::int64_t n, std::uint64_t key,
                                  std::int64_t first, std::uint16_t* out) {
-  const SplitKey k(key, first);
   const auto* bits = reinterpret_cast<const std::uint32_t*>(x);
-  by_chunks(n, static_cast<std::uint32_t>(first), k.low, k.high,
-            [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
-              narrow_with(bits + at, count, noise, out + at);
-            });
+  with_bits16(key, first, n, [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+    narrow_with(bits + at, count, noise, out + at);
+  });
 }
 
 void draw_bits16(std::uint64_t key, std::int64_t first, std::int64_t n, std::uint16_t* out) {
-  const SplitKey k(key, first);
-  by_chunks(n, static_cast<std::uint32_t>(first), k.low, k.high,
-            [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
-              std::memcpy(out + at, noise, static_cast<std::size_t>(count) * sizeof(*noise));
-            });
+  with_bits16(key, first, n, [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+    std::memcpy(out + at, noise, static_cast<std::size_t>(count) * sizeof(*noise));
+  });
 }
 
 void uniform16(const at::Tensor& out, std::uint64_t key, std::int64_t first) {
@@ -166,19 +176,16 @@ void uniform16(const at::Tensor& out, std::uint64_t key, std::int64_t first) {
   constexpr float kUnit = 1.0F / 65536.0F;
   if (out.device().is_cpu()) {
     float* values = out.data_ptr<float>();
-    const SplitKey k(key, first);
-    by_chunks(out.numel(), static_cast<std::uint32_t>(first), k.low, k.high,
-              [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
-                for (std::int64_t i = 0; i < count; ++i) {
-                  values[at + i] = static_cast<float>(noise[i]) * kUnit;
-                }
-              });
+    with_bits16(key, first, out.numel(),
+                [&](std::int64_t at, std::int64_t count, const std::uint16_t* noise) {
+                  for (std::int64_t i = 0; i < count; ++i) {
+                    values[at + i] = static_cast<float>(noise[i]) * kUnit;
+                  }
+                });
     return;
   }
-  auto generator = at::globalContext().defaultGenerator(out.device()).clone();
-  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
   auto flat = out.view(-1);
-  at::randint_out(flat, 1 << 16, {out.numel()}, generator);
+  at::randint_out(flat, 1 << 16, {out.numel()}, seeded_generator(out.device(), key, first));
   flat.mul_(kUnit);
 }
 
@@ -210,9 +217,7 @@ void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, s
                "frugal: stochastic rounding on ", x.device(), " needs an int32 buffer of ",
                x.numel(), " elements there");
   bits = bits.view(x.sizes());
-  auto generator = at::globalContext().defaultGenerator(x.device()).clone();
-  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
-  at::randint_out(bits, 1 << 16, x.sizes(), generator);
+  at::randint_out(bits, 1 << 16, x.sizes(), seeded_generator(x.device(), key, first));
   auto as_bits = x.view(at::kInt);
   // NaNs and infinities: the exponent's bits all set. Infinity + noise, cut, is infinity;
   // a NaN keeps its high payload bits, the ones arithmetic sets.

@@ -59,8 +59,9 @@ struct QuantizedStateOptions {
 /// `exp_avg_sq`, which is undefined. Without a first moment (beta1 0 when the state was made)
 /// `exp_avg` is undefined. Not quantized (`block` 0): float32 tensors shaped like the
 /// parameter, as torch's Adam keeps them.
-struct Adam8bitParamState : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
-                            public StateTensorList {
+struct Adam8bitParamState
+    : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
+      public StateTensorList {
   TORCH_ARG(std::int64_t, step) = 0;
   TORCH_ARG(std::int64_t, block) = 0;
   TORCH_ARG(std::int64_t, bits) = 8;  ///< the codes' width (a file without it: 8)
