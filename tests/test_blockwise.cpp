@@ -1,5 +1,6 @@
 // Block-wise 8-bit and 4-bit quantization: the dynamic maps, rounding to the nearest code
-// (tensor ops and the host table), 4-bit codes two to a byte, and what blocks are for.
+// (tensor ops and the host table), 4-bit codes two to a byte, the fused step's stochastic
+// 4-bit encoder, and what blocks are for.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -8,6 +9,7 @@
 #include "frugal/optim/blockwise.h"
 #include "helpers.h"
 #include "optim/codebook.h"
+#include "optim/codes4_kernel.h"
 
 namespace {
 
@@ -173,6 +175,76 @@ TEST(Blockwise, TheHostTableRoundsToTheNearestFourBitCode) {
     const auto got = (y - map.index_select(0, codes)).abs();
     EXPECT_LE((got - nearest_distance(y, map)).max().item<double>(), 0)
         << (is_signed ? "signed" : "unsigned");
+  }
+}
+
+// The fused CPU step's 4-bit encoder (vector copy for whole groups of sixteen, element by
+// element for the rest) gives quantize_into's stochastic codes from the same random bits:
+// on values spread over the map's range, on each map value, each midpoint, the floats
+// either side of each value, and zeros; with blocks whose scale is not 1.
+TEST(Blockwise, TheFusedStochasticFourBitEncoderGivesQuantizeIntosCodes) {
+  torch::manual_seed(26);
+  const std::int64_t block = 128;
+  const std::uint64_t key = 0x5EED;
+  for (const bool is_signed : {true, false}) {
+    SCOPED_TRACE(is_signed ? "signed" : "unsigned");
+    const auto map = fo::moment_map(is_signed, 4);
+    const auto& book = fo::nearest_code(is_signed, 4);
+    const auto inf = torch::full({16}, std::numeric_limits<float>::infinity());
+    auto spread = torch::pow(10.0, torch::rand({3000}) * -4);
+    if (is_signed) {
+      spread = spread * (torch::randint(0, 2, {3000}) * 2 - 1);
+    }
+    const auto y =
+        torch::cat({spread, map, (map.narrow(0, 0, 15) + map.narrow(0, 1, 15)) / 2,
+                    torch::nextafter(map, inf), torch::nextafter(map, -inf), torch::zeros({4})})
+            .clamp(is_signed ? -1.0 : 0.0, 1.0);
+    // Blocks of scales 3 and 1/7 in turn: x / scale gives the values back, or near them.
+    const auto perm = torch::randperm(y.numel());
+    const std::int64_t n = y.numel();  // 3000 + 16 + 15 + 32 + 4: odd, a short last block
+    ASSERT_EQ(n % 2, 1);
+    const auto scales = torch::arange(n)
+                            .div(block, "floor")
+                            .remainder(2)
+                            .mul(3 - 1.0 / 7)
+                            .add(1.0 / 7)
+                            .to(torch::kFloat);
+    const auto x = (y.index_select(0, perm) * scales).contiguous();
+    const fo::CodeBook codebook(map);
+    auto expected = torch::empty({fo::code_bytes(n, 4)}, torch::kUInt8);
+    auto block_scales = torch::empty({fo::blocks_of(n, block)});
+    fo::StochasticCodes stochastic{key, 0, torch::empty({n}), torch::empty({n})};
+    fo::quantize_into(x, expected, block_scales, codebook, block, torch::empty({n}),
+                      torch::empty({n}, torch::kInt), &stochastic);
+    auto whole = torch::empty_like(expected), by_pairs = torch::empty_like(expected);
+    const float* xs = x.data_ptr<float>();
+    const auto encode = [&](std::int64_t at, float scale, std::int64_t count, torch::Tensor& out) {
+      frugal::optim::detail::stochastic_codes4(xs + at, scale, book.values(), book.gaps(), key, at,
+                                               count, out.data_ptr<std::uint8_t>() + at / 2);
+    };
+    for (std::int64_t b = 0; b * block < n; ++b) {
+      const std::int64_t begin = b * block, count = std::min(block, n - begin);
+      const float scale = block_scales[b].item<float>();
+      encode(begin, scale, count, whole);
+      for (std::int64_t i = 0; i < count; i += 2) {  // two elements a call: no vector copy
+        encode(begin + i, scale, std::min<std::int64_t>(2, count - i), by_pairs);
+      }
+    }
+    EXPECT_TRUE(torch::equal(whole, expected));
+    EXPECT_TRUE(torch::equal(by_pairs, expected));
+    // The choice is made: a code leaves the nearest with probability min(t, 1 - t), t the
+    // value's place between the codes around it; the share that did within four sigma.
+    const auto scaled = x / block_scales.repeat_interleave(block).narrow(0, 0, n);
+    const auto below = (torch::bucketize(scaled, map, false, true) - 1).clamp(0, 14);
+    const auto t = ((scaled - map.index_select(0, below)) /
+                    (map.index_select(0, below + 1) - map.index_select(0, below)))
+                       .clamp(0, 1);
+    const double p = torch::minimum(t, 1 - t).mean().item<double>();
+    const auto nearest = fo::quantize_blockwise(x, map, block).codes;
+    const auto low = [](const torch::Tensor& c) { return c.to(torch::kInt).bitwise_and(15); };
+    const double moved = (low(whole) != low(nearest)).to(torch::kDouble).mean().item<double>();
+    EXPECT_GT(p, 0.05);
+    EXPECT_NEAR(moved, p, 4 * std::sqrt(p * (1 - p) / (n / 2)));
   }
 }
 

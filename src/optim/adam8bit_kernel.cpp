@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "codebook.h"
+#include "codes4_kernel.h"
 #include "frugal/optim/blockwise.h"
 #include "rounding.h"
 #include "vector_clones.h"
@@ -22,7 +23,8 @@ namespace {
 
 // The largest magnitude of x[0..n), NaN if any is NaN: on the bit patterns, where the
 // order of non-negative floats is that of integers and NaNs sort above infinity.
-inline float max_magnitude(const float* x, std::int64_t n) {
+FRUGAL_VECTOR_CLONES
+float max_magnitude(const float* __restrict x, std::int64_t n) {
   std::int32_t most = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     std::int32_t bits;
@@ -174,17 +176,24 @@ struct Moments {
   int bits = 8;  ///< the codes' width: 8, or 4 (two to a byte)
 };
 
-// The codes of x[0..count) under `book`, into `codes`, and their scale (the largest
-// magnitude): the nearest, or with `noise` (16 random bits an element) rounded
-// stochastically.
-void encode(const float* x, std::int64_t count, const NearestCode& book, int bits,
-            std::int32_t* wide, const std::uint16_t* noise, std::uint8_t* codes, float* scale) {
+// The codes of x[0..count) (elements begin.. of the parameter) under `book`, into `codes`,
+// and their scale (the largest magnitude): the nearest, or stochastically rounded with the
+// random bits of `key` (`noise`: a block's buffer for them).
+void encode(const float* x, std::int64_t begin, std::int64_t count, const NearestCode& book,
+            int bits, const CodeRounding& rounding, std::uint64_t key, std::int32_t* wide,
+            std::uint16_t* noise, std::uint8_t* codes, float* scale) {
   const float most = max_magnitude(x, count);
+  *scale = most;
   // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
   // NaN and so is every value it stands for.
   const float by = most == 0 ? 1.0F : most;
+  if (rounding.stochastic && bits == 4) {
+    stochastic_codes4(x, by, book.values(), book.gaps(), key, begin, count, codes);
+    return;
+  }
   encode_block(x, by, wide, book.bases(), book.bounds(), count);
-  if (noise != nullptr) {
+  if (rounding.stochastic) {
+    draw_bits16(key, begin, count, noise);
     round_codes_stochastically(x, by, wide, book.values(), book.gaps(), book.last(), noise, count);
   }
   if (bits == 4) {
@@ -192,7 +201,6 @@ void encode(const float* x, std::int64_t count, const NearestCode& book, int bit
   } else {
     narrow_codes(wide, codes, count);
   }
-  *scale = most;
 }
 
 // The thread's buffers of a block each: the new moments, the codes, bfloat16 weights and
@@ -256,18 +264,13 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
     if (bf16) {
       store_bf16_weights(w, buf.p, begin, count);
     }
-    const std::uint16_t* noise = a.codes.stochastic ? buf.noise : nullptr;
     if (has_m) {
-      if (noise != nullptr) {
-        draw_bits16(a.codes.m_key, begin, count, buf.noise);
-      }
-      encode(buf.m_new, count, m_book, s.bits, buf.wide, noise, m_codes, &s.m_scales[b]);
+      encode(buf.m_new, begin, count, m_book, s.bits, a.codes, a.codes.m_key, buf.wide, buf.noise,
+             m_codes, &s.m_scales[b]);
     }
     if (!factored) {
-      if (noise != nullptr) {
-        draw_bits16(a.codes.v_key, begin, count, buf.noise);
-      }
-      encode(buf.v_new, count, v_book, s.bits, buf.wide, noise, v_codes, &s.v_scales[b]);
+      encode(buf.v_new, begin, count, v_book, s.bits, a.codes, a.codes.v_key, buf.wide, buf.noise,
+             v_codes, &s.v_scales[b]);
     }
   }
 }
@@ -289,7 +292,7 @@ void step_all(const FusedWeights& w, const Moments& s, std::int64_t n, std::int6
     floats.resize(4 * size);
     wide.resize(size);
     codes.resize(2 * size);
-    noise.resize(a.codes.stochastic ? size : 0);
+    noise.resize(a.codes.stochastic && s.bits == 8 ? size : 0);
     const BlockBuffers buf{floats.data(),
                            floats.data() + size,
                            wide.data(),

@@ -13,16 +13,6 @@
 namespace frugal::optim::detail {
 namespace {
 
-// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds; "lowbias32").
-inline std::uint32_t mix32(std::uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352DU;
-  x ^= x >> 15;
-  x *= 0x846CA68BU;
-  x ^= x >> 16;
-  return x;
-}
-
 inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer
   x ^= x >> 30;
   x *= 0xBF58476D1CE4E5B9ULL;
@@ -51,7 +41,7 @@ FRUGAL_VECTOR_CLONES
 void hash_pairs(std::uint32_t pair, std::int64_t count, std::uint32_t low_key,
                 std::uint32_t high_key, std::uint32_t* __restrict out) {
   for (std::int64_t j = 0; j < count; ++j) {
-    out[j] = mix32(mix32(pair + static_cast<std::uint32_t>(j) + low_key) ^ high_key);
+    out[j] = pair_hash(pair + static_cast<std::uint32_t>(j), low_key, high_key);
   }
 }
 
@@ -105,16 +95,6 @@ void by_chunks(std::int64_t n, std::uint32_t first, std::uint32_t low_key, std::
     fn(at, count, noise);
   }
 }
-
-// The two halves of a key for elements from index `first` on: indices past 2^32 elements
-// reuse a key's stream with the high half of the key changed.
-struct SplitKey {
-  SplitKey(std::uint64_t key, std::int64_t first)
-      : low(static_cast<std::uint32_t>(key)),
-        high(static_cast<std::uint32_t>(key >> 32) ^
-             static_cast<std::uint32_t>(static_cast<std::uint64_t>(first) >> 32)) {}
-  std::uint32_t low, high;
-};
 
 // by_chunks over elements [first, first + n) under `key`: `fn(offset, count, noise)`.
 template <typename Fn>

@@ -7,6 +7,32 @@
 
 namespace frugal::optim::detail {
 
+/// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds; "lowbias32").
+inline std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352DU;
+  x ^= x >> 15;
+  x *= 0x846CA68BU;
+  x ^= x >> 16;
+  return x;
+}
+
+/// The two halves of a key for elements from index `first` on: indices past 2^32 elements
+/// reuse a key's stream with the high half of the key changed.
+struct SplitKey {
+  SplitKey(std::uint64_t key, std::int64_t first)
+      : low(static_cast<std::uint32_t>(key)),
+        high(static_cast<std::uint32_t>(key >> 32) ^
+             static_cast<std::uint32_t>(static_cast<std::uint64_t>(first) >> 32)) {}
+  std::uint32_t low, high;
+};
+
+/// The hash of pair `pair` (elements 2 pair and 2 pair + 1, whose 16 random bits are its
+/// low and high halves) under a key's two halves.
+inline std::uint32_t pair_hash(std::uint32_t pair, std::uint32_t low_key, std::uint32_t high_key) {
+  return mix32(mix32(pair + low_key) ^ high_key);
+}
+
 /// The key of one parameter update's random bits: from the optimizer's seed and the count
 /// of updates before it.
 std::uint64_t rounding_key(std::uint64_t seed, std::uint64_t update);
