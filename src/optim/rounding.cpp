@@ -13,15 +13,6 @@
 namespace frugal::optim::detail {
 namespace {
 
-inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finalizer
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBULL;
-  x ^= x >> 31;
-  return x;
-}
-
 inline bool special(std::uint32_t b) {  // infinity or NaN
   return (b & 0x7F800000U) == 0x7F800000U;
 }

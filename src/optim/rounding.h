@@ -7,14 +7,26 @@
 
 namespace frugal::optim::detail {
 
-/// A 32-bit integer hash with good avalanche (two multiply-xorshift rounds; "lowbias32").
+/// Two rounds of xorshift and multiply, then a last xorshift: the shape of the integer
+/// finalizers below.
+template <typename T>
+inline T xorshift_multiply(T x, int first, T by_first, int second, T by_second, int last) {
+  x ^= x >> first;
+  x *= by_first;
+  x ^= x >> second;
+  x *= by_second;
+  return x ^ (x >> last);
+}
+
+/// A 32-bit integer hash with good avalanche ("lowbias32").
 inline std::uint32_t mix32(std::uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352DU;
-  x ^= x >> 15;
-  x *= 0x846CA68BU;
-  x ^= x >> 16;
-  return x;
+  return xorshift_multiply<std::uint32_t>(x, 16, 0x7FEB352DU, 15, 0x846CA68BU, 16);
+}
+
+/// splitmix64's finalizer.
+inline std::uint64_t mix64(std::uint64_t x) {
+  return xorshift_multiply<std::uint64_t>(x, 30, 0xBF58476D1CE4E5B9ULL, 27, 0x94D049BB133111EBULL,
+                                          31);
 }
 
 /// The two halves of a key for elements from index `first` on: indices past 2^32 elements
