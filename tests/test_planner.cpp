@@ -119,6 +119,7 @@ struct OptionRun {
   std::int64_t budget = 0;
   std::int64_t peak = 0;
   std::int64_t optimizer_bytes = 0;  ///< the ledger's after the steps
+  bool stochastic_codes = false;     ///< how the chosen states' codes round
 };
 OptionRun plan_between(Optimizer kind, const frugal::MemoryPlannerOptions& options,
                        bool (*uses)(const frugal::PlanOption&)) {
@@ -146,6 +147,9 @@ OptionRun plan_between(Optimizer kind, const frugal::MemoryPlannerOptions& optio
     run.peak = std::max(run.peak, report.peak);
     run.optimizer_bytes = report.ledger.optimizer;
   }
+  const auto* quantized =
+      dynamic_cast<frugal::optim::QuantizedStateOptimizer*>(&s.trainer->optimizer());
+  run.stochastic_codes = quantized != nullptr && quantized->stochastic_codes();
   return run;
 }
 
@@ -172,6 +176,7 @@ TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
   EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
   EXPECT_EQ(run.optimizer_bytes, run.plan.quantized_optimizer_bytes);
+  EXPECT_FALSE(run.stochastic_codes);  // 8-bit codes round to the nearest
   // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
   EXPECT_THROW(frugal::MemoryPlanner(*plain.trainer, options), c10::Error);
@@ -212,6 +217,9 @@ TEST(Planner, ChoosesFourBitStatesOnlyWhenEightBitStatesDoNotFit) {
   EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
   EXPECT_EQ(run.optimizer_bytes, run.plan.four_bit_optimizer_bytes);
+  // The optimizer was made with 8-bit states; the planner's 4-bit ones round their codes
+  // stochastically, as four_bit_states() does.
+  EXPECT_TRUE(run.stochastic_codes);
 
   // With factored states too, they come after 4-bit ones, and are 4-bit themselves.
   const auto all =

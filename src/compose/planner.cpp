@@ -85,6 +85,7 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
   quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
   factored_at_start_ = quantized_ != nullptr && quantized_->factored();
   bits_at_start_ = quantized_ != nullptr ? quantized_->bits() : 8;
+  stochastic_at_start_ = quantized_ != nullptr && quantized_->stochastic_codes();
   for (const auto& [on, name] : {std::pair{options_.quantized_states(), "quantized_states"},
                                  std::pair{options_.factored_states(), "factored_states"},
                                  std::pair{options_.four_bit_states(), "four_bit_states"}}) {
@@ -118,6 +119,10 @@ void MemoryPlanner::set_state_format(StateFormat format) {
   quantized_->set_quantized(format.as_made ? quantized_at_start_ : format.quantized);
   quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
   quantized_->set_bits(format.as_made ? bits_at_start_ : format.bits);
+  // Codes of another width than the optimizer's round as that width's optimizers do:
+  // stochastically at 4 bits (four_bit_states()), to the nearest at 8.
+  const bool own_width = format.as_made || format.bits == bits_at_start_;
+  quantized_->set_stochastic_codes(own_width ? stochastic_at_start_ : format.bits == 4);
 }
 
 void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,

@@ -155,6 +155,14 @@ void Adam8bitBase<Options>::set_bits(int bits) {
 }
 
 template <typename Options>
+void Adam8bitBase<Options>::set_stochastic_codes(bool on) {
+  FRUGAL_CHECK(on == stochastic_codes() || state().empty(), "frugal: set_stochastic_codes(",
+               on ? "true" : "false", ") after states exist (", state().size(),
+               " parameters): how codes round is chosen before the first step");
+  quantized_.stochastic_codes(on);
+}
+
+template <typename Options>
 std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
   std::int64_t bytes = 0;
   std::set<std::tuple<c10::DeviceType, c10::DeviceIndex, int>> devices;

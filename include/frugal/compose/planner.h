@@ -171,7 +171,7 @@ class MemoryPlanner {
   std::shared_ptr<StepInBackward> in_backward_;
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
   StateFormat base_format_;  ///< float32 where the planner chooses 8-bit; else as made
-  bool quantized_at_start_ = false, factored_at_start_ = false;
+  bool quantized_at_start_ = false, factored_at_start_ = false, stochastic_at_start_ = false;
   int bits_at_start_ = 8;
 };
 

@@ -102,6 +102,10 @@ class QuantizedStateOptimizer {
   /// Chooses them; refused once any state exists, and for a width other than 8 or 4, or 4
   /// with an odd block.
   virtual void set_bits(int bits) = 0;
+  /// Whether new codes round stochastically (QuantizedStateOptions::stochastic_codes).
+  virtual bool stochastic_codes() const = 0;
+  /// Chooses it; refused once any state exists.
+  virtual void set_stochastic_codes(bool on) = 0;
   /// Bytes of state the first step would allocate for every parameter, quantized or not:
   /// codes (1 byte an element a moment, half a byte with 4 bits), scales (4 bytes a block a
   /// moment), a factored moment's rows and columns (4 bytes each) and the two code books
@@ -137,6 +141,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
   void set_factored(bool on) override;
   int bits() const override { return quantized_.bits(); }
   void set_bits(int bits) override;
+  bool stochastic_codes() const override { return quantized_.stochastic_codes(); }
+  void set_stochastic_codes(bool on) override;
   std::int64_t pending_state_bytes(bool quantized) override;
 
  protected:
