@@ -95,7 +95,8 @@ class NearestCode {
 
 /// The codes of Adam's first moment (signed: dynamic_map(true, true, bits), whose lowest
 /// value is -1 at 4 bits, as its highest is 1) or second moment (unsigned, without zero:
-/// dynamic_map(false, false, bits)) of 8 or 4 bits, built once per process.
+/// dynamic_map(false, false, bits), whose lowest value is a 32nd of the next at 4 bits) of
+/// 8 or 4 bits, built once per process.
 const NearestCode& nearest_code(bool is_signed, int bits = 8);
 /// The map of Adam's first or second moment, as nearest_code rounds to it.
 torch::Tensor moment_map(bool is_signed, int bits = 8);
