@@ -2,11 +2,17 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "children.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/train/trainer.h"
 
 int main(int argc, char** argv) {
+  // MKL may run a product on fewer threads when the machine is busy, which changes the order
+  // of its sums: the tests that compare two runs bit for bit need the same thread count in
+  // both. Before the first product; the child processes inherit it.
+  setenv("MKL_DYNAMIC", "FALSE", /*overwrite=*/0);
   if (argc >= 3 && std::string(argv[1]) == "--child") {
     const auto& registry = frugal::testing::children();
     const auto found = registry.find(argv[2]);
