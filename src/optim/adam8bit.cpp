@@ -1,6 +1,7 @@
 #include "frugal/optim/adam8bit.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -128,27 +129,26 @@ Adam8bitBase<Options>::Adam8bitBase(std::vector<torch::Tensor> params, Options d
 }
 
 template <typename Options>
+void Adam8bitBase<Options>::check_format_change(bool unchanged, const std::string& call) const {
+  FRUGAL_CHECK(unchanged || state().empty(), "frugal: ", call, " after states exist (",
+               state().size(), " parameters): the states' format is chosen before the first step");
+}
+
+template <typename Options>
 void Adam8bitBase<Options>::set_quantized(bool on) {
-  FRUGAL_CHECK(on == enabled_ || state().empty(), "frugal: set_quantized(", on ? "true" : "false",
-               ") after states exist (", state().size(), " parameters): the states' format is "
-               "chosen before the first step");
+  check_format_change(on == enabled_, fmt::format("set_quantized({})", on));
   enabled_ = on;
 }
 
 template <typename Options>
 void Adam8bitBase<Options>::set_factored(bool on) {
-  FRUGAL_CHECK(on == factored() || state().empty(), "frugal: set_factored(",
-               on ? "true" : "false", ") after states exist (", state().size(),
-               " parameters): the states' format is chosen before the first step");
+  check_format_change(on == factored(), fmt::format("set_factored({})", on));
   quantized_.factored(on);
 }
 
 template <typename Options>
 void Adam8bitBase<Options>::set_bits(int bits) {
-  FRUGAL_CHECK(bits == this->bits() || state().empty(), "frugal: set_bits(", bits,
-               ") after states exist (", state().size(),
-               " parameters): the states' format is "
-               "chosen before the first step");
+  check_format_change(bits == this->bits(), fmt::format("set_bits({})", bits));
   auto q = quantized_;
   check_options(static_cast<const Options&>(defaults()), q.bits(bits));
   quantized_ = q;
@@ -156,9 +156,7 @@ void Adam8bitBase<Options>::set_bits(int bits) {
 
 template <typename Options>
 void Adam8bitBase<Options>::set_stochastic_codes(bool on) {
-  FRUGAL_CHECK(on == stochastic_codes() || state().empty(), "frugal: set_stochastic_codes(",
-               on ? "true" : "false", ") after states exist (", state().size(),
-               " parameters): how codes round is chosen before the first step");
+  check_format_change(on == stochastic_codes(), fmt::format("set_stochastic_codes({})", on));
   quantized_.stochastic_codes(on);
 }
 

@@ -178,21 +178,21 @@ struct Moments {
 
 // The codes of x[0..count) (elements begin.. of the parameter) under `book`, into `codes`,
 // and their scale (the largest magnitude): the nearest, or stochastically rounded with the
-// random bits of `key` (`noise`: a block's buffer for them).
+// random bits of `key` (`noise`: a block's buffer for them at 8 bits).
 void encode(const float* x, std::int64_t begin, std::int64_t count, const NearestCode& book,
-            int bits, const CodeRounding& rounding, std::uint64_t key, std::int32_t* wide,
-            std::uint16_t* noise, std::uint8_t* codes, float* scale) {
+            int bits, bool stochastic, std::uint64_t key, std::int32_t* wide, std::uint16_t* noise,
+            std::uint8_t* codes, float* scale) {
   const float most = max_magnitude(x, count);
   *scale = most;
   // An all-zero block encodes as zeros; a NaN block's codes do not matter, its scale is
   // NaN and so is every value it stands for.
   const float by = most == 0 ? 1.0F : most;
-  if (rounding.stochastic && bits == 4) {
+  if (stochastic && bits == 4) {
     stochastic_codes4(x, by, book.values(), book.gaps(), key, begin, count, codes);
     return;
   }
   encode_block(x, by, wide, book.bases(), book.bounds(), count);
-  if (rounding.stochastic) {
+  if (stochastic) {
     draw_bits16(key, begin, count, noise);
     round_codes_stochastically(x, by, wide, book.values(), book.gaps(), book.last(), noise, count);
   }
@@ -265,12 +265,12 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
       store_bf16_weights(w, buf.p, begin, count);
     }
     if (has_m) {
-      encode(buf.m_new, begin, count, m_book, s.bits, a.codes, a.codes.m_key, buf.wide, buf.noise,
-             m_codes, &s.m_scales[b]);
+      encode(buf.m_new, begin, count, m_book, s.bits, a.codes.stochastic, a.codes.m_key, buf.wide,
+             buf.noise, m_codes, &s.m_scales[b]);
     }
     if (!factored) {
-      encode(buf.v_new, begin, count, v_book, s.bits, a.codes, a.codes.v_key, buf.wide, buf.noise,
-             v_codes, &s.v_scales[b]);
+      encode(buf.v_new, begin, count, v_book, s.bits, a.codes.stochastic, a.codes.v_key, buf.wide,
+             buf.noise, v_codes, &s.v_scales[b]);
     }
   }
 }

@@ -49,11 +49,12 @@ void codes_from(const float* x, float scale, const float* values, const float* g
 
 // mix32 (rounding.h) of eight lanes.
 FRUGAL_AVX2 __m256i mix32x8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68BU)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  using L = Lowbias32;
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, L::kFirst));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(L::kByFirst)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, L::kSecond));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(L::kBySecond)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, L::kLast));
 }
 
 // All-ones lanes where threshold <= y.

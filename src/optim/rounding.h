@@ -18,9 +18,17 @@ inline T xorshift_multiply(T x, int first, T by_first, int second, T by_second, 
   return x ^ (x >> last);
 }
 
+/// lowbias32's shifts and multipliers, for its scalar and vector copies.
+struct Lowbias32 {
+  static constexpr int kFirst = 16, kSecond = 15, kLast = 16;
+  static constexpr std::uint32_t kByFirst = 0x7FEB352DU, kBySecond = 0x846CA68BU;
+};
+
 /// A 32-bit integer hash with good avalanche ("lowbias32").
 inline std::uint32_t mix32(std::uint32_t x) {
-  return xorshift_multiply<std::uint32_t>(x, 16, 0x7FEB352DU, 15, 0x846CA68BU, 16);
+  using L = Lowbias32;
+  return xorshift_multiply<std::uint32_t>(x, L::kFirst, L::kByFirst, L::kSecond, L::kBySecond,
+                                          L::kLast);
 }
 
 /// splitmix64's finalizer.

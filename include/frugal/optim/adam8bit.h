@@ -7,6 +7,7 @@
 #include <torch/optim/serialize.h>
 
 #include <map>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -159,6 +160,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
                               const torch::optim::OptimizerOptions& options) const override;
 
  private:
+  // Refuses a change of the states' format (`call`, e.g. "set_bits(4)") once states exist.
+  void check_format_change(bool unchanged, const std::string& call) const;
   struct Books;  // the two moments' code books on one device, for one width of codes
   const Books& books(torch::Device device, int bits) const;
   // Gives `s` the maps of its width of codes on `device`.
