@@ -20,19 +20,32 @@ demo:
 	@echo "demo: training the Fashion-MNIST CNN for one epoch ($(DEMO_FLAGS))"
 	./build/torch2/examples/fashion_mnist $(DEMO_FLAGS)
 
-test: $(addprefix test-,$(BUILDS))
-	@echo "test: all builds passed: $(BUILDS)"
+# Each build and each suite is a timed stage; the table of their times (and how much of each
+# build its compiler cache served) is printed at the end, whether the stages passed or not.
+test:
+	@scripts/stage.sh reset
+	@status=0; for b in $(BUILDS); do \
+	  $(MAKE) --no-print-directory test-$$b || { status=1; break; }; \
+	done; \
+	scripts/stage.sh summary; \
+	if [ $$status -eq 0 ]; then echo "test: all builds passed: $(BUILDS)"; fi; \
+	exit $$status
+
+# Each build kind compiles through its own ccache cache (cmake/FrugalCcache.cmake).
+CCACHE_ROOT ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/frugal/ccache
 
 $(addprefix build-,$(BUILDS)): build-%:
-	@scripts/setup.sh $*
+	@scripts/stage.sh run "setup $*" - scripts/setup.sh $*
 	@echo "build: configuring and building the '$*' preset"
-	cmake --preset $* > build-$*.log 2>&1 || (cat build-$*.log; exit 1)
-	cmake --build --preset $*
-	@rm -f build-$*.log
+	@scripts/stage.sh run "build $*" $(CCACHE_ROOT)/$* sh -c '\
+	  cmake --preset $* -DFRUGAL_CCACHE_DIR=$(CCACHE_ROOT)/$* > build-$*.log 2>&1 \
+	    || { cat build-$*.log; exit 1; }; \
+	  rm -f build-$*.log; \
+	  cmake --build --preset $*'
 
 $(addprefix test-,$(BUILDS)): test-%: build-%
 	@echo "test: running the '$*' suite"
-	ctest --preset $*
+	@scripts/stage.sh run "suite $*" - ctest --preset $*
 
 clean:
 	rm -rf build

@@ -17,7 +17,7 @@ as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
-packages=(cmake ninja-build g++ make python3 zlib1g-dev libfmt-dev libcli11-dev
+packages=(cmake ninja-build g++ make ccache python3 zlib1g-dev libfmt-dev libcli11-dev
           nlohmann-json3-dev libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev dataset-fashion-mnist
           fortunes)
 case "$which_builds" in

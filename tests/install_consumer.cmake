@@ -19,8 +19,10 @@ endfunction()
 run("${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefix}")
 string(REPLACE "|" ";" extra "${EXTRA_PREFIXES}")
 set(prefixes "${prefix};${extra}")
+string(REPLACE "|" ";" launcher "${LAUNCHER}")
 run("${CMAKE_COMMAND}" -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
-    -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${prefixes}" "-DZLIB_ROOT=${ZLIB_ROOT}")
+    -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${prefixes}" "-DZLIB_ROOT=${ZLIB_ROOT}"
+    "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}")
 run("${CMAKE_COMMAND}" --build "${WORK_DIR}/build")
 run("${WORK_DIR}/build/consumer")
 run("${WORK_DIR}/build/consumer_net")

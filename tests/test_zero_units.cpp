@@ -106,12 +106,17 @@ void expect_ranks_train_as_one_process(int world) {
   const auto ranks = frugal::testing::launch_and_load("zero-units-train", world);
   ASSERT_EQ(ranks.size(), static_cast<std::size_t>(world)) << "a rank failed";
   const std::size_t per_run = 2 * (kBlocks + 2) + 3;  // weights, losses, bytes, eval
+  // The one-process runs, trained once and compared with every rank.
+  std::vector<Run> one_process;
+  for (const auto& [mode, zero] : kRuns) {
+    one_process.push_back(train(mode, 0, Group::single()));
+  }
   for (int r = 0; r < world; ++r) {
     std::vector<torch::Tensor> bytes;
     for (std::size_t k = 0; k < kRuns.size(); ++k) {
       const auto& [mode, zero] = kRuns[k];
       SCOPED_TRACE(mode + " at ZeRO " + std::to_string(zero) + ", rank " + std::to_string(r));
-      auto one = train(mode, 0, Group::single());
+      auto one = one_process[k];
       const auto* at = &ranks[r][k * per_run];
       if (mode == "bf16") {  // the same ranks without ZeRO
         const auto* plain = &ranks[r][kBf16Plain * per_run];
