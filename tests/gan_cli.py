@@ -47,7 +47,7 @@ check(len(hand) == ITERATIONS and ours == hand,
       f"frugal::Loop gives the hand loop's losses bit for bit for {ITERATIONS} iterations")
 check(counters == hand_counters == (ITERATIONS, 2 * ITERATIONS, 2 * 3 * ITERATIONS),
       f"one generator forward per iteration, the hand loop's BatchNorm counters {counters}")
-check(len(rows) == ITERATIONS and all(r["ledger"]["grads_bytes"] == 0 for r in rows),
+check(len(rows) == ITERATIONS and all(r["grads_bytes"] == 0 for r in rows),
       "every iteration's report: both models stepped and released their gradients")
 
 checkpointed, ck_counters, ck_rows = run("checkpoint", "--checkpoint")
@@ -75,7 +75,7 @@ else:
 # At the default width, where most tensors are large enough for 8-bit states.
 _, _, adam = run("adam", iterations=3, width=32)
 _, _, adam8 = run("adam8bit", "--optimizer", "adam8bit", iterations=3, width=32)
-a, b = adam[-1]["ledger"]["optimizer_bytes"], adam8[-1]["ledger"]["optimizer_bytes"]
+a, b = adam[-1]["optimizer_bytes"], adam8[-1]["optimizer_bytes"]
 check(0 < b < a / 2, f"8-bit Adam states hold {b} optimizer bytes against Adam's {a}")
 
 # Two ranks as torchrun starts them, each its half of every batch of 16, BatchNorm

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "engine/compatibility.h"
 #include "frugal/distributed/data_parallel.h"
 #include "frugal/distributed/zero.h"
 #include "frugal/error.h"
@@ -15,7 +16,6 @@
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/policy/step_in_backward.h"
 #include "frugal/train/trainer.h"
-#include "train/compatibility.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "train/gradient_window.h"
+#include "engine/gradient_window.h"
 
 namespace {
 

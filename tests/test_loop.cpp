@@ -217,37 +217,6 @@ TEST(Loop, AccumulateOverMicroBatchesGivesTheWholeBatchsGradient) {
   frugal::testing::expect_all_close(micro.second, whole.second);
 }
 
-TEST(Loop, AnOutOfMemoryErrorHalvesTheMicroBatchAndKeepsTheGradient) {
-  auto run = [](bool cramped) {
-    torch::manual_seed(42);
-    torch::nn::Linear model(5, 3);
-    torch::optim::SGD sgd(model->parameters(), 0.1);
-    frugal::Loop loop(frugal::LoopOptions().micro_batch(8).oom_recovery(true));
-    auto& m = loop.prepare(model, sgd, "model");
-    const frugal::Batch first{torch::randn({6, 5}), torch::randint(3, {6})};
-    const frugal::Batch second{torch::randn({12, 5}), torch::randint(3, {12})};
-    auto loss = [&](const frugal::Batch& b) {
-      // Cramped: more than 3 samples at once do not fit.
-      TORCH_CHECK_WITH(OutOfMemoryError, !cramped || b.size() <= 3, "simulated: ", b.size(),
-                       " samples do not fit");
-      return F::cross_entropy(model->forward(b.inputs), b.targets);
-    };
-    const double a = loop.accumulate(first, m, loss);   // cramped: 6, then 4 + 2, then 2s
-    const double b = loop.accumulate(second, m, loss);  // at 2 from the start
-    auto grads = frugal::testing::grads_of(*model);
-    const auto report = (loop.step(m), loop.end());
-    return std::make_tuple(a + b, grads, loop.micro_batch(), report.models[0].oom_retries);
-  };
-  const auto [roomy_loss, roomy_grads, roomy_micro, roomy_retries] = run(false);
-  const auto [loss, grads, micro, retries] = run(true);
-  EXPECT_EQ(roomy_micro, 8);
-  EXPECT_EQ(roomy_retries, 0);
-  EXPECT_EQ(micro, 2);
-  EXPECT_EQ(retries, 2);  // 8 -> 4 -> 2
-  EXPECT_NEAR(loss, roomy_loss, 1e-6);
-  frugal::testing::expect_all_close(grads, roomy_grads);  // the first batch's kept, not doubled
-}
-
 TEST(Loop, OneScalerOverTwoOptimizersSkipsBothOnAnInfAndHalvesOnce) {
   Gan gan(false);
   auto scaler = std::make_shared<frugal::GradScaler>(frugal::GradScalerOptions().init_scale(1024));

@@ -4,8 +4,8 @@
 
 #include <numeric>
 
+#include "engine/micro_batch_plan.h"
 #include "frugal/error.h"
-#include "train/micro_batch_plan.h"
 
 namespace {
 

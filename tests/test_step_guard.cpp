@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "compat.h"
-#include "train/step_guard.h"
+#include "engine/step_guard.h"
 
 namespace {
 

@@ -4,9 +4,9 @@
 
 #include <limits>
 
+#include "engine/non_finite_guard.h"
+#include "engine/step_halt.h"
 #include "frugal/error.h"
-#include "train/non_finite_guard.h"
-#include "train/step_halt.h"
 
 namespace {
 

@@ -1,52 +1,34 @@
 // Loop::backward_step: a model's last backward with its optimizer step fused into it.
-#include <c10/util/Type.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cmath>
-#include <typeinfo>
 
-#include "../train/step_guard.h"
-#include "frugal/optim/in_place.h"
+#include "../engine/compatibility.h"
+#include "../engine/in_backward.h"
+#include "../engine/partial_step.h"
 #include "frugal/policy/grad_scaler.h"
 #include "parts.h"
 
 namespace frugal {
 
-namespace detail {
-
-PartialStepError partial_step_error(LoopModel& model, const char* phase,
-                                    const std::vector<torch::Tensor>& changed,
-                                    const std::exception& error, const char* unchanged) {
-  const auto names = parameter_names(model.module(), changed);
-  std::string list;
-  for (const auto& name : names) {
-    list += (list.empty() ? "" : ", ") + name;
-  }
-  return PartialStepError(
-      fmt::format("frugal: the {} of '{}' failed after changing {} parameter(s): {}. Those "
-                  "hold new values, {}. The error was: {}",
-                  phase, model.name(), names.size(), list, unchanged, error_message(error)),
-      names);
-}
-
-}  // namespace detail
-
 bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   check_own(model, "backward_step");
-  auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&model.optimizer());
-  FRUGAL_CHECK(in_place != nullptr, "frugal: Loop::backward_step of '", model.name(),
-               "' updates one parameter at a time and needs one of frugal's optimizers "
-               "(frugal::optim::SGD, Adam or AdamW); its optimizer is ",
-               c10::demangle(typeid(model.optimizer()).name()));
+  const auto who = fmt::format("Loop::backward_step of '{}'", model.name());
+  auto* in_place = &detail::in_place_optimizer(model.optimizer(), who);
+  // What needs every gradient of a step before any update, in the one table of refusals.
+  std::vector<detail::Party> present;
   const auto& scaler = options_.scaler();
-  FRUGAL_CHECK(
-      !(scaler && scaler->is_enabled()) && !options_.reducer() && !options_.check_gradients(),
-      "frugal: Loop::backward_step of '", model.name(), "': the loop's ",
-      scaler && scaler->is_enabled() ? "loss scaler"
-      : options_.reducer()           ? "reducer"
-                                     : "check_gradients",
-      " needs every gradient before any update; use backward and step");
+  if (scaler && scaler->is_enabled()) {
+    present.push_back({"the loop's loss scaler", Trait::AllGradients});
+  }
+  if (options_.reducer()) {
+    present.push_back({"the loop's reducer", Trait::AllGradients});
+  }
+  if (options_.check_gradients()) {
+    present.push_back({"the loop's check_gradients", Trait::AllGradients});
+  }
+  detail::check_compatible(present, {who, Trait::GradReady | Trait::UpdatesInBackward});
   FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::backward_step of '",
                model.name(), "' needs a scalar loss");
   FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward_step of '", model.name(),
@@ -62,9 +44,7 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   if (!parts.ready) {
     parts.ready = std::make_unique<detail::GradReady>(
         model.optimizer(), [&parts, in_place](const torch::Tensor& param) {
-          in_place->step_parameter(param);
-          parts.updated.push_back(param);
-          param.mutable_grad().reset();
+          detail::step_in_backward(*in_place, param, parts.updated);
         });
   }
   parts.ready->clear();
@@ -90,8 +70,11 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
     parts.window.zero();
     parts.pending = false;
     parts.non_finite = false;
-    throw detail::partial_step_error(model, "optimizer step in backward", changed, error,
-                                     "the others as before; the model's gradients are released");
+    throw detail::partial_step_error(
+        model.module(), fmt::format("the optimizer step in backward of '{}'", model.name()),
+        changed, error,
+        "the others are as before; the model's gradients are "
+        "released");
   }
   parts.updated.clear();
   finish_step(model, /*stepped=*/true);

@@ -8,12 +8,16 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
-#include "../train/micro_batch_plan.h"
-#include "../train/non_finite_guard.h"
-#include "../train/step_guard.h"
+#include "../engine/micro_batch_plan.h"
+#include "../engine/non_finite_guard.h"
+#include "../engine/oom_backoff.h"
+#include "../engine/partial_step.h"
+#include "../engine/step_guard.h"
+#include "../report_json.h"
 #include "frugal/error.h"
 #include "frugal/memory/format.h"
 #include "frugal/policy/grad_scaler.h"
+#include "frugal/train/sink.h"
 #include "parts.h"
 
 namespace frugal {
@@ -125,20 +129,32 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
       // One loss of the batch in the report, not one per micro-batch.
       parts.iteration.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
       return mean;
-    } catch (const c10::OutOfMemoryError&) {
-      const std::int64_t size = micro_batch_ > 0 ? micro_batch_ : batch.size();
-      if (!options_.oom_recovery() || size <= 1) {
+    } catch (const c10::OutOfMemoryError& error) {
+      if (!options_.oom_recovery()) {
         throw;
       }
-      // This call's partial gradients go; the ones from before come back on success.
+      // This call's partial gradients go, and what the report and the model held before it
+      // comes back; the gradients from before come back too if the batch cannot run again.
       parts.window.zero();
       const auto retries = parts.iteration.oom_retries;
       parts.iteration = before;
       parts.iteration.oom_retries = retries + 1;
       parts.pending = pending;
       parts.non_finite = non_finite;
-      probe_.empty_cache();
-      micro_batch_ = size / 2;
+      try {
+        micro_batch_ =
+            detail::back_off(micro_batch_ > 0 ? micro_batch_ : batch.size(), 1, probe_, error,
+                             "The model, its optimizer and its gradients are as before the call.");
+      } catch (...) {
+        parts.iteration.oom_retries = retries;
+        parts.window.put_back(std::move(aside), /*add=*/false);
+        throw;
+      }
+    } catch (...) {
+      if (options_.oom_recovery()) {  // as without recovery: the gradients from before stay
+        parts.window.put_back(std::move(aside), /*add=*/true);
+      }
+      throw;
     }
   }
 }
@@ -182,8 +198,9 @@ bool Loop::step(LoopModel& model) {
       if (changed.empty()) {
         throw;
       }
-      throw detail::partial_step_error(model, "optimizer step", changed, error,
-                                       "the others and the model's gradients are as before");
+      throw detail::partial_step_error(
+          model.module(), fmt::format("the optimizer step of '{}'", model.name()), changed, error,
+          "the others and the model's gradients are as before");
     }
   }
   finish_step(model, go);
@@ -201,6 +218,12 @@ void Loop::finish_step(LoopModel& model, bool stepped) {
 }
 
 void Loop::log(const std::string& name, double value) { metrics_[name] = value; }
+
+Loop& Loop::add_sink(std::shared_ptr<ReportSink> sink) {
+  FRUGAL_CHECK(sink != nullptr, "frugal: Loop::add_sink got a null sink");
+  sinks_.push_back(std::move(sink));
+  return *this;
+}
 
 bool Loop::pending() const {
   for (const auto& m : models_) {
@@ -262,6 +285,9 @@ LoopReport Loop::end() {
     report.ledger.other = l.allocated - l.weights - l.gradients - l.optimizer;
   }
   probe_.reset_peak();
+  for (const auto& sink : sinks_) {
+    sink->write(report);
+  }
   if (options_.leak_guard()) {
     if (!leak_) {
       leak_.emplace(*options_.leak_guard());
@@ -297,25 +323,30 @@ std::string LoopReport::summary() const {
          fmt::format(" | allocated {} peak {}", format_bytes(memory.allocated), format_bytes(peak));
 }
 
-std::string LoopReport::to_json() const {
-  nlohmann::json models_json = nlohmann::json::array();
-  for (const auto& m : models) {
-    models_json.push_back({{"name", m.name},
-                           {"loss", m.loss},
-                           {"backwards", m.backwards},
-                           {"stepped", m.stepped},
-                           {"skipped", m.skipped},
-                           {"oom_retries", m.oom_retries},
-                           {"steps", m.steps}});
+std::string LoopReport::to_json() const { return detail::to_json_object(*this).dump(); }
+
+namespace detail {
+
+nlohmann::json to_json_object(const LoopReport& r) {
+  nlohmann::json models = nlohmann::json::array();
+  for (const auto& m : r.models) {
+    models.push_back({{"name", m.name},
+                      {"loss", m.loss},
+                      {"backwards", m.backwards},
+                      {"stepped", m.stepped},
+                      {"skipped", m.skipped},
+                      {"oom_retries", m.oom_retries},
+                      {"steps", m.steps}});
   }
-  nlohmann::json j = {{"iteration", iteration},
-                      {"models", models_json},
-                      {"scale", scale},
-                      {"metrics", metrics},
-                      {"allocated_bytes", memory.allocated},
-                      {"peak_bytes", peak},
-                      {"ledger", nlohmann::json::parse(ledger.to_json())}};
-  return j.dump();
+  nlohmann::json j = {{"event", "iteration"},
+                      {"iteration", r.iteration},
+                      {"models", models},
+                      {"scale", r.scale},
+                      {"metrics", r.metrics}};
+  j.update(memory_fields(r.memory, r.peak, r.ledger));
+  return j;
 }
+
+}  // namespace detail
 
 }  // namespace frugal

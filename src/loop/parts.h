@@ -1,13 +1,12 @@
 // What frugal::Loop keeps of each model, shared by the Loop's sources.
 #pragma once
 
-#include <exception>
 #include <memory>
 #include <vector>
 
+#include "../engine/grad_ready.h"
+#include "../engine/gradient_window.h"
 #include "../memory/module_tensors.h"
-#include "../train/grad_ready.h"
-#include "../train/gradient_window.h"
 #include "frugal/error.h"
 #include "frugal/loop/loop.h"
 
@@ -39,13 +38,4 @@ struct LoopModel::Parts {
   std::vector<torch::Tensor> updated;
 };
 
-namespace detail {
-
-/// The error of a step of `model` that failed in `phase` after changing `changed`;
-/// `unchanged` says what the others hold.
-PartialStepError partial_step_error(LoopModel& model, const char* phase,
-                                    const std::vector<torch::Tensor>& changed,
-                                    const std::exception& error, const char* unchanged);
-
-}  // namespace detail
 }  // namespace frugal

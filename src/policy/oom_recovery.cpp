@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include "../engine/oom_backoff.h"
 #include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
@@ -11,47 +12,27 @@
 #include "frugal/state/archive.h"
 
 namespace frugal {
-namespace {
-
-bool is_oom(const std::exception& error) {
-  return dynamic_cast<const c10::OutOfMemoryError*>(&error) != nullptr;
-}
-
-std::string memory_figures(const MemoryProbe& probe) {
-  const auto s = probe.snapshot();
-  std::string out = fmt::format("allocated {}, peak {}, reserved {}", format_bytes(s.allocated),
-                                format_bytes(s.peak_allocated), format_bytes(s.reserved));
-  if (s.device.is_cpu() && CountingAllocator::cap() > 0) {
-    out += fmt::format(", cap {}", format_bytes(CountingAllocator::cap()));
-  }
-  return out;
-}
-
-}  // namespace
-
 OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
-  FRUGAL_CHECK(options_.min_micro_batch() >= 1, "frugal: OomRecovery min_micro_batch must be "
-               ">= 1, got ", options_.min_micro_batch());
+  FRUGAL_CHECK(options_.min_micro_batch() >= 1,
+               "frugal: OomRecovery min_micro_batch must be "
+               ">= 1, got ",
+               options_.min_micro_batch());
   FRUGAL_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
                options_.grow_after());
 }
 
 bool OomRecovery::on_step_error(StepContext& ctx, const std::exception& error) {
-  if (!is_oom(error)) {
+  if (!detail::is_out_of_memory(error)) {
     return false;
   }
   port_ = &ctx.port;
   const std::int64_t current = ctx.report.micro_batch;
-  TORCH_CHECK_WITH(OutOfMemoryError, current > options_.min_micro_batch(),
-                   "frugal: out of memory at micro-batch ", current, " (the floor is ",
-                   options_.min_micro_batch(), "): ", memory_figures(ctx.probe),
-                   ". The model and optimizer are as before the step. The error was: ",
-                   error_message(error));
+  const auto next = detail::back_off(current, options_.min_micro_batch(), ctx.probe, error,
+                                     "The model and optimizer are as before the step.");
   if (largest_ == 0) {
     largest_ = current;
   }
-  ctx.probe.empty_cache();
-  ctx.port.set_micro_batch(std::max(options_.min_micro_batch(), current / 2));
+  ctx.port.set_micro_batch(next);
   clean_steps_ = 0;
   ++recovered_;
   return true;
@@ -59,13 +40,12 @@ bool OomRecovery::on_step_error(StepContext& ctx, const std::exception& error) {
 
 bool OomRecovery::on_eval_error(PolicyPort& port, std::int64_t batch_size,
                                 const std::exception& error) {
-  if (!is_oom(error)) {
+  if (!detail::is_out_of_memory(error)) {
     return false;
   }
   TORCH_CHECK_WITH(OutOfMemoryError, batch_size > 1,
-                   "frugal: out of memory in evaluate() at "
-                   "batch size 1: ",
-                   memory_figures(port.probe()), ". The error was: ", error_message(error));
+                   "frugal: out of memory in evaluate() at batch size 1: ",
+                   detail::memory_figures(port.probe()), ". The error was: ", error_message(error));
   port.probe().empty_cache();
   port.set_eval_batch(batch_size / 2);
   ++recovered_;
@@ -73,7 +53,7 @@ bool OomRecovery::on_eval_error(PolicyPort& port, std::int64_t batch_size,
 }
 
 void OomRecovery::on_optimizer_error(StepContext& ctx, const std::exception& error) {
-  if (!is_oom(error)) {
+  if (!detail::is_out_of_memory(error)) {
     return;
   }
   const auto ledger = measure_ledger(ctx.probe, ctx.module, &ctx.optimizer);

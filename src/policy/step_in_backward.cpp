@@ -1,34 +1,24 @@
 #include "frugal/policy/step_in_backward.h"
 
-#include <c10/util/Exception.h>
-#include <c10/util/Type.h>
-
-#include <typeinfo>
-
+#include "../engine/in_backward.h"
 #include "frugal/error.h"
 
 namespace frugal {
 
 void StepInBackward::on_add(PolicyPort& port) {
   FRUGAL_CHECK(optimizer_ == nullptr, "frugal: a StepInBackward policy belongs to one trainer");
-  auto* in_place = dynamic_cast<optim::InPlaceOptimizer*>(&port.optimizer());
-  FRUGAL_CHECK(in_place != nullptr,
-               "frugal: StepInBackward updates one parameter at a time "
-               "and needs one of frugal's optimizers (frugal::optim::SGD, Adam or AdamW); the "
-               "trainer's optimizer is ",
-               c10::demangle(typeid(port.optimizer()).name()));
-  optimizer_ = in_place;
+  optimizer_ = &detail::in_place_optimizer(port.optimizer(), "StepInBackward");
 }
 
 void StepInBackward::on_grad_ready(StepContext& ctx, const torch::Tensor& param) {
   if (!enabled_) {
     return;
   }
-  if (!ctx.trial) {  // a trial measures memory: the gradient goes, the parameter stays
-    optimizer_->step_parameter(param);
-    ctx.updated_in_backward.push_back(param);
+  if (ctx.trial) {  // a trial measures memory: the gradient goes, the parameter stays
+    param.mutable_grad().reset();
+    return;
   }
-  param.mutable_grad().reset();
+  detail::step_in_backward(*optimizer_, param, ctx.updated_in_backward);
 }
 
 }  // namespace frugal

@@ -38,6 +38,13 @@ void ConsoleSink::write(const EvalReport& report) {
   std::fflush(out_);
 }
 
+void ConsoleSink::write(const LoopReport& report) {
+  if (report.iteration % every_ == 0) {
+    fmt::print(out_, "{}\n", report.summary());
+    std::fflush(out_);
+  }
+}
+
 JsonLinesSink::JsonLinesSink(const std::string& path) : path_(path), out_(path) {
   FRUGAL_CHECK(out_.good(), "frugal: cannot open the report file '", path, "' for writing");
 }
@@ -59,6 +66,10 @@ void JsonLinesSink::write(const StepReport& report) {
 }
 
 void JsonLinesSink::write(const EvalReport& report) {
+  write_line(line_with(detail::to_json_object(report), extra_));
+}
+
+void JsonLinesSink::write(const LoopReport& report) {
   write_line(line_with(detail::to_json_object(report), extra_));
 }
 

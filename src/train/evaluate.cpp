@@ -129,9 +129,9 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
   // Parameters sharded between steps (ZeRO-3) are gathered for the evaluation (units one
   // at a time, as they are called).
   std::unique_ptr<optim::GatheredParameters> whole;
-  if (auto* sharded = dynamic_cast<optim::ShardedOptimizer*>(&optimizer_)) {
+  if (parts_->sharded != nullptr) {
     whole = std::make_unique<optim::GatheredParameters>(
-        *sharded, optim::GatheredParameters::What::ForForward);
+        *parts_->sharded, optim::GatheredParameters::What::ForForward);
   }
   std::unique_ptr<torch::NoGradGuard> no_grad;
   std::unique_ptr<c10::InferenceMode> inference;
@@ -188,9 +188,8 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
       offset += n;
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(), [&](auto& p) {
-        return p->on_eval_error(*this, size, error);
-      });
+      const bool retry = std::any_of(policies_.begin(), policies_.end(),
+                                     [&](auto& p) { return p->on_eval_error(*this, size, error); });
       if (!retry) {
         throw;
       }

@@ -7,11 +7,11 @@
 
 #include <algorithm>
 
+#include "../engine/step_guard.h"
 #include "frugal/error.h"
 #include "frugal/train/trainer.h"
 #include "internal.h"
 #include "parts.h"
-#include "step_guard.h"
 
 namespace frugal {
 

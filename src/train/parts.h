@@ -5,15 +5,16 @@
 #include <memory>
 #include <string>
 
+#include "../engine/grad_ready.h"
+#include "../engine/gradient_window.h"
+#include "../engine/in_backward.h"
+#include "../engine/micro_batch_plan.h"
+#include "../engine/non_finite_guard.h"
+#include "../engine/step_halt.h"
 #include "../memory/module_tensors.h"
 #include "batch_statistics.h"
 #include "frugal/train/trainer.h"
-#include "grad_ready.h"
-#include "gradient_window.h"
 #include "internal.h"
-#include "micro_batch_plan.h"
-#include "non_finite_guard.h"
-#include "step_halt.h"
 
 namespace frugal {
 
@@ -21,12 +22,14 @@ struct Trainer::Parts {
   // `whole_batch`: BatchStatistics::WholeBatch applies, micro_batches is set aside.
   Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer,
         const TrainerOptions& options, bool whole_batch)
-      : module_tensors(std::make_unique<detail::ModuleTensors>(module)),
+      : sharded(detail::sharded_optimizer(optimizer)),
+        module_tensors(std::make_unique<detail::ModuleTensors>(module)),
         plan(whole_batch ? c10::nullopt : options.micro_batches(), options.count()),
         window(optimizer, options.accumulate(), options.set_to_none()),
         guard(options.skip_non_finite(), options.check_gradients()),
         batch_statistics(options.batch_statistics()) {}
 
+  optim::ShardedOptimizer* sharded;  // the optimizer, when it shards (ZeRO); else null
   std::unique_ptr<detail::ModuleTensors> module_tensors;  // what the ledger counts as weights
   std::unique_ptr<detail::GradReady> grad_ready;  // while a policy wants gradient-ready calls
   detail::MicroBatchPlan plan;

@@ -6,14 +6,14 @@
 #include <string>
 #include <unordered_map>
 
+#include "../engine/compatibility.h"
+#include "../engine/grad_ready.h"
+#include "../engine/partial_step.h"
 #include "../memory/module_tensors.h"
-#include "compatibility.h"
 #include "frugal/error.h"
 #include "frugal/optim/sharded.h"
 #include "frugal/train/trainer.h"
-#include "grad_ready.h"
 #include "parts.h"
-#include "step_guard.h"
 
 namespace frugal {
 
@@ -64,21 +64,14 @@ void Trainer::unscale_gradients() {
 PartialStepError Trainer::partial_error(const char* where,
                                         const std::vector<torch::Tensor>& changed,
                                         const std::exception& error) {
-  auto updated = detail::parameter_names(*module_, changed);
-  std::string list;
-  for (const auto& name : updated) {
-    list += (list.empty() ? "" : ", ") + name;
-  }
+  auto partial = detail::partial_step_error(
+      *module_, where, changed, error,
+      "the others and the trainer's counters are as before; the window's gradients were "
+      "dropped and the step was not retried. The trainer refuses further steps until "
+      "accept_partial_update() is called (or a saved state loaded)");
   parts_->halt.halt(fmt::format("{} of step {} changed {} parameter(s) before failing", where,
-                                steps_ + 1, updated.size()));
-  auto what = fmt::format(
-      "frugal: {} failed after changing {} parameter(s): {}. Those (values or optimizer "
-      "state) hold new values, the others and the trainer's counters are as before; the "
-      "window's gradients were dropped and the step was not retried. The trainer refuses "
-      "further steps until accept_partial_update() is called (or a saved state loaded). The "
-      "error was: {}",
-      where, updated.size(), list, error_message(error));
-  return PartialStepError(what, std::move(updated));
+                                steps_ + 1, partial.updated.size()));
+  return partial;
 }
 
 Trainer& Trainer::add_hook(Phase phase, HookPolicy::Fn fn) {

@@ -4,8 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "frugal/memory/format.h"
 #include "../report_json.h"
+#include "frugal/memory/format.h"
 
 namespace frugal {
 
@@ -28,11 +28,11 @@ std::string StepReport::summary() const {
 std::string StepReport::to_json() const { return detail::to_json_object(*this).dump(); }
 
 std::string EvalReport::summary() const {
-  return fmt::format("eval after step {}: loss {:.4f}{} | {} samples in {} batches of {} | "
-                     "{:.1f} ms | peak {}",
-                     step, loss,
-                     accuracy >= 0 ? fmt::format(" accuracy {:.4f}", accuracy) : std::string(),
-                     samples, batches, batch_size, time_ms, format_bytes(peak));
+  return fmt::format(
+      "eval after step {}: loss {:.4f}{} | {} samples in {} batches of {} | "
+      "{:.1f} ms | peak {}",
+      step, loss, accuracy >= 0 ? fmt::format(" accuracy {:.4f}", accuracy) : std::string(),
+      samples, batches, batch_size, time_ms, format_bytes(peak));
 }
 
 std::string EvalReport::to_json() const { return detail::to_json_object(*this).dump(); }
@@ -82,9 +82,12 @@ nlohmann::json to_json_object(const StepReport& r) {
 }
 
 nlohmann::json to_json_object(const EvalReport& r) {
-  nlohmann::json j = {{"event", "eval"},        {"step", r.step},
-                      {"loss", r.loss},         {"samples", r.samples},
-                      {"batch_size", r.batch_size}, {"batches", r.batches},
+  nlohmann::json j = {{"event", "eval"},
+                      {"step", r.step},
+                      {"loss", r.loss},
+                      {"samples", r.samples},
+                      {"batch_size", r.batch_size},
+                      {"batches", r.batches},
                       {"oom_retries", r.oom_retries},
                       {"time_ms", r.time_ms}};
   if (r.accuracy >= 0) {

@@ -65,10 +65,10 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
   const bool whole_batch = detail::keeps_whole_batch(options_.batch_statistics(), *module_);
   micro_batch_ = whole_batch ? 0 : options_.micro_batch().value_or(0);
   eval_batch_ = options_.eval_batch().value_or(0);
-  if (const auto* sharded = dynamic_cast<const optim::ShardedOptimizer*>(&optimizer_)) {
-    optimizer_traits_ = sharded->traits();
-  }
   parts_ = std::make_unique<Parts>(*module_, optimizer_, options_, whole_batch);
+  if (parts_->sharded != nullptr) {
+    optimizer_traits_ = parts_->sharded->traits();
+  }
   const auto ledger = detail::measure_ledger(probe_.snapshot(), *parts_->module_tensors, nullptr);
   if (ledger.weights > ledger.allocated) {
     TORCH_WARN("frugal: the module's weights (", ledger.weights,

@@ -26,6 +26,7 @@
 namespace frugal {
 
 class GradScaler;
+class ReportSink;
 
 /// Options of frugal::Loop.
 ///
@@ -115,6 +116,8 @@ struct LoopReport {
 
   const LoopModelReport& model(const std::string& name) const;
   std::string summary() const;
+  /// One JSON object: iteration, models, scale, metrics and the memory fields of a
+  /// StepReport's JSON (allocated_bytes, peak_bytes, weights_bytes, grads_bytes, ...).
   std::string to_json() const;
 };
 
@@ -184,8 +187,12 @@ class Loop {
   bool step(LoopModel& model);
   /// Records a number for this iteration's report (accuracy, a discriminator's output).
   void log(const std::string& name, double value);
-  /// Ends the iteration: updates the scale once, measures memory, and returns the report.
+  /// Ends the iteration: updates the scale once, measures memory, hands the report to the
+  /// sinks and returns it.
   LoopReport end();
+  /// Adds a sink that receives every report of Loop::end (frugal::ConsoleSink,
+  /// frugal::JsonLinesSink, or one of the caller's).
+  Loop& add_sink(std::shared_ptr<ReportSink> sink);
 
   /// Whether a model has gradients waiting for its step (a saved state does not hold them).
   bool pending() const;
@@ -218,6 +225,7 @@ class Loop {
   std::int64_t micro_batch_ = 0;
   bool scaled_ = false;  // the scaler scaled a loss this iteration
   c10::optional<LeakCheck> leak_;
+  std::vector<std::shared_ptr<ReportSink>> sinks_;
 };
 
 }  // namespace frugal

@@ -21,13 +21,16 @@ class ConsoleSink : public ReportSink {
   explicit ConsoleSink(std::FILE* out = stdout, std::int64_t every = 1);
   void write(const StepReport& report) override;
   void write(const EvalReport& report) override;
+  /// A Loop iteration's summary line, every `every`-th iteration.
+  void write(const LoopReport& report) override;
 
  private:
   std::FILE* out_;
   std::int64_t every_;
 };
 
-/// One JSON object a line: every step report, and eval reports with "event": "eval".
+/// One JSON object a line: every step report, eval reports with "event": "eval" and Loop
+/// iterations with "event": "iteration".
 /// Fields set with `set` (an epoch, a run name) are added to every line that follows.
 ///
 /// Example:
@@ -41,6 +44,8 @@ class JsonLinesSink : public ReportSink {
   void set(const std::string& key, const std::string& value);
   void write(const StepReport& report) override;
   void write(const EvalReport& report) override;
+  /// A Loop iteration, with "event": "iteration".
+  void write(const LoopReport& report) override;
   /// A line of its own, {"event": event} with the fields set so far: the end of a run, say.
   void write_event(const std::string& event);
 

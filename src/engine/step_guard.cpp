@@ -40,8 +40,7 @@ void set_counter(OptimizerParamState& state, std::int64_t step) {
 
 }  // namespace
 
-OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer)
-    : optimizer_(optimizer) {
+OptimizerStepGuard::OptimizerStepGuard(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {
   auto& state = optimizer_.state();
   std::size_t count = 0;
   for (const auto& group : optimizer_.param_groups()) {

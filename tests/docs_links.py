@@ -1,0 +1,51 @@
+"""Every relative link of README.md and docs/*.md leads somewhere: the file exists and, where
+the link names a section (#anchor), the page has a heading with that anchor (GitHub's
+rule: lower case, punctuation dropped, spaces to hyphens).
+
+    python3 docs_links.py SOURCE_DIR
+"""
+import os
+import re
+import sys
+
+
+def anchors(path):
+    found = set()
+    in_code = False
+    for line in open(path, encoding="utf-8"):
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"^#+ (.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            found.add(slug)
+    return found
+
+
+def main(root):
+    pages = [os.path.join(root, "README.md")]
+    docs = os.path.join(root, "docs")
+    pages += sorted(os.path.join(docs, p) for p in os.listdir(docs) if p.endswith(".md"))
+    bad = []
+    checked = 0
+    for page in pages:
+        text = open(page, encoding="utf-8").read()
+        text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code is not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(page), file)) if file else page
+            checked += 1
+            if not os.path.exists(dest):
+                bad.append(f"{os.path.relpath(page, root)}: {target}: no such file")
+            elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
+                bad.append(f"{os.path.relpath(page, root)}: {target}: no such section")
+    for line in bad:
+        print(line)
+    print(f"{checked} links in {len(pages)} pages, {len(bad)} broken")
+    return 1 if bad or checked == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
