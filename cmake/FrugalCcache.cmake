@@ -6,7 +6,11 @@
 #   FRUGAL_CCACHE_DIR=PATH       the cache (default: $XDG_CACHE_HOME or ~/.cache, then
 #                                frugal/ccache/<the build folder's name>, so the two LibTorch
 #                                builds and the sanitizer build each have their own)
-#   FRUGAL_CCACHE_SIZE=SIZE      its bound (default 2G; ccache drops the oldest results past it)
+#   FRUGAL_CCACHE_SIZE=SIZE      its bound (default 4G; ccache drops the oldest results past it)
+#
+# The bound: ccache keeps it for each of its 16 parts (a 16th each), and a precompiled
+# LibTorch header is 100-125 MB compressed; at 2G (128 MB a part) storing one cleaned its
+# part down to nothing, the header itself included, so every source using it missed.
 #
 # What makes a clone in another folder hit the cache:
 # - base_dir is the source tree, so ccache hashes the paths under it relative to the build
@@ -19,7 +23,7 @@
 # CMake's unity sources include their parts by absolute path: they miss ccache's direct mode
 # and are matched after preprocessing, a few seconds each instead of a compilation.
 option(FRUGAL_CCACHE "Compile through ccache when it is installed" ON)
-set(FRUGAL_CCACHE_SIZE "2G" CACHE STRING "The bound of this build's compiler cache")
+set(FRUGAL_CCACHE_SIZE "4G" CACHE STRING "The bound of this build's compiler cache")
 
 function(frugal_use_ccache)
   if(NOT FRUGAL_CCACHE OR CMAKE_CXX_COMPILER_LAUNCHER)
