@@ -11,6 +11,7 @@
 //   bench_capacity --trial plain --dim 512     (one trial: exit 0 trained, 3 out of memory)
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <frugal/distributed.h>
 #include <frugal/frugal.h>
 #include <sys/wait.h>
 #include <torch/torch.h>

@@ -5,6 +5,7 @@
 // process a rank); started alone it runs as a group of one, where nothing can overlap.
 //   torchrun --standalone --nproc-per-node 2 --no-python bench/bench_zero_prefetch
 #include <fmt/format.h>
+#include <frugal/distributed.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 

@@ -48,6 +48,9 @@ inline double max_abs_diff(const std::vector<torch::Tensor>& a,
 // Chunks of three blocks: the 9000-element parameter takes four, the last one partial.
 inline const fo::InPlaceOptions kChunks = fo::InPlaceOptions().chunk(768);
 
+// The factored second moment on every matrix, however small.
+inline const auto kFactored = fo::QuantizedStateOptions().factored(true).min_elements(0);
+
 // A module holding `params`, for the ledger (p0, p1, ...).
 struct ParamsModule : torch::nn::Module {
   explicit ParamsModule(const std::vector<torch::Tensor>& params) {

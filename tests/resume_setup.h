@@ -118,6 +118,15 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
 }
 
 /// An empty folder of this process under the system's temporary folder.
+/// Trains `steps` batches of 32 of resume_data(), going on from the trainer's batch count.
+inline void train(ResumeSetup& s, int steps) {
+  const auto data = resume_data();
+  for (int i = 0; i < steps; ++i) {
+    const auto start = (s.trainer->counters().batches * 32) % 320;
+    s.trainer->step(data.slice(start, 32));
+  }
+}
+
 inline std::filesystem::path fresh_temp_dir(const std::string& name) {
   auto dir =
       std::filesystem::temp_directory_path() / ("frugal_" + name + "_" + std::to_string(getpid()));

@@ -25,6 +25,7 @@ namespace fo = frugal::optim;
 using frugal::testing::clone_params;
 using frugal::testing::set_grads;
 using frugal::testing::step_overhead;
+using frugal::testing::optim8bit::kFactored;
 using frugal::testing::optim8bit::least_squares;
 using frugal::testing::optim8bit::max_abs_diff;
 using frugal::testing::optim8bit::state_of;
@@ -39,7 +40,6 @@ std::vector<torch::Tensor> make_matrices() {
 }
 
 const fo::InPlaceOptions kRowChunks = fo::InPlaceOptions().chunk(768);
-const auto kFactored = fo::QuantizedStateOptions().factored(true).min_elements(0);
 
 // Adam with Adafactor's factored second moment, on whole tensors in float64: what the
 // optimizer's chunked float32 step must equal up to rounding.
@@ -371,42 +371,6 @@ TEST(FactoredMoment, TrainsALeastSquaresProblemAsAdamDoes) {
   EXPECT_LE(adamw.loss, adamw.start / 50);
   EXPECT_LE(factored, 2 * adamw.loss + 0.01);
   EXPECT_LE(no_first, 2 * adamw.loss + 0.01);
-}
-
-}  // namespace
-
-namespace {
-
-TEST(CudaFactoredMoment, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
-  // Both passes of the factored step in tensor operations on the GPU, against the CPU's
-  // fused update, with and without a first moment; then on bfloat16 weights, whose
-  // rounding draws CUDA's bits (the weights then agree within a bfloat16 gap or two).
-  FRUGAL_SKIP_WITHOUT_CUDA();
-  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    for (const double beta1 : {0.9, 0.0}) {
-      torch::manual_seed(12);
-      std::vector<torch::Tensor> cpu{torch::randn({150, 60}).to(dtype).requires_grad_()};
-      std::vector<torch::Tensor> cuda{cpu[0].detach().to(torch::kCUDA).requires_grad_()};
-      const auto options = to::AdamWOptions(1e-2).betas({beta1, 0.999}).weight_decay(0.01);
-      fo::AdamW8bit a(cpu, options, kFactored, kRowChunks);
-      fo::AdamW8bit b(cuda, options, kFactored, kRowChunks);
-      for (int step = 0; step < 20; ++step) {
-        cpu[0].mutable_grad() = (torch::randn({150, 60}) * (1 + step % 3)).to(dtype);
-        cuda[0].mutable_grad() = cpu[0].grad().to(torch::kCUDA);
-        a.step();
-        b.step();
-      }
-      ASSERT_TRUE(state_of(b, cuda[0]).factored());
-      const auto here = cuda[0].detach().cpu().to(torch::kFloat32);
-      const auto there = cpu[0].detach().to(torch::kFloat32);
-      const double diff = ((there - here).abs().max() / there.abs().max()).item<double>();
-      EXPECT_LE(diff, dtype == torch::kFloat32 ? 1e-5 : 4 * std::ldexp(1.0, -7))
-          << "beta1 " << beta1 << ", " << dtype;
-      EXPECT_TRUE(torch::allclose(state_of(a, cpu[0]).exp_avg_sq_row(),
-                                  state_of(b, cuda[0]).exp_avg_sq_row().cpu(), 1e-5, 0))
-          << "beta1 " << beta1 << ", " << dtype;
-    }
-  }
 }
 
 }  // namespace

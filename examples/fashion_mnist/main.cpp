@@ -2,6 +2,7 @@
 //
 //   fashion_mnist --data-dir /usr/share/datasets/fashion-mnist --model cnn --epochs 1
 #include <fmt/format.h>
+#include <frugal/distributed.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 #include <unistd.h>

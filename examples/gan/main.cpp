@@ -7,6 +7,7 @@
 //
 //   gan --data-dir /usr/share/datasets/fashion-mnist --iterations 200 --checkpoint
 #include <fmt/format.h>
+#include <frugal/distributed.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 

@@ -1,4 +1,5 @@
-// frugal: composable memory policies and a memory probe for LibTorch training steps.
+// frugal: composable memory policies and a memory probe for LibTorch training steps; the
+// one-process core (across processes: frugal/distributed.h).
 #pragma once
 
 #include "frugal/autocast_guard.h"
@@ -7,13 +8,6 @@
 #include "frugal/compose/mixed_precision.h"
 #include "frugal/compose/planner.h"
 #include "frugal/data/idx.h"
-#include "frugal/distributed/batch_norm.h"
-#include "frugal/distributed/data_parallel.h"
-#include "frugal/distributed/group.h"
-#include "frugal/distributed/ranks.h"
-#include "frugal/distributed/reducer.h"
-#include "frugal/distributed/shard.h"
-#include "frugal/distributed/zero.h"
 #include "frugal/fit/data_source.h"
 #include "frugal/fit/fit.h"
 #include "frugal/loop/loop.h"

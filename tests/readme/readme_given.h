@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fmt/core.h>
+#include <frugal/distributed.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 

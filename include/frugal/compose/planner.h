@@ -175,7 +175,4 @@ class MemoryPlanner {
   int bits_at_start_ = 8;
 };
 
-/// The options' earlier name.
-using PlannerOptions = MemoryPlannerOptions;
-
 }  // namespace frugal

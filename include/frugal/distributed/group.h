@@ -109,8 +109,3 @@ class Group {
 };
 
 }  // namespace frugal::distributed
-
-namespace frugal {
-/// The namespace's earlier name.
-namespace dist = distributed;
-}  // namespace frugal

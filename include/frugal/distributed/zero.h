@@ -180,7 +180,4 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   std::unique_ptr<detail::ZeroUnitHooks> hooks_;  // stage 3 with units
 };
 
-/// The options' earlier name.
-using ZeroOptions = ZeroOptimizerOptions;
-
 }  // namespace frugal::distributed

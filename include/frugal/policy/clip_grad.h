@@ -41,7 +41,4 @@ class ClipGrad : public Policy {
   double last_norm_ = 0.0;
 };
 
-/// The class's earlier name.
-using ClipGradPolicy = ClipGrad;
-
 }  // namespace frugal
