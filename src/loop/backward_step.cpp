@@ -14,38 +14,40 @@ namespace frugal {
 
 bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   check_own(model, "backward_step");
-  const auto who = fmt::format("Loop::backward_step of '{}'", model.name());
-  auto* in_place = &detail::in_place_optimizer(model.optimizer(), who);
-  // What needs every gradient of a step before any update, in the one table of refusals.
-  std::vector<detail::Party> present;
-  const auto& scaler = options_.scaler();
-  if (scaler && scaler->is_enabled()) {
-    present.push_back({"the loop's loss scaler", Trait::AllGradients});
+  auto& parts = *model.parts_;
+  if (!parts.ready) {
+    // The first call checks what the loop's options do not change, and hooks the model.
+    const auto who = fmt::format("Loop::backward_step of '{}'", model.name());
+    auto* in_place = &detail::in_place_optimizer(model.optimizer(), who);
+    // What needs every gradient of a step before any update, in the one table of refusals.
+    std::vector<detail::Party> present;
+    const auto& scaler = options_.scaler();
+    if (scaler && scaler->is_enabled()) {
+      present.push_back({"the loop's loss scaler", Trait::AllGradients});
+    }
+    if (options_.reducer()) {
+      present.push_back({"the loop's reducer", Trait::AllGradients});
+    }
+    if (options_.check_gradients()) {
+      present.push_back({"the loop's check_gradients", Trait::AllGradients});
+    }
+    detail::check_compatible(present, {who, Trait::GradReady | Trait::UpdatesInBackward});
+    parts.in_place = in_place;
+    parts.ready = std::make_unique<detail::GradReady>(
+        model.optimizer(), [&parts, in_place](const torch::Tensor& param) {
+          detail::step_in_backward(*in_place, param, parts.updated);
+        });
   }
-  if (options_.reducer()) {
-    present.push_back({"the loop's reducer", Trait::AllGradients});
-  }
-  if (options_.check_gradients()) {
-    present.push_back({"the loop's check_gradients", Trait::AllGradients});
-  }
-  detail::check_compatible(present, {who, Trait::GradReady | Trait::UpdatesInBackward});
   FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::backward_step of '",
                model.name(), "' needs a scalar loss");
   FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward_step of '", model.name(),
                "': the loss does not require grad (was the forward run under no_grad?)");
-  auto& parts = *model.parts_;
   const double value = loss.detach().item<double>();
   const bool poisoned = !std::isfinite(value) || parts.non_finite;
   if (poisoned && options_.skip_non_finite()) {
     // Nothing is updated: the step is skipped as step() skips it.
     backward_read(loss, value, model, /*retain_graph=*/false);
     return step(model);
-  }
-  if (!parts.ready) {
-    parts.ready = std::make_unique<detail::GradReady>(
-        model.optimizer(), [&parts, in_place](const torch::Tensor& param) {
-          detail::step_in_backward(*in_place, param, parts.updated);
-        });
   }
   parts.ready->clear();
   parts.updated.clear();
@@ -57,7 +59,7 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
     // Parameters whose gradient came only from earlier backwards are stepped now.
     for (const auto& p : parts.trainable) {
       if (p.grad().defined() && !parts.ready->delivered(p)) {
-        in_place->step_parameter(p);
+        parts.in_place->step_parameter(p);
         parts.updated.push_back(p);
       }
     }

@@ -9,6 +9,7 @@
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
 #include "frugal/loop/loop.h"
+#include "frugal/optim/in_place.h"
 
 namespace frugal {
 
@@ -32,8 +33,10 @@ struct LoopModel::Parts {
   bool pending = false;     // a backward reached it since its last step
   bool non_finite = false;  // a loss of those was NaN or infinite
   LoopModelReport iteration;
-  // Loop::backward_step's: the hooks that update each parameter as its gradient is ready,
-  // made at the first call, and the parameters updated in the current one.
+  // Loop::backward_step's: the optimizer as one that updates a parameter at a time and the
+  // hooks that update each parameter as its gradient is ready, both set at the first call
+  // the options allow, and the parameters updated in the current one.
+  optim::InPlaceOptimizer* in_place = nullptr;
   std::unique_ptr<detail::GradReady> ready;
   std::vector<torch::Tensor> updated;
 };
