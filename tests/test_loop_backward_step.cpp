@@ -155,8 +155,8 @@ TEST(LoopBackwardStep, RefusesWhatNeedsEveryGradientFirst) {
   }
   {
     frugal::Loop loop(
-        frugal::LoopOptions().reducer(std::make_shared<frugal::distributed::GradientAverage>(
-            frugal::distributed::Group::single())));
+        frugal::LoopOptions().reducer(
+            std::make_shared<frugal::distributed::Reducer>(frugal::distributed::Group::single())));
     auto& m = loop.prepare(model, adam, "model");
     frugal::testing::expect_error_contains([&] { loop.backward_step(loss(), m); },
                                            "the loop's reducer needs every gradient");

@@ -169,7 +169,7 @@ int run(const Args& args) {
     group = frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment());
     FRUGAL_CHECK(args.batch % group->size() == 0, "gan: --batch ", args.batch,
                  " does not split evenly over ", group->size(), " ranks");
-    reducer = std::make_shared<frugal::distributed::GradientAverage>(group);
+    reducer = std::make_shared<frugal::distributed::Reducer>(group);
     frugal::distributed::synchronize_batch_norm(*g, group);
     frugal::distributed::synchronize_batch_norm(*d, group);
   }
@@ -224,7 +224,11 @@ int run(const Args& args) {
       line.d_loss = real_loss.item<double>() + fake_loss.item<double>();
       line.g_loss = g_loss.item<double>();
     } else {
-      loop.backward(bce(D(real), 1.0), dm);
+      {
+        // The real half's gradients wait; both halves travel during the fake half's backward.
+        frugal::Loop::NoSync quiet(loop, dm);
+        loop.backward(bce(D(real), 1.0), dm);
+      }
       loop.backward(bce(D(fake.detach()), 0.0), dm);
       loop.step(dm);
       loop.backward(bce(D(fake), 1.0), gm);

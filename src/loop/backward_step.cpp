@@ -20,16 +20,9 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
     const auto who = fmt::format("Loop::backward_step of '{}'", model.name());
     auto* in_place = &detail::in_place_optimizer(model.optimizer(), who);
     // What needs every gradient of a step before any update, in the one table of refusals.
-    std::vector<detail::Party> present;
-    const auto& scaler = options_.scaler();
-    if (scaler && scaler->is_enabled()) {
-      present.push_back({"the loop's loss scaler", Trait::AllGradients});
-    }
+    auto present = gradient_readers(options_);
     if (options_.reducer()) {
       present.push_back({"the loop's reducer", Trait::AllGradients});
-    }
-    if (options_.check_gradients()) {
-      present.push_back({"the loop's check_gradients", Trait::AllGradients});
     }
     detail::check_compatible(present, {who, Trait::GradReady | Trait::UpdatesInBackward});
     parts.in_place = in_place;

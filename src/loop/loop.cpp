@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "../engine/in_backward.h"
 #include "../engine/micro_batch_plan.h"
 #include "../engine/non_finite_guard.h"
 #include "../engine/oom_backoff.h"
@@ -53,10 +54,26 @@ LoopModel& Loop::prepare_module(std::shared_ptr<torch::nn::Module> module,
     FRUGAL_CHECK(&m->optimizer() != &optimizer, "frugal: Loop::prepare of '", name,
                  "': its optimizer already trains '", m->name(), "'");
   }
-  models_.push_back(std::unique_ptr<LoopModel>(
-      new LoopModel(std::move(name), std::move(module), optimizer, options_.set_to_none())));
-  FRUGAL_CHECK(!models_.back()->parts_->trainable.empty(), "frugal: Loop::prepare of '",
-               models_.back()->name(), "': its optimizer holds no parameter that requires grad");
+  // Checked and attached before it joins the loop: a refused model leaves the loop as it was.
+  std::unique_ptr<LoopModel> added(
+      new LoopModel(std::move(name), std::move(module), optimizer, options_.set_to_none()));
+  auto& parts = *added->parts_;
+  FRUGAL_CHECK(!parts.trainable.empty(), "frugal: Loop::prepare of '", added->name(),
+               "': its optimizer holds no parameter that requires grad");
+  if (options_.reducer()) {
+    auto* sharded = detail::sharded_optimizer(optimizer);
+    if (sharded != nullptr && sharded->traits().has(Trait::KeepsGradients)) {
+      detail::check_compatible(
+          gradient_readers(options_),
+          {fmt::format("the optimizer of '{}'", added->name()), Trait::KeepsGradients});
+    }
+    parts.reducer = options_.reducer()->attach(added->module(), optimizer);
+    parts.sync = std::make_unique<detail::GradReady>(optimizer, [&parts](const torch::Tensor& p) {
+      parts.reducer->add(p, {1, parts.non_finite});
+    });
+    parts.reducer->begin();
+  }
+  models_.push_back(std::move(added));
   return *models_.back();
 }
 
@@ -72,16 +89,35 @@ void Loop::check_own(const LoopModel& model, const char* verb) const {
 
 void Loop::backward(const torch::Tensor& loss, LoopModel& model, bool retain_graph) {
   check_own(model, "backward");
+  check_loss(loss, model);
+  backward_read(loss, loss.detach().item<double>(), model, retain_graph);
+}
+
+void Loop::settle(LoopModel& model) {
+  auto& parts = *model.parts_;
+  if (!parts.open) {
+    return;
+  }
+  // A backward after one that reduced: that reduction is completed first. The mean of the
+  // processes' sums is the sum of their means, as every process holds the same reduced part.
+  FRUGAL_CHECK(!parts.reducer->keeps_gradients(), "frugal: Loop::backward into '", model.name(),
+               "': its gradients were reduced by an earlier backward since its step, and its "
+               "optimizer keeps only its share of them; backpropagate the earlier losses under "
+               "Loop::NoSync, or through Loop::accumulate");
+  parts.non_finite = parts.reducer->finalize({1, parts.non_finite}).non_finite;
+  parts.open = false;
+}
+
+void Loop::check_loss(const torch::Tensor& loss, const LoopModel& model) {
   FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::backward into '", model.name(),
                "' needs a scalar loss, got a tensor of shape ",
                loss.defined() ? loss.sizes() : torch::IntArrayRef{});
   FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward into '", model.name(),
                "': the loss does not require grad (was the forward run under no_grad?)");
-  backward_read(loss, loss.detach().item<double>(), model, retain_graph);
 }
 
 void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& model,
-                         bool retain_graph) {
+                         bool retain_graph, std::vector<torch::Tensor>* aside) {
   auto& parts = *model.parts_;
   auto root = loss.reshape({});
   const auto& scaler = options_.scaler();
@@ -89,9 +125,18 @@ void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& mod
     root = scaler->scale(root);
     scaled_ = true;
   }
-  torch::autograd::backward({root}, {}, retain_graph, /*create_graph=*/false, parts.trainable);
-  parts.pending = true;
+  settle(model);
+  const bool sync = parts.reducer && parts.quiet == 0;
   parts.non_finite = parts.non_finite || !std::isfinite(value);
+  if (sync) {
+    parts.sync->clear();
+    parts.open = true;
+  }
+  {
+    detail::ArmedScope arm(sync ? parts.sync.get() : nullptr, aside, 1.0);
+    torch::autograd::backward({root}, {}, retain_graph, /*create_graph=*/false, parts.trainable);
+  }
+  parts.pending = true;
   parts.iteration.loss += value;
   ++parts.iteration.backwards;
 }
@@ -102,6 +147,7 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
                "' needs a loss function");
   const detail::MicroBatchPlan plan(c10::nullopt, options_.count());
   auto& parts = *model.parts_;
+  settle(model);
   // The gradients from before this call wait aside when a failure may run the batch again.
   std::vector<torch::Tensor> aside;
   if (options_.oom_recovery()) {
@@ -120,8 +166,15 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
                      model.name(), "': the micro-batch loss must be a scalar");
         const double weight =
             parts.window.weight(static_cast<double>(split.counts[i]), split.total);
-        mean += weight * loss.detach().item<double>();
-        backward(loss * weight, model);
+        const double value = loss.detach().item<double>();
+        mean += weight * value;
+        // Only the last micro-batch's backward reduces, the earlier gradients added to it.
+        c10::optional<NoSync> quiet;
+        if (i + 1 < split.micros.size()) {
+          quiet.emplace(*this, model);
+        }
+        check_loss(loss * weight, model);
+        backward_read(loss * weight, weight * value, model, false, &aside);
       }
       if (options_.oom_recovery()) {
         parts.window.put_back(std::move(aside), /*add=*/true);
@@ -130,8 +183,8 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
       parts.iteration.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
       return mean;
     } catch (const c10::OutOfMemoryError& error) {
-      if (!options_.oom_recovery()) {
-        throw;
+      if (!options_.oom_recovery() || parts.open) {
+        throw;  // without recovery, or gradients began to travel: not run again
       }
       // This call's partial gradients go, and what the report and the model held before it
       // comes back; the gradients from before come back too if the batch cannot run again.
@@ -167,18 +220,11 @@ bool Loop::step(LoopModel& model) {
   auto& optimizer = model.optimizer();
   const auto& scaler = options_.scaler();
   const bool scaling = scaler && scaler->is_enabled();
-  const auto& reducer = options_.reducer();
-  if (reducer) {
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : parts.trainable) {
-      if (p.grad().defined()) {
-        grads.push_back(p.grad());
-      }
-    }
-    reducer->reduce(grads);  // an inf on one process reaches every process's scaler
-  }
-  // Without a scaler, the processes agree: one process's non-finite loss skips every one's.
-  const bool non_finite = reducer && !scaling ? reducer->any(parts.non_finite) : parts.non_finite;
+  // What no backward reduced yet travels now; without a scaler the processes agree on the
+  // skip, and with one an inf on one process reaches every process's scaler.
+  const bool non_finite =
+      parts.reducer ? parts.reducer->finalize({1, parts.non_finite}).non_finite : parts.non_finite;
+  parts.open = false;
   bool go = false;
   {
     detail::OptimizerStepGuard guard(optimizer);
@@ -215,7 +261,20 @@ void Loop::finish_step(LoopModel& model, bool stepped) {
   parts.non_finite = false;
   parts.iteration.stepped = stepped;
   parts.iteration.skipped = !stepped;
+  parts.open = false;
+  if (parts.reducer) {
+    parts.reducer->begin();  // stage 3: the next forward's weights
+  }
 }
+
+Loop::NoSync::NoSync(Loop& loop, LoopModel& model) : model_(model) {
+  loop.check_own(model, "NoSync");
+  quiet(model_, +1);
+}
+
+Loop::NoSync::~NoSync() { quiet(model_, -1); }
+
+void Loop::quiet(LoopModel& model, int change) { model.parts_->quiet += change; }
 
 void Loop::log(const std::string& name, double value) { metrics_[name] = value; }
 

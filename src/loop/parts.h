@@ -4,14 +4,31 @@
 #include <memory>
 #include <vector>
 
+#include "../engine/compatibility.h"
 #include "../engine/grad_ready.h"
 #include "../engine/gradient_window.h"
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
 #include "frugal/loop/loop.h"
 #include "frugal/optim/in_place.h"
+#include "frugal/policy/grad_scaler.h"
+#include "frugal/train/reducer.h"
 
 namespace frugal {
+
+// The loop's options that read every gradient of a step, as parties to the one table of
+// refusals (a loss scaler, check_gradients).
+inline std::vector<detail::Party> gradient_readers(const LoopOptions& options) {
+  std::vector<detail::Party> present;
+  const auto& scaler = options.scaler();
+  if (scaler && scaler->is_enabled()) {
+    present.push_back({"the loop's loss scaler", Trait::AllGradients});
+  }
+  if (options.check_gradients()) {
+    present.push_back({"the loop's check_gradients", Trait::AllGradients});
+  }
+  return present;
+}
 
 // A model's own pieces: the parameters its backward reaches, its gradient window (the
 // weights of micro-batch losses, releasing gradients), the tensors the ledger counts, and
@@ -39,6 +56,13 @@ struct LoopModel::Parts {
   optim::InPlaceOptimizer* in_place = nullptr;
   std::unique_ptr<detail::GradReady> ready;
   std::vector<torch::Tensor> updated;
+  // Data parallelism: the model's reducer, the hooks that add each gradient to it as it is
+  // ready, whether a reduction is open (begun by a backward, not finalized), and the
+  // Loop::NoSync guards alive.
+  std::unique_ptr<ModelReducer> reducer;
+  std::unique_ptr<detail::GradReady> sync;
+  bool open = false;
+  int quiet = 0;
 };
 
 }  // namespace frugal

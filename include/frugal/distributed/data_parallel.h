@@ -6,30 +6,29 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "frugal/distributed/group.h"
-#include "frugal/optim/sharded.h"
+#include "frugal/distributed/reducer.h"
 #include "frugal/train/policy.h"
 
 namespace frugal::distributed {
 
 struct DataParallelOptions {
-  /// Gradients travel in buckets of about this many bytes, each sent as soon as all its
-  /// gradients are ready, while backward goes on (PyTorch DDP's bucket_cap_mb, 25 MiB).
+  /// As ReducerOptions::bucket_bytes (DDP's bucket_cap_mb, 25 MiB).
   TORCH_ARG(std::int64_t, bucket_bytes) = std::int64_t{25} << 20;
-  /// Copy rank 0's buffers (BatchNorm's running statistics) to every rank at each step's
-  /// start, as DDP's broadcast_buffers does.
+  /// As ReducerOptions::broadcast_buffers (DDP's broadcast_buffers).
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Report the loss of the global batch (every rank's samples), one small all-reduce a
   /// batch; off, each rank reports its own.
   TORCH_ARG(bool, global_loss) = true;
 };
 
-/// Averages gradients over the ranks of `group` so that every rank takes the step one
-/// process would take on the union of the ranks' batches. Parameters and buffers are copied
-/// from rank 0 when the policy is added; from then on the ranks stay identical.
+/// The Trainer's data parallelism, a policy over the one BucketReducer (which frugal::Loop
+/// uses through distributed::Reducer): averages gradients over the ranks of `group` so
+/// that every rank takes the step one process would take on the union of the ranks' batches.
+/// Parameters and buffers are copied from rank 0 when the policy is added; from then on the ranks
+/// stay identical.
 ///
 /// The average is exact by the global count: each rank's gradient (its own window's mean)
 /// is weighted by its count (samples, or the TrainerOptions::count, e.g. tokens) over the
@@ -74,38 +73,14 @@ class DataParallel : public Policy {
 
   const Group& group() const { return *group_; }
   /// Parameter indices (in the optimizer's order) of each bucket, in sending order.
-  const std::vector<std::vector<std::size_t>>& buckets() const { return buckets_; }
+  const std::vector<std::vector<std::size_t>>& buckets() const;
   /// The global count of the last optimizer step (all ranks' window counts summed).
-  std::int64_t last_global_count() const { return global_count_; }
+  std::int64_t last_global_count() const;
 
  private:
-  void launch_ready(StepContext& ctx);
-  void launch(std::size_t bucket, StepContext& ctx);
-  void finish(std::size_t bucket);
-  void reset();
-
   std::shared_ptr<Group> group_;
   DataParallelOptions options_;
-  std::vector<torch::Tensor> params_;                   // the optimizer's, in order
-  std::unordered_map<const void*, std::size_t> index_;  // TensorImpl -> position in params_
-  std::vector<std::size_t> bucket_of_;                  // position -> bucket
-  std::vector<std::vector<std::size_t>> buckets_;
-  std::vector<std::int64_t> numel_;  // per parameter, read when added
-  std::vector<std::int64_t> bucket_numel_;
-  // The step in flight.
-  std::vector<std::size_t> missing_;  // per bucket: gradients not delivered yet
-  std::size_t next_ = 0;              // the next bucket to send
-  std::size_t finished_ = 0;          // buckets back and handed out, in order
-  double weight_ = 0;                 // this rank's count / the global count
-  std::int64_t global_count_ = 0;
-  std::vector<torch::Tensor> flats_;
-  torch::Tensor flags_;      // per parameter: 1 where this rank had a gradient
-  torch::Tensor flags_cpu_;  // the ranks' sum, read once a step
-  std::vector<Work> works_;
-  optim::ShardedOptimizer* keeper_ = nullptr;  // gradients go to its shard, not the parameters
-  bool shards_ = false;                        // the keeper shards the parameters too (stage 3)
-  bool updates_ = false;  // the keeper updates its shares in backward (told when it may)
-  bool begun_ = false;    // one rank, updates_: the keeper was told this step's gradients come
+  std::unique_ptr<BucketReducer> reducer_;  // the model's, made when added
   bool in_step_ = false;  // between a step's begin and its end: set when a step failed
 };
 

@@ -50,9 +50,12 @@ struct LoopOptions {
   /// each loss is scaled before backward, each optimizer unscaled and checked at its step,
   /// and the scale updated once per iteration, at Loop::end. Null: no scaling.
   TORCH_ARG(std::shared_ptr<GradScaler>, scaler) = nullptr;
-  /// Data parallelism: each model's gradients are made the mean over the processes before
-  /// its step, and the processes agree on every skip (distributed::GradientAverage). Each
-  /// process then backpropagates the loss of its equal share of the batch. Null: one process.
+  /// Data parallelism (distributed::Reducer): each model's gradients are made the mean over
+  /// the processes before its step, in buckets sent while the backward that ends the step
+  /// goes on (every backward outside Loop::NoSync; the last micro-batch of accumulate), and
+  /// the processes agree on every skip. Each process backpropagates the loss of its equal
+  /// share of the batch. Under a ZeRO optimizer of stage 2 or 3 each process keeps only its
+  /// share of the gradients (and of stage 3's weights between steps). Null: one process.
   TORCH_ARG(std::shared_ptr<GradientReducer>, reducer) = nullptr;
   /// Without a scaler, skip a model's step when a loss backpropagated into it since its last
   /// step was NaN or infinite (or, with check_gradients, any of its gradients is).
@@ -156,6 +159,24 @@ class Loop {
   Loop(const Loop&) = delete;
   Loop& operator=(const Loop&) = delete;
 
+  /// Backwards into `model` while it lives send nothing to the other processes: their
+  /// gradients add up locally and travel with the next backward outside it, or at the step
+  /// (DDP's no_sync, Accelerate's accumulate). Without a reducer it changes nothing.
+  ///
+  /// Example:
+  ///   { frugal::Loop::NoSync quiet(loop, d);  loop.backward(real_loss, d); }
+  ///   loop.backward(fake_loss, d);  // the sum of both is reduced during this backward
+  class NoSync {
+   public:
+    NoSync(Loop& loop, LoopModel& model);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    LoopModel& model_;
+  };
+
   /// Registers a model (a module holder or a std::shared_ptr to a module) and the optimizer
   /// that trains it, under a name the reports use. The returned handle lives as the Loop.
   template <typename Model>
@@ -212,10 +233,17 @@ class Loop {
   LoopModel& prepare_module(std::shared_ptr<torch::nn::Module> module,
                             torch::optim::Optimizer& optimizer, std::string name);
   void check_own(const LoopModel& model, const char* verb) const;
-  // backward of a checked scalar loss whose value the caller has read already.
-  void backward_read(const torch::Tensor& loss, double value, LoopModel& model, bool retain_graph);
+  static void check_loss(const torch::Tensor& loss, const LoopModel& model);
+  // Completes a reduction a backward began, before another backward into the model.
+  static void settle(LoopModel& model);
+  // backward of a checked scalar loss whose value the caller has read already; `aside`:
+  // gradients of earlier backwards held apart (accumulate's), added before a reduction.
+  void backward_read(const torch::Tensor& loss, double value, LoopModel& model, bool retain_graph,
+                     std::vector<torch::Tensor>* aside = nullptr);
   // Counts the model's step (or skip), releases its gradients and starts its next step.
   void finish_step(LoopModel& model, bool stepped);
+  // Loop::NoSync's: one guard more (+1) or less (-1) over the model's backwards.
+  static void quiet(LoopModel& model, int change);
 
   LoopOptions options_;
   MemoryProbe probe_;
