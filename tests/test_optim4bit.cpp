@@ -166,13 +166,13 @@ TEST(Optim4bit, TheLedgerCountsTheFormatsBytes) {
     ParamsModule holder(params);
     fo::AdamW4bit adam(params, to::AdamWOptions(1e-3), fo::four_bit_states().factored(factored));
     const auto expected = four_bit_bytes(params, factored);
-    EXPECT_EQ(adam.pending_state_bytes(true), expected) << "factored " << factored;
+    EXPECT_EQ(adam.pending_state_bytes(adam.state_format()), expected) << "factored " << factored;
     set_growing_grads(params, 0);
     const auto before = probe.allocated();
     adam.step();
     EXPECT_EQ(probe.allocated() - before, expected) << "factored " << factored;
     EXPECT_EQ(frugal::measure_ledger(probe, holder, &adam).optimizer, expected);
-    EXPECT_THROW(adam.set_bits(8), c10::Error);
+    EXPECT_THROW(adam.set_state_format({8, factored, true}), c10::Error);
     std::int64_t numel = 0;
     for (const auto& p : params) {
       numel += p.numel();
@@ -248,10 +248,12 @@ TEST(Optim4bit, BadOptionsNameTheValue) {
       [&] { fo::Adam4bit(params, to::AdamOptions(1e-3), fo::four_bit_states().block(129)); },
       "need an even QuantizedStateOptions block, got 129");
   fo::Adam8bit adam(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions().block(255));
-  expect_error_contains([&] { adam.set_bits(4); }, "got 255");
-  EXPECT_EQ(adam.bits(), 8);
+  expect_error_contains([&] { adam.set_state_format({4}); }, "got 255");
+  EXPECT_EQ(adam.state_format().bits, 8);
   // Adam4bit is 4-bit whatever the options say.
-  EXPECT_EQ(fo::Adam4bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions()).bits(), 4);
+  EXPECT_EQ(
+      fo::Adam4bit(params, to::AdamOptions(1e-3), fo::QuantizedStateOptions()).state_format().bits,
+      4);
 }
 
 TEST(Optim4bit, TrainsALeastSquaresProblemAsAdamDoes) {

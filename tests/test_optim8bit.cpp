@@ -36,8 +36,8 @@ TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
     fo::Adam8bit adam8(b, to::AdamOptions(1e-2).weight_decay(decay), {}, kChunks);
     fo::AdamW adamw(c, to::AdamWOptions(1e-2).weight_decay(decay), kChunks);
     fo::AdamW8bit adamw8(d, to::AdamWOptions(1e-2).weight_decay(decay), {}, kChunks);
-    adam8.set_quantized(false);
-    adamw8.set_quantized(false);
+    adam8.set_state_format(fo::StateFormat{});  // float32
+    adamw8.set_state_format(fo::StateFormat{});
     for (int step = 0; step < 20; ++step) {
       for (auto* params : {&a, &b, &c, &d}) {
         set_growing_grads(*params, step);
@@ -117,19 +117,19 @@ TEST(Optim8bit, TheLedgerCountsTheFormulasBytes) {
   ParamsModule holder(params);
   fo::Adam8bit adam8(params, to::AdamOptions(1e-3));
   const auto expected = formula_bytes(params, 4096);
-  EXPECT_EQ(adam8.pending_state_bytes(true), expected);
+  EXPECT_EQ(adam8.pending_state_bytes(adam8.state_format()), expected);
   std::int64_t numel = 0;
   for (const auto& p : params) {
     numel += p.numel();
   }
-  EXPECT_EQ(adam8.pending_state_bytes(false), 8 * numel);
+  EXPECT_EQ(adam8.pending_state_bytes(fo::StateFormat{}), 8 * numel);
   set_growing_grads(params, 0);
   const auto before = probe.allocated();
   adam8.step();
   EXPECT_EQ(probe.allocated() - before, expected);  // the step keeps nothing else
   EXPECT_EQ(frugal::measure_ledger(probe, holder, &adam8).optimizer, expected);
-  EXPECT_EQ(adam8.pending_state_bytes(true), 0);
-  EXPECT_THROW(adam8.set_quantized(false), c10::Error);
+  EXPECT_EQ(adam8.pending_state_bytes(adam8.state_format()), 0);
+  EXPECT_THROW(adam8.set_state_format(fo::StateFormat{}), c10::Error);
 }
 
 TEST(Optim8bit, TheCnnsStatesTakeAQuarterOfAdams) {

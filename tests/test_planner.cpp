@@ -149,7 +149,7 @@ OptionRun plan_between(Optimizer kind, const frugal::MemoryPlannerOptions& optio
   }
   const auto* quantized =
       dynamic_cast<frugal::optim::QuantizedStateOptimizer*>(&s.trainer->optimizer());
-  run.stochastic_codes = quantized != nullptr && quantized->stochastic_codes();
+  run.stochastic_codes = quantized != nullptr && quantized->state_format().stochastic;
   return run;
 }
 
@@ -170,12 +170,12 @@ TEST(Planner, ChoosesEightBitStatesOnlyWhenFloat32StatesDoNotFit) {
   // Adam's two float32 moments (8 bytes a parameter) set the peak.
   const auto options = frugal::MemoryPlannerOptions().quantized_states(true);
   const auto run = plan_between(Optimizer::Adam8bit, options,
-                                [](const frugal::PlanOption& o) { return o.quantized_states; });
-  EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
-  ASSERT_TRUE(run.plan.chosen.quantized_states) << run.plan.table();
+                                [](const frugal::PlanOption& o) { return o.states.has_value(); });
+  EXPECT_FALSE(run.survey.chosen.states);  // room enough: float32 states
+  ASSERT_TRUE(run.plan.chosen.states) << run.plan.table();
   EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
-  EXPECT_EQ(run.optimizer_bytes, run.plan.quantized_optimizer_bytes);
+  EXPECT_EQ(run.optimizer_bytes, run.plan.cost_of(8)->bytes);
   EXPECT_FALSE(run.stochastic_codes);  // 8-bit codes round to the nearest
   // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
@@ -186,16 +186,17 @@ TEST(Planner, ChoosesFactoredStatesOnlyWhenEightBitStatesDoNotFit) {
   // The residual MLP's matrices: a factored second moment takes 4 (rows + columns) bytes
   // each instead of a byte an element.
   const auto options = frugal::MemoryPlannerOptions().quantized_states(true).factored_states(true);
-  const auto run = plan_between(Optimizer::Adam8bit, options,
-                                [](const frugal::PlanOption& o) { return o.factored_states; });
-  EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
-  EXPECT_LT(run.survey.factored_optimizer_bytes, run.survey.quantized_optimizer_bytes);
-  ASSERT_TRUE(run.plan.chosen.factored_states) << run.plan.table();
-  EXPECT_TRUE(run.plan.chosen.quantized_states);
+  const auto run = plan_between(Optimizer::Adam8bit, options, [](const frugal::PlanOption& o) {
+    return o.states && o.states->factored;
+  });
+  EXPECT_FALSE(run.survey.chosen.states);  // room enough: float32 states
+  EXPECT_LT(run.survey.cost_of(8, true)->bytes, run.survey.cost_of(8)->bytes);
+  ASSERT_TRUE(run.plan.chosen.states && run.plan.chosen.states->factored) << run.plan.table();
+  EXPECT_EQ(run.plan.chosen.states->bits, 8);
   EXPECT_NE(run.plan.table().find("factored 8-bit states"), std::string::npos);
   EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
-  EXPECT_EQ(run.optimizer_bytes, run.plan.factored_optimizer_bytes);
+  EXPECT_EQ(run.optimizer_bytes, run.plan.cost_of(8, true)->bytes);
   // An optimizer without 8-bit states cannot offer them.
   auto plain = setup();
   EXPECT_THROW(
@@ -206,17 +207,17 @@ TEST(Planner, ChoosesFactoredStatesOnlyWhenEightBitStatesDoNotFit) {
 TEST(Planner, ChoosesFourBitStatesOnlyWhenEightBitStatesDoNotFit) {
   // Half a byte an element a moment instead of one: 4-bit states fit where 8-bit ones do not.
   const auto options = frugal::MemoryPlannerOptions().quantized_states(true).four_bit_states(true);
-  const auto run = plan_between(Optimizer::Adam8bit, options,
-                                [](const frugal::PlanOption& o) { return o.four_bit_states; });
-  EXPECT_FALSE(run.survey.chosen.quantized_states);  // room enough: float32 states
-  EXPECT_LT(run.survey.four_bit_optimizer_bytes, run.survey.quantized_optimizer_bytes);
-  ASSERT_TRUE(run.plan.chosen.four_bit_states) << run.plan.table();
-  EXPECT_TRUE(run.plan.chosen.quantized_states);
-  EXPECT_FALSE(run.plan.chosen.factored_states);
+  const auto run = plan_between(Optimizer::Adam8bit, options, [](const frugal::PlanOption& o) {
+    return o.states && o.states->bits == 4;
+  });
+  EXPECT_FALSE(run.survey.chosen.states);  // room enough: float32 states
+  EXPECT_LT(run.survey.cost_of(4)->bytes, run.survey.cost_of(8)->bytes);
+  ASSERT_TRUE(run.plan.chosen.states && run.plan.chosen.states->bits == 4) << run.plan.table();
+  EXPECT_FALSE(run.plan.chosen.states->factored);
   EXPECT_NE(run.plan.table().find("+ 4-bit states"), std::string::npos);
   EXPECT_LE(run.peak, run.budget);
   // The state the plan counted is the state the steps made, byte for byte.
-  EXPECT_EQ(run.optimizer_bytes, run.plan.four_bit_optimizer_bytes);
+  EXPECT_EQ(run.optimizer_bytes, run.plan.cost_of(4)->bytes);
   // The optimizer was made with 8-bit states; the planner's 4-bit ones round their codes
   // stochastically, as four_bit_states() does.
   EXPECT_TRUE(run.stochastic_codes);
@@ -225,13 +226,15 @@ TEST(Planner, ChoosesFourBitStatesOnlyWhenEightBitStatesDoNotFit) {
   const auto all =
       frugal::MemoryPlannerOptions().quantized_states(true).four_bit_states(true).factored_states(
           true);
-  const auto factored = plan_between(Optimizer::Adam8bit, all,
-                                     [](const frugal::PlanOption& o) { return o.factored_states; });
-  ASSERT_TRUE(factored.plan.chosen.factored_states) << factored.plan.table();
-  EXPECT_TRUE(factored.plan.chosen.four_bit_states);
+  const auto factored = plan_between(Optimizer::Adam8bit, all, [](const frugal::PlanOption& o) {
+    return o.states && o.states->factored;
+  });
+  ASSERT_TRUE(factored.plan.chosen.states && factored.plan.chosen.states->factored)
+      << factored.plan.table();
+  EXPECT_EQ(factored.plan.chosen.states->bits, 4);
   EXPECT_NE(factored.plan.table().find("factored 4-bit states"), std::string::npos);
-  EXPECT_LT(factored.plan.factored_optimizer_bytes, factored.plan.four_bit_optimizer_bytes);
-  EXPECT_EQ(factored.optimizer_bytes, factored.plan.factored_optimizer_bytes);
+  EXPECT_LT(factored.plan.cost_of(4, true)->bytes, factored.plan.cost_of(4)->bytes);
+  EXPECT_EQ(factored.optimizer_bytes, factored.plan.cost_of(4, true)->bytes);
   EXPECT_LE(factored.peak, factored.budget);
 
   // An odd block cannot hold 4-bit codes: the planner says so up front.
@@ -252,14 +255,13 @@ TEST(Planner, FactoredStatesAloneStartFromTheOptimizersOwnFormat) {
   const auto plan =
       frugal::MemoryPlanner(*s.trainer, frugal::MemoryPlannerOptions().factored_states(true))
           .plan(std::int64_t{1} << 40, small_batch());
-  EXPECT_FALSE(plan.chosen.factored_states) << plan.table();
-  EXPECT_TRUE(adam.quantized());
-  EXPECT_FALSE(adam.factored());
-  EXPECT_EQ(plan.optimizer_bytes, adam.pending_state_bytes(true));
-  EXPECT_GT(plan.optimizer_bytes, plan.factored_optimizer_bytes);
+  EXPECT_FALSE(plan.chosen.states) << plan.table();
+  EXPECT_EQ(adam.state_format(), frugal::optim::StateFormat{8});
+  EXPECT_EQ(plan.optimizer_bytes, adam.pending_state_bytes(adam.state_format()));
+  EXPECT_GT(plan.optimizer_bytes, plan.cost_of(8, true)->bytes);
   // Once a state exists the format is fixed, and the planner refuses to choose it.
   s.trainer->step(small_batch());
-  EXPECT_THROW(adam.set_factored(true), c10::Error);
+  EXPECT_THROW(adam.set_state_format({8, /*factored=*/true}), c10::Error);
   EXPECT_THROW(
       frugal::MemoryPlanner(*s.trainer, frugal::MemoryPlannerOptions().factored_states(true)),
       c10::Error);
@@ -354,15 +356,15 @@ TEST(PlannerChoice, EquallyFastPlansAreChosenByAFixedOrderWhateverTheNoise) {
   // Equally fast plans of other states' formats: 8-bit before 4-bit before factored.
   auto states = [&](bool quantized, bool four_bit, bool factored) {
     auto o = option(1, false, 100);
-    o.quantized_states = quantized;
-    o.four_bit_states = four_bit;
-    o.factored_states = factored;
+    if (quantized) {
+      o.states = frugal::optim::StateFormat{four_bit ? 4 : 8, factored};
+    }
     return o;
   };
   const std::vector<frugal::PlanOption> formats = {
       states(true, true, true), states(true, false, true), states(true, true, false)};
   const auto* lowest = frugal::detail::choose_plan(formats, 0.25);
-  EXPECT_TRUE(lowest->four_bit_states && !lowest->factored_states);
+  EXPECT_TRUE(lowest->states->bits == 4 && !lowest->states->factored);
   // A plan clearly faster than the tolerance still wins.
   auto faster = truth;
   faster[0].predicted_ms = 50;

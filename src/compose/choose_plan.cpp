@@ -11,25 +11,29 @@
 namespace frugal {
 namespace {
 
-bool low_bit_states(const PlanOption& o) {
-  return o.quantized_states || o.factored_states || o.four_bit_states;
+// How far a plan's states are from float32, in the order numerics are kept longest: the
+// optimizer's own, 8-bit, 4-bit, factored 8-bit, factored 4-bit.
+int states_rank(const PlanOption& o) {
+  if (!o.states) {
+    return 0;
+  }
+  return (o.states->factored ? 3 : 1) + (o.states->bits == 4 ? 1 : 0);
 }
 
 int policies_in(const PlanOption& o) {
   return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
-         (o.step_in_backward ? 1 : 0) + (low_bit_states(o) ? 1 : 0);
+         (o.step_in_backward ? 1 : 0) + (o.states ? 1 : 0);
 }
 
 bool same_plan(const PlanOption& a, const PlanOption& b) {
   return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
          a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
-         a.quantized_states == b.quantized_states && a.factored_states == b.factored_states &&
-         a.four_bit_states == b.four_bit_states;
+         a.states == b.states;
 }
 
 // "8-bit states", "factored 4-bit states", ...
-std::string states_name(bool factored, bool four_bit) {
-  return fmt::format("{}{}-bit states", factored ? "factored " : "", four_bit ? 4 : 8);
+std::string states_name(const optim::StateFormat& f) {
+  return fmt::format("{}{}-bit states", f.factored ? "factored " : "", f.bits);
 }
 
 }  // namespace
@@ -48,10 +52,19 @@ std::string PlanOption::describe() const {
   if (step_in_backward) {
     out += " + step in backward";
   }
-  if (low_bit_states(*this)) {
-    out += " + " + states_name(factored_states, four_bit_states);
+  if (states) {
+    out += " + " + states_name(*states);
   }
   return out;
+}
+
+const MemoryPlan::StateCost* MemoryPlan::cost_of(int bits, bool factored) const {
+  for (const auto& cost : state_costs) {
+    if (cost.format.bits == bits && cost.format.factored == factored) {
+      return &cost;
+    }
+  }
+  return nullptr;
 }
 
 std::string MemoryPlan::table() const {
@@ -60,15 +73,9 @@ std::string MemoryPlan::table() const {
       "come: {}; {}: its step peaks at {}",
       format_bytes(budget), format_bytes(static_cast<std::int64_t>(budget * (1 - margin))),
       margin * 100, format_bytes(optimizer_bytes), optimizer, format_bytes(optimizer_step_peak));
-  for (const auto& [bytes, peak, name] :
-       {std::make_tuple(quantized_optimizer_bytes, quantized_step_peak, states_name(false, false)),
-        std::make_tuple(four_bit_optimizer_bytes, four_bit_step_peak, states_name(false, true)),
-        std::make_tuple(factored_optimizer_bytes, factored_step_peak,
-                        states_name(true, four_bit_optimizer_bytes > 0))}) {
-    if (bytes > 0) {
-      out +=
-          fmt::format("; with {}: {}, step peak {}", name, format_bytes(bytes), format_bytes(peak));
-    }
+  for (const auto& cost : state_costs) {
+    out += fmt::format("; with {}: {}, step peak {}", states_name(cost.format),
+                       format_bytes(cost.bytes), format_bytes(cost.step_peak));
   }
   out += "\n\n| plan | predicted peak | predicted time (ms) | fits |\n|---|---|---|---|\n";
   for (const auto& o : options) {
@@ -94,16 +101,10 @@ const PlanOption* choose_plan(const std::vector<PlanOption>& options, double tim
   };
   // Numerics kept longest: float32 states, then 8-bit states, 4-bit ones, factored ones
   // (8-bit, or 4-bit where those are an option), then the same with autocast.
-  struct States {
-    bool quantized, factored, four_bit;
-  };
   for (const bool autocast : {false, true}) {
-    for (const auto& states :
-         {States{false, false, false}, States{true, false, false}, States{true, false, true},
-          States{true, true, false}, States{true, true, true}}) {
+    for (int rank = 0; rank <= 4; ++rank) {
       const auto candidate = [&](const PlanOption& o) {
-        return o.fits && o.autocast == autocast && o.quantized_states == states.quantized &&
-               o.factored_states == states.factored && o.four_bit_states == states.four_bit;
+        return o.fits && o.autocast == autocast && states_rank(o) == rank;
       };
       double fastest = -1;
       for (const auto& o : options) {

@@ -82,10 +82,9 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
     trainer_.add_policy(in_backward_);  // refuses an optimizer that is not frugal's
   }
   quantized_ = dynamic_cast<optim::QuantizedStateOptimizer*>(&trainer_.optimizer());
-  quantized_at_start_ = quantized_ != nullptr && quantized_->quantized();
-  factored_at_start_ = quantized_ != nullptr && quantized_->factored();
-  bits_at_start_ = quantized_ != nullptr ? quantized_->bits() : 8;
-  stochastic_at_start_ = quantized_ != nullptr && quantized_->stochastic_codes();
+  if (quantized_ != nullptr) {
+    format_at_start_ = quantized_->state_format();
+  }
   for (const auto& [on, name] : {std::pair{options_.quantized_states(), "quantized_states"},
                                  std::pair{options_.factored_states(), "factored_states"},
                                  std::pair{options_.four_bit_states(), "four_bit_states"}}) {
@@ -100,33 +99,32 @@ MemoryPlanner::MemoryPlanner(Trainer& trainer, MemoryPlannerOptions options)
                  "first step");
   }
   if (options_.quantized_states()) {
-    base_format_.as_made = false;  // float32 states first
+    base_format_ = optim::StateFormat();  // float32 states first
   }
   if (options_.four_bit_states()) {
-    quantized_->set_bits(4);  // refuses an odd block, naming it
-    quantized_->set_bits(bits_at_start_);
+    (void)quantized_->pending_state_bytes(low_bit(4, false));  // refuses an odd block, naming it
   }
+}
+
+optim::StateFormat MemoryPlanner::low_bit(int bits, bool factored) const {
+  // Codes of another width than the optimizer's round as that width's optimizers do:
+  // stochastically at 4 bits (four_bit_states()), to the nearest at 8.
+  const bool own_width = format_at_start_.bits == bits;
+  return {bits, factored, own_width ? format_at_start_.stochastic : bits == 4};
 }
 
 bool MemoryPlanner::chooses_states() const {
   return options_.quantized_states() || options_.factored_states() || options_.four_bit_states();
 }
 
-void MemoryPlanner::set_state_format(StateFormat format) {
-  if (!chooses_states()) {
-    return;  // the optimizer's, as made
+void MemoryPlanner::set_state_format(const Format& format) {
+  if (chooses_states()) {  // else the optimizer's, as made
+    quantized_->set_state_format(format.value_or(format_at_start_));
   }
-  quantized_->set_quantized(format.as_made ? quantized_at_start_ : format.quantized);
-  quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
-  quantized_->set_bits(format.as_made ? bits_at_start_ : format.bits);
-  // Codes of another width than the optimizer's round as that width's optimizers do:
-  // stochastically at 4 bits (four_bit_states()), to the nearest at 8.
-  const bool own_width = format.as_made || format.bits == bits_at_start_;
-  quantized_->set_stochastic_codes(own_width ? stochastic_at_start_ : format.bits == 4);
 }
 
 void MemoryPlanner::configure(std::int64_t micro_batch, bool checkpoint, bool autocast,
-                              bool in_backward, StateFormat format) {
+                              bool in_backward, const Format& format) {
   trainer_.set_micro_batch(micro_batch);
   set_state_format(format);
   if (checkpoint_) {
@@ -169,22 +167,13 @@ std::int64_t MemoryPlanner::optimizer_step_peak(std::int64_t pending_state,
   return trainer_.probe().allocated() - grads_alive + pending_state + grads + scratch;
 }
 
-std::int64_t MemoryPlanner::pending_optimizer_bytes(StateFormat format) {
+std::int64_t MemoryPlanner::pending_optimizer_bytes(const Format& format) {
   auto& optimizer = trainer_.optimizer();
   if (!optimizer.state().empty()) {
     return 0;  // allocated already, and part of what the trials start from
   }
   if (quantized_ != nullptr) {
-    // The format in place for the count (no state exists), then the one before.
-    const bool factored = quantized_->factored();
-    const int bits = quantized_->bits();
-    quantized_->set_factored(format.as_made ? factored_at_start_ : format.factored);
-    quantized_->set_bits(format.as_made ? bits_at_start_ : format.bits);
-    const auto bytes =
-        quantized_->pending_state_bytes(format.as_made ? quantized_at_start_ : format.quantized);
-    quantized_->set_factored(factored);
-    quantized_->set_bits(bits);
-    return bytes;
+    return quantized_->pending_state_bytes(format.value_or(format_at_start_));
   }
   double bytes = 0;
   for (auto& group : optimizer.param_groups()) {
@@ -214,51 +203,37 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
 
   plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
-  // The states' formats to predict each configuration with, and their bytes and step peak.
-  // Each format's state to come and optimizer step peak: the optimizer's own format, then
-  // those the options add.
-  struct Rung {
-    StateFormat format;
-    std::int64_t* bytes;
-    std::int64_t* step_peak;
-  };
+  // The low-bit formats the options add, each with its state to come and step peak.
   const int smallest_bits = options_.four_bit_states() ? 4 : 8;
-  std::vector<Rung> rungs = {{base_format_, &plan.optimizer_bytes, &plan.optimizer_step_peak}};
-  for (const auto& [on, rung] :
-       {std::pair{options_.quantized_states(), Rung{{false, true, false, 8},
-                                                    &plan.quantized_optimizer_bytes,
-                                                    &plan.quantized_step_peak}},
-        std::pair{options_.four_bit_states(), Rung{{false, true, false, 4},
-                                                   &plan.four_bit_optimizer_bytes,
-                                                   &plan.four_bit_step_peak}},
-        std::pair{options_.factored_states(), Rung{{false, true, true, smallest_bits},
-                                                   &plan.factored_optimizer_bytes,
-                                                   &plan.factored_step_peak}}}) {
+  for (const auto& [on, format] :
+       {std::pair{options_.quantized_states(), low_bit(8, false)},
+        std::pair{options_.four_bit_states(), low_bit(4, false)},
+        std::pair{options_.factored_states(), low_bit(smallest_bits, true)}}) {
     if (on) {
       std::string ignored;
-      *rung.bytes = pending_optimizer_bytes(rung.format);
-      *rung.step_peak = optimizer_step_peak(*rung.bytes, &ignored);
-      rungs.push_back(rung);
+      MemoryPlan::StateCost cost{format, pending_optimizer_bytes(format), 0};
+      cost.step_peak = optimizer_step_peak(cost.bytes, &ignored);
+      plan.state_costs.push_back(cost);
     }
   }
-  // What a plan says of its states' format (nothing: the optimizer's own), and its rung.
-  const auto flags = [](const StateFormat& f) {
-    return std::make_tuple(!f.as_made && f.quantized, !f.as_made && f.factored,
-                           !f.as_made && f.bits == 4);
+  // A plan's states: the optimizer's own (or float32, base_format_), or a low-bit format.
+  const auto state_of = [&](const PlanOption& o) {
+    return o.states ? plan.cost_of(o.states->bits, o.states->factored)->bytes
+                    : plan.optimizer_bytes;
   };
-  const auto rung_of = [&](const PlanOption& o) -> const Rung& {
-    for (const auto& r : rungs) {
-      if (flags(r.format) ==
-          std::make_tuple(o.quantized_states, o.factored_states, o.four_bit_states)) {
-        return r;
-      }
-    }
-    return rungs.front();
+  const auto step_peak_of = [&](const PlanOption& o) {
+    return o.states ? plan.cost_of(o.states->bits, o.states->factored)->step_peak
+                    : plan.optimizer_step_peak;
   };
-  const auto state_of = [&](const PlanOption& o) { return *rung_of(o).bytes; };
-  const auto step_peak_of = [&](const PlanOption& o) { return *rung_of(o).step_peak; };
+  const auto format_of = [&](const PlanOption& o) {
+    return o.states ? Format(o.states) : base_format_;
+  };
+  std::vector<c10::optional<optim::StateFormat>> formats{c10::nullopt};
+  for (const auto& cost : plan.state_costs) {
+    formats.emplace_back(cost.format);
+  }
 
-  configure(batch, false, false, false, StateFormat());
+  configure(batch, false, false, false, c10::nullopt);
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
   std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
   for (const bool in_backward : {false, true}) {
@@ -271,15 +246,15 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
         std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
         for (const auto m : {batch, half, quarter}) {
           if (measured.count(m) == 0) {
-            configure(m, checkpoint, autocast, in_backward, StateFormat());
+            configure(m, checkpoint, autocast, in_backward, c10::nullopt);
             const auto r = trainer_.trial(sample);
             measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
           }
         }
         for (const auto m : sizes) {
-          for (const auto& rung : rungs) {
+          for (const auto& states : formats) {
             PlanOption o;
-            std::tie(o.quantized_states, o.factored_states, o.four_bit_states) = flags(rung.format);
+            o.states = states;
             o.micro_batch = m;
             o.micro_batches = (batch + m - 1) / m;
             o.checkpoint = checkpoint;
@@ -324,7 +299,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
-    configure(batch, false, false, false, StateFormat());  // the states' format as made
+    configure(batch, false, false, false, c10::nullopt);  // the states' format as made
     FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
                  format_bytes(static_cast<std::int64_t>(limit)),
                  " with the margin); the "
@@ -333,7 +308,7 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
-            rung_of(*best).format);
+            format_of(*best));
   const auto state = state_of(*best);
   if (best->checkpoint && options_.choose_blocks() && limit > static_cast<double>(state)) {
     // The trials do not hold the optimizer state to come: the blocks' budget leaves it room.

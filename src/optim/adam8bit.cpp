@@ -23,7 +23,7 @@ namespace detail {
 
 // What a new state holds: codes and scales (else float32 moments), the second moment as rows
 // and columns, a first moment.
-struct StateFormat {
+struct ParamLayout {
   bool quantized = false;
   bool factored = false;
   bool first_moment = true;
@@ -31,10 +31,10 @@ struct StateFormat {
 
 // The format a state made now for `param` takes under `options`, quantized if `quantize`.
 template <typename Options>
-StateFormat new_state_format(const torch::Tensor& param,
+ParamLayout new_state_format(const torch::Tensor& param,
                              const torch::optim::OptimizerOptions& options, bool quantize,
                              const QuantizedStateOptions& q) {
-  StateFormat f;
+  ParamLayout f;
   f.quantized = quantize && param.numel() >= q.min_elements();
   f.factored = f.quantized && q.factored() && worth_factoring(param);
   f.first_moment = !f.quantized || std::get<0>(static_cast<const Options&>(options).betas()) != 0;
@@ -59,7 +59,8 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
   FRUGAL_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);
   FRUGAL_CHECK(0 <= beta2 && beta2 < 1, "frugal: invalid beta2 (needs 0 <= beta2 < 1): ", beta2);
   FRUGAL_CHECK(o.weight_decay() >= 0, "frugal: invalid weight decay: ", o.weight_decay());
-  FRUGAL_CHECK(!o.amsgrad(), "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
+  FRUGAL_CHECK(!o.amsgrad(),
+               "frugal: the 8-bit Adam optimizers do not offer AMSGrad "
                "(amsgrad must be false)");
   FRUGAL_CHECK(q.block() >= 1, "frugal: QuantizedStateOptions block must be >= 1 element, got ",
                q.block());
@@ -79,7 +80,7 @@ struct Adam8bitBase<Options>::Books {
 };
 
 template <typename Options>
-struct Adam8bitBase<Options>::Format : detail::StateFormat {};
+struct Adam8bitBase<Options>::Format : detail::ParamLayout {};
 
 template <typename Options>
 typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
@@ -92,7 +93,8 @@ typename Adam8bitBase<Options>::Format Adam8bitBase<Options>::format_of(
     f.factored = s.factored();
     f.first_moment = s.exp_avg().defined();
   } else {
-    static_cast<detail::StateFormat&>(f) = detail::new_state_format<Options>(param, options, enabled_, quantized_);
+    static_cast<detail::ParamLayout&>(f) =
+        detail::new_state_format<Options>(param, options, enabled_, quantized_);
   }
   return f;
 }
@@ -135,33 +137,34 @@ void Adam8bitBase<Options>::check_format_change(bool unchanged, const std::strin
 }
 
 template <typename Options>
-void Adam8bitBase<Options>::set_quantized(bool on) {
-  check_format_change(on == enabled_, fmt::format("set_quantized({})", on));
-  enabled_ = on;
+StateFormat Adam8bitBase<Options>::state_format() const {
+  return {enabled_ ? quantized_.bits() : 32, quantized_.factored(), quantized_.stochastic_codes()};
 }
 
 template <typename Options>
-void Adam8bitBase<Options>::set_factored(bool on) {
-  check_format_change(on == factored(), fmt::format("set_factored({})", on));
-  quantized_.factored(on);
-}
-
-template <typename Options>
-void Adam8bitBase<Options>::set_bits(int bits) {
-  check_format_change(bits == this->bits(), fmt::format("set_bits({})", bits));
+QuantizedStateOptions Adam8bitBase<Options>::options_for(const StateFormat& format) const {
+  FRUGAL_CHECK(format.bits == 32 || format.bits == 8 || format.bits == 4,
+               "frugal: a state format's bits are 32, 8 or 4, got ", format.bits);
   auto q = quantized_;
-  check_options(static_cast<const Options&>(defaults()), q.bits(bits));
-  quantized_ = q;
+  if (format.quantized()) {
+    q.bits(format.bits);  // float32 keeps the width the codes had
+  }
+  q.factored(format.factored).stochastic_codes(format.stochastic);
+  check_options(static_cast<const Options&>(defaults()), q);
+  return q;
 }
 
 template <typename Options>
-void Adam8bitBase<Options>::set_stochastic_codes(bool on) {
-  check_format_change(on == stochastic_codes(), fmt::format("set_stochastic_codes({})", on));
-  quantized_.stochastic_codes(on);
+void Adam8bitBase<Options>::set_state_format(const StateFormat& format) {
+  check_format_change(format == state_format(),
+                      fmt::format("set_state_format({})", format.describe()));
+  quantized_ = options_for(format);
+  enabled_ = format.quantized();
 }
 
 template <typename Options>
-std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
+std::int64_t Adam8bitBase<Options>::pending_state_bytes(const StateFormat& format) const {
+  const auto q = options_for(format);
   std::int64_t bytes = 0;
   std::set<std::tuple<c10::DeviceType, c10::DeviceIndex, int>> devices;
   for (auto& group : param_groups()) {
@@ -170,16 +173,16 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(bool quantized) {
         continue;
       }
       const auto n = p.numel();
-      const auto f = detail::new_state_format<Options>(p, group.options(), quantized, quantized_);
+      const auto f = detail::new_state_format<Options>(p, group.options(), format.quantized(), q);
       if (f.quantized) {
         const auto codes =  // one moment's
-            code_bytes(n, quantized_.bits()) + 4 * blocks_of(n, quantized_.block());
+            code_bytes(n, q.bits()) + 4 * blocks_of(n, q.block());
         const auto shape = detail::factored_shape(p);
         bytes += f.first_moment ? codes : 0;
         bytes += f.factored ? 4 * (shape.rows + shape.cols) : codes;
-        const auto device = std::make_tuple(p.device().type(), p.device().index(), bits());
+        const auto device = std::make_tuple(p.device().type(), p.device().index(), q.bits());
         if (books_.count(device) == 0 && devices.insert(device).second) {
-          bytes += book_bytes(bits());
+          bytes += book_bytes(q.bits());
         }
       } else {
         bytes += 8 * n;
@@ -222,10 +225,10 @@ std::unique_ptr<torch::optim::OptimizerParamState> Adam8bitBase<Options>::make_s
     const auto u8 = f32.dtype(torch::kUInt8);
     // 8-bit codes shaped like the parameter; 4-bit ones two to a byte.
     const auto codes = [&] {
-      return bits() == 8 ? torch::empty(param.sizes(), u8)
-                         : torch::empty({code_bytes(param.numel(), 4)}, u8);
+      return quantized_.bits() == 8 ? torch::empty(param.sizes(), u8)
+                                    : torch::empty({code_bytes(param.numel(), 4)}, u8);
     };
-    state->block(quantized_.block()).bits(bits());
+    state->block(quantized_.block()).bits(quantized_.bits());
     attach_books(*state, param.device());
     if (format.first_moment) {
       state->exp_avg(codes()).exp_avg_scales(torch::empty({blocks}, f32));
@@ -259,9 +262,13 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   // Without a state yet (the planner asks before the first step): as make_state would.
   const auto format = format_of(param, state, options);
   const double beta1 = std::get<0>(static_cast<const Options&>(options).betas());
-  FRUGAL_CHECK(format.first_moment || beta1 == 0, "frugal: the 8-bit state of a parameter of "
-               "shape ", param.sizes(), " keeps no first moment (it was made with beta1 0), "
-               "but beta1 is now ", beta1);
+  FRUGAL_CHECK(format.first_moment || beta1 == 0,
+               "frugal: the 8-bit state of a parameter of "
+               "shape ",
+               param.sizes(),
+               " keeps no first moment (it was made with beta1 0), "
+               "but beta1 is now ",
+               beta1);
   const bool quantized = format.quantized;
   const bool is_float = param.scalar_type() == torch::kFloat32;
   // Float32 copies: the gradient, and a float64 parameter (bfloat16 and float16 weights

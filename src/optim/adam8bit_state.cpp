@@ -127,8 +127,8 @@ void Adam8bitBase<Options>::adopt_loaded() {
       FRUGAL_CHECK(s.block() == 0 || s.block() == quantized_.block(), name(),
                    " is quantized in blocks of ", s.block(), " but this optimizer's block is ",
                    quantized_.block());
-      FRUGAL_CHECK(s.block() == 0 || s.bits() == bits(), name(), " holds ", s.bits(),
-                   "-bit codes but this optimizer's are ", bits(), "-bit");
+      FRUGAL_CHECK(s.block() == 0 || s.bits() == quantized_.bits(), name(), " holds ", s.bits(),
+                   "-bit codes but this optimizer's are ", quantized_.bits(), "-bit");
       const auto expect = [&](const torch::Tensor& t, const char* what, at::IntArrayRef sizes,
                               c10::ScalarType type) {
         FRUGAL_CHECK(t.defined() && t.sizes() == sizes && t.scalar_type() == type, name(),
@@ -145,7 +145,8 @@ void Adam8bitBase<Options>::adopt_loaded() {
       const std::vector<std::int64_t> blocks{blocks_of(p.numel(), s.block())};
       // 8-bit codes are shaped like the parameter, 4-bit ones two to a byte.
       const std::vector<std::int64_t> codes =
-          bits() == 8 ? p.sizes().vec() : std::vector<std::int64_t>{code_bytes(p.numel(), 4)};
+          quantized_.bits() == 8 ? p.sizes().vec()
+                                 : std::vector<std::int64_t>{code_bytes(p.numel(), 4)};
       if (s.exp_avg().defined()) {  // else no first moment: beta1 0
         expect(s.exp_avg(), "a first moment", codes, torch::kUInt8);
         expect(s.exp_avg_scales(), "first-moment scales", blocks, torch::kFloat32);

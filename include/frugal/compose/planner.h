@@ -56,9 +56,9 @@ struct PlanOption {
   bool checkpoint = false;
   bool autocast = false;
   bool step_in_backward = false;
-  bool quantized_states = false;    ///< 8-bit optimizer states
-  bool factored_states = false;     ///< 8-bit (or 4-bit), with factored second moments
-  bool four_bit_states = false;     ///< the quantized states' codes are 4-bit
+  /// The low-bit states the plan chooses (8-bit, 4-bit, factored); unset: the optimizer's
+  /// own format (float32 where MemoryPlannerOptions::quantized_states lets it choose).
+  c10::optional<optim::StateFormat> states;
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
@@ -80,16 +80,16 @@ struct MemoryPlan {
   /// The ordinary optimizer step's peak: what lives between steps, all gradients, and the
   /// step's own temporaries (whole-parameter ones for LibTorch's, a chunk for frugal's).
   std::int64_t optimizer_step_peak = 0;
-  /// The same two with 8-bit optimizer states, where they are an option (else 0).
-  std::int64_t quantized_optimizer_bytes = 0;
-  std::int64_t quantized_step_peak = 0;
-  /// The same with 4-bit states, where they are an option (else 0).
-  std::int64_t four_bit_optimizer_bytes = 0;
-  std::int64_t four_bit_step_peak = 0;
-  /// The same with factored states (4-bit where those are an option), where they are an
-  /// option (else 0).
-  std::int64_t factored_optimizer_bytes = 0;
-  std::int64_t factored_step_peak = 0;
+  /// The same two for each low-bit format the options add: 8-bit, 4-bit, then factored
+  /// (4-bit where those are an option), in that order.
+  struct StateCost {
+    optim::StateFormat format;
+    std::int64_t bytes = 0;      ///< optimizer state expected after the first step
+    std::int64_t step_peak = 0;  ///< the ordinary optimizer step's peak
+  };
+  std::vector<StateCost> state_costs;
+  /// The cost of the format of `bits` bits, factored or not, if the options add it.
+  const StateCost* cost_of(int bits, bool factored = false) const;
   std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;  ///< the chosen plan's peak, measured (with the state)
@@ -149,19 +149,15 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
-  /// A format of the optimizer's states: as the optimizer was made (`as_made`), or
-  /// quantized to `bits`, factored or not.
-  struct StateFormat {
-    bool as_made = true;
-    bool quantized = false;
-    bool factored = false;
-    int bits = 8;
-  };
+  // A format of the optimizer's states to configure: unset, as the optimizer was made.
+  using Format = c10::optional<optim::StateFormat>;
   void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,
-                 StateFormat format);
-  void set_state_format(StateFormat format);
+                 const Format& format);
+  void set_state_format(const Format& format);
   bool chooses_states() const;  ///< whether any low-bit format is an option
-  std::int64_t pending_optimizer_bytes(StateFormat format);
+  /// `bits` codes, factored or not, rounded as the optimizer rounds its own width.
+  optim::StateFormat low_bit(int bits, bool factored) const;
+  std::int64_t pending_optimizer_bytes(const Format& format);
   std::int64_t optimizer_step_peak(std::int64_t pending_state, std::string* description);
 
   Trainer& trainer_;
@@ -170,9 +166,8 @@ class MemoryPlanner {
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
-  StateFormat base_format_;  ///< float32 where the planner chooses 8-bit; else as made
-  bool quantized_at_start_ = false, factored_at_start_ = false, stochastic_at_start_ = false;
-  int bits_at_start_ = 8;
+  Format base_format_;  ///< float32 where the planner chooses 8-bit; else as made
+  optim::StateFormat format_at_start_;
 };
 
 }  // namespace frugal

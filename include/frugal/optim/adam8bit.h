@@ -14,6 +14,7 @@
 #include "frugal/memory/ledger.h"
 #include "frugal/optim/blockwise.h"
 #include "frugal/optim/in_place.h"
+#include "frugal/optim/state_format.h"
 
 namespace frugal::optim {
 
@@ -60,9 +61,8 @@ struct QuantizedStateOptions {
 /// `exp_avg_sq`, which is undefined. Without a first moment (beta1 0 when the state was made)
 /// `exp_avg` is undefined. Not quantized (`block` 0): float32 tensors shaped like the
 /// parameter, as torch's Adam keeps them.
-struct Adam8bitParamState
-    : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
-      public StateTensorList {
+struct Adam8bitParamState : public torch::optim::OptimizerCloneableParamState<Adam8bitParamState>,
+                            public StateTensorList {
   TORCH_ARG(std::int64_t, step) = 0;
   TORCH_ARG(std::int64_t, block) = 0;
   TORCH_ARG(std::int64_t, bits) = 8;  ///< the codes' width (a file without it: 8)
@@ -83,35 +83,22 @@ struct Adam8bitParamState
   void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
-/// What the planner (frugal::MemoryPlanner) sees of an 8-bit optimizer: whether new states
-/// are quantized, and what they will cost.
+/// What the planner (frugal::MemoryPlanner) sees of a low-bit optimizer: the format of the
+/// states it will make, and what they will cost.
 class QuantizedStateOptimizer {
  public:
   virtual ~QuantizedStateOptimizer() = default;
-  /// Whether states made from now on are 8-bit (the default); parameters under
-  /// QuantizedStateOptions::min_elements keep float32 states either way.
-  virtual bool quantized() const = 0;
-  /// Chooses the states' format; refused once any state exists.
-  virtual void set_quantized(bool on) = 0;
-  /// Whether 8-bit states made from now on keep a matrix's second moment factored
-  /// (QuantizedStateOptions::factored).
-  virtual bool factored() const = 0;
-  /// Chooses it; refused once any state exists.
-  virtual void set_factored(bool on) = 0;
-  /// The quantized states' codes: 8 or 4 bits (QuantizedStateOptions::bits).
-  virtual int bits() const = 0;
-  /// Chooses them; refused once any state exists, and for a width other than 8 or 4, or 4
-  /// with an odd block.
-  virtual void set_bits(int bits) = 0;
-  /// Whether new codes round stochastically (QuantizedStateOptions::stochastic_codes).
-  virtual bool stochastic_codes() const = 0;
-  /// Chooses it; refused once any state exists.
-  virtual void set_stochastic_codes(bool on) = 0;
-  /// Bytes of state the first step would allocate for every parameter, quantized or not:
-  /// codes (1 byte an element a moment, half a byte with 4 bits), scales (4 bytes a block a
+  /// The format of states made from now on (parameters under
+  /// QuantizedStateOptions::min_elements keep float32 states whatever it is).
+  virtual StateFormat state_format() const = 0;
+  /// Chooses it: refused, naming the call, once any state exists, and for bits other than
+  /// 32, 8 or 4, or 4 with an odd block. Float32 keeps the width quantized states would take.
+  virtual void set_state_format(const StateFormat& format) = 0;
+  /// Bytes of state the first step would allocate for every parameter in `format`: codes
+  /// (1 byte an element a moment, half a byte with 4 bits), scales (4 bytes a block a
   /// moment), a factored moment's rows and columns (4 bytes each) and the two code books
   /// (2 x 511 float32 per device; 2 x 31 with 4 bits); 8 bytes an element for float32 states.
-  virtual std::int64_t pending_state_bytes(bool quantized) = 0;
+  virtual std::int64_t pending_state_bytes(const StateFormat& format) const = 0;
 };
 
 /// Adam (coupled L2 weight decay, with AdamOptions) or AdamW (decoupled, with
@@ -136,15 +123,9 @@ class Adam8bitBase : public torch::optim::Optimizer,
   void load(torch::serialize::InputArchive& archive) override;
 
   const QuantizedStateOptions& quantized_options() const { return quantized_; }
-  bool quantized() const override { return enabled_; }
-  void set_quantized(bool on) override;
-  bool factored() const override { return quantized_.factored(); }
-  void set_factored(bool on) override;
-  int bits() const override { return quantized_.bits(); }
-  void set_bits(int bits) override;
-  bool stochastic_codes() const override { return quantized_.stochastic_codes(); }
-  void set_stochastic_codes(bool on) override;
-  std::int64_t pending_state_bytes(bool quantized) override;
+  StateFormat state_format() const override;
+  void set_state_format(const StateFormat& format) override;
+  std::int64_t pending_state_bytes(const StateFormat& format) const override;
 
  protected:
   std::unique_ptr<torch::optim::OptimizerParamState> make_state(
@@ -162,6 +143,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
  private:
   // Refuses a change of the states' format (`call`, e.g. "set_bits(4)") once states exist.
   void check_format_change(bool unchanged, const std::string& call) const;
+  // These options with `format`'s width, factoring and rounding, checked.
+  QuantizedStateOptions options_for(const StateFormat& format) const;
   struct Books;  // the two moments' code books on one device, for one width of codes
   const Books& books(torch::Device device, int bits) const;
   // Gives `s` the maps of its width of codes on `device`.
