@@ -185,23 +185,49 @@ std::int64_t MemoryPlanner::pending_optimizer_bytes(const Format& format) {
   return static_cast<std::int64_t>(bytes);
 }
 
+// What the trials measured: each configuration's (peak, ms) at the whole batch, a half and a
+// quarter of it, and the micro-batch sizes a plan may take.
+struct MemoryPlanner::Trials {
+  struct Config {
+    bool in_backward, checkpoint, autocast;
+  };
+  std::int64_t batch = 0, half = 0, quarter = 0;
+  std::vector<std::int64_t> sizes;  // the batch, halved down to 1
+  std::vector<std::pair<Config, std::map<std::int64_t, std::pair<double, double>>>> measured;
+};
+
+namespace {
+
+// A plan's optimizer state to come and its ordinary step's peak, from its states' format.
+const MemoryPlan::StateCost& cost_of(const MemoryPlan& plan, const PlanOption& o) {
+  static const MemoryPlan::StateCost none;
+  const auto* cost = o.states ? plan.cost_of(o.states->bits, o.states->factored) : nullptr;
+  return cost != nullptr ? *cost : none;
+}
+std::int64_t state_bytes(const MemoryPlan& plan, const PlanOption& o) {
+  return o.states ? cost_of(plan, o).bytes : plan.optimizer_bytes;
+}
+std::int64_t step_peak(const MemoryPlan& plan, const PlanOption& o) {
+  return o.states ? cost_of(plan, o).step_peak : plan.optimizer_step_peak;
+}
+
+}  // namespace
+
 MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   FRUGAL_CHECK(budget > 0, "frugal: the memory budget must be > 0 bytes, got ", budget);
-  const std::int64_t batch = sample.size();
-  FRUGAL_CHECK(batch > 0, "frugal: the planner's sample batch is empty");
+  FRUGAL_CHECK(sample.size() > 0, "frugal: the planner's sample batch is empty");
+  auto plan = price_states(budget);
+  const auto trials = measure(sample);
+  predict(plan, trials);
+  choose(plan, sample, trials.batch);
+  return plan;
+}
+
+MemoryPlan MemoryPlanner::price_states(std::int64_t budget) {
   MemoryPlan plan;
   plan.budget = budget;
   plan.margin = options_.margin();
   plan.optimizer_bytes = pending_optimizer_bytes(base_format_);
-  const double limit = static_cast<double>(budget) * (1 - options_.margin());
-
-  std::vector<std::int64_t> sizes;
-  for (std::int64_t m = batch; m >= 1; m /= 2) {
-    sizes.push_back(m);
-  }
-  const std::int64_t half = sizes.size() > 1 ? sizes[1] : batch;
-  const std::int64_t quarter = sizes.size() > 2 ? sizes[2] : half;
-
   plan.optimizer_step_peak = optimizer_step_peak(plan.optimizer_bytes, &plan.optimizer);
   // The low-bit formats the options add, each with its state to come and step peak.
   const int smallest_bits = options_.four_bit_states() ? 4 : 8;
@@ -216,26 +242,19 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
       plan.state_costs.push_back(cost);
     }
   }
-  // A plan's states: the optimizer's own (or float32, base_format_), or a low-bit format.
-  const auto state_of = [&](const PlanOption& o) {
-    return o.states ? plan.cost_of(o.states->bits, o.states->factored)->bytes
-                    : plan.optimizer_bytes;
-  };
-  const auto step_peak_of = [&](const PlanOption& o) {
-    return o.states ? plan.cost_of(o.states->bits, o.states->factored)->step_peak
-                    : plan.optimizer_step_peak;
-  };
-  const auto format_of = [&](const PlanOption& o) {
-    return o.states ? Format(o.states) : base_format_;
-  };
-  std::vector<c10::optional<optim::StateFormat>> formats{c10::nullopt};
-  for (const auto& cost : plan.state_costs) {
-    formats.emplace_back(cost.format);
-  }
+  return plan;
+}
 
-  configure(batch, false, false, false, c10::nullopt);
+MemoryPlanner::Trials MemoryPlanner::measure(const Batch& sample) {
+  Trials t;
+  t.batch = sample.size();
+  for (std::int64_t m = t.batch; m >= 1; m /= 2) {
+    t.sizes.push_back(m);
+  }
+  t.half = t.sizes.size() > 1 ? t.sizes[1] : t.batch;
+  t.quarter = t.sizes.size() > 2 ? t.sizes[2] : t.half;
+  configure(t.batch, false, false, false, c10::nullopt);
   (void)trainer_.trial(sample);  // warm-up: lazy initialisation is no part of the timings
-  std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
   for (const bool in_backward : {false, true}) {
     for (const bool checkpoint : {false, true}) {
       for (const bool autocast : {false, true}) {
@@ -244,89 +263,103 @@ MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
           continue;
         }
         std::map<std::int64_t, std::pair<double, double>> measured;  // size -> (peak, ms)
-        for (const auto m : {batch, half, quarter}) {
+        for (const auto m : {t.batch, t.half, t.quarter}) {
           if (measured.count(m) == 0) {
             configure(m, checkpoint, autocast, in_backward, c10::nullopt);
             const auto r = trainer_.trial(sample);
             measured[m] = {static_cast<double>(r.peak), r.time.total_ms};
           }
         }
-        for (const auto m : sizes) {
-          for (const auto& states : formats) {
-            PlanOption o;
-            o.states = states;
-            o.micro_batch = m;
-            o.micro_batches = (batch + m - 1) / m;
-            o.checkpoint = checkpoint;
-            o.autocast = autocast;
-            o.step_in_backward = in_backward;
-            double peak, ms;
-            if (measured.count(m) != 0 || half == quarter) {
-              std::tie(peak, ms) = measured.count(m) ? measured[m] : measured[quarter];
-            } else {
-              // Several micro-batches: activations linear in the micro-batch, time linear in
-              // the number of micro-batches (and never falling with it).
-              const auto [p2, t2] = measured[half];
-              const auto [p4, t4] = measured[quarter];
-              peak = p4 + (p2 - p4) * static_cast<double>(m - quarter) /
-                              static_cast<double>(half - quarter);
-              const double n2 = static_cast<double>((batch + half - 1) / half);
-              const double n4 = static_cast<double>((batch + quarter - 1) / quarter);
-              const double per_micro = std::max(0.0, (t4 - t2) / (n4 - n2));
-              ms = t4 + per_micro * (static_cast<double>(o.micro_batches) - n4);
-            }
-            // A policy never makes a step faster: a measured gain is noise.
-            if (m != batch) {
-              ms = std::max(ms, times[{batch, checkpoint, autocast}]);
-            }
-            if (checkpoint) {
-              ms = std::max(ms, times[{m, false, autocast}]);
-            }
-            times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
-            o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + state_of(o),
-                                        in_backward ? 0 : step_peak_of(o));
-            o.predicted_ms = ms;
-            o.fits = static_cast<double>(o.predicted_peak) <= limit;
-            plan.options.push_back(o);
-          }
-        }
+        t.measured.push_back({{in_backward, checkpoint, autocast}, std::move(measured)});
       }
     }
   }
+  return t;
+}
 
+void MemoryPlanner::predict(MemoryPlan& plan, const Trials& t) const {
+  const double limit = static_cast<double>(plan.budget) * (1 - plan.margin);
+  std::vector<c10::optional<optim::StateFormat>> formats{c10::nullopt};
+  for (const auto& cost : plan.state_costs) {
+    formats.emplace_back(cost.format);
+  }
+  std::map<std::tuple<std::int64_t, bool, bool>, double> times;  // for the monotone rule
+  for (const auto& [config, measured] : t.measured) {
+    const auto [in_backward, checkpoint, autocast] = config;
+    for (const auto m : t.sizes) {
+      double peak, ms;
+      if (measured.count(m) != 0 || t.half == t.quarter) {
+        std::tie(peak, ms) = measured.count(m) ? measured.at(m) : measured.at(t.quarter);
+      } else {
+        // Several micro-batches: activations linear in the micro-batch, time linear in the
+        // number of micro-batches (and never falling with it).
+        const auto [p2, t2] = measured.at(t.half);
+        const auto [p4, t4] = measured.at(t.quarter);
+        peak = p4 + (p2 - p4) * static_cast<double>(m - t.quarter) /
+                        static_cast<double>(t.half - t.quarter);
+        const double n2 = static_cast<double>((t.batch + t.half - 1) / t.half);
+        const double n4 = static_cast<double>((t.batch + t.quarter - 1) / t.quarter);
+        const double per_micro = std::max(0.0, (t4 - t2) / (n4 - n2));
+        ms = t4 + per_micro * (static_cast<double>((t.batch + m - 1) / m) - n4);
+      }
+      // A policy never makes a step faster: a measured gain is noise.
+      if (m != t.batch) {
+        ms = std::max(ms, times[{t.batch, checkpoint, autocast}]);
+      }
+      if (checkpoint) {
+        ms = std::max(ms, times[{m, false, autocast}]);
+      }
+      times[{m, checkpoint, autocast}] = std::max(times[{m, checkpoint, autocast}], ms);
+      for (const auto& states : formats) {
+        PlanOption o;
+        o.states = states;
+        o.micro_batch = m;
+        o.micro_batches = (t.batch + m - 1) / m;
+        o.checkpoint = checkpoint;
+        o.autocast = autocast;
+        o.step_in_backward = in_backward;
+        o.predicted_peak = std::max(static_cast<std::int64_t>(peak) + state_bytes(plan, o),
+                                    in_backward ? 0 : step_peak(plan, o));
+        o.predicted_ms = ms;
+        o.fits = static_cast<double>(o.predicted_peak) <= limit;
+        plan.options.push_back(o);
+      }
+    }
+  }
+}
+
+void MemoryPlanner::choose(MemoryPlan& plan, const Batch& sample, std::int64_t batch) {
+  const double limit = static_cast<double>(plan.budget) * (1 - plan.margin);
   const PlanOption* best = detail::choose_plan(plan.options, options_.time_tolerance());
   if (best == nullptr) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
     configure(batch, false, false, false, c10::nullopt);  // the states' format as made
-    FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(budget), " (",
+    FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(plan.budget), " (",
                  format_bytes(static_cast<std::int64_t>(limit)),
-                 " with the margin); the "
-                 "smallest predicted peak is ",
+                 " with the margin); the smallest predicted peak is ",
                  format_bytes(smallest->predicted_peak), " with ", smallest->describe());
   }
   plan.chosen = *best;
   configure(best->micro_batch, best->checkpoint, best->autocast, best->step_in_backward,
-            format_of(*best));
-  const auto state = state_of(*best);
+            best->states ? Format(best->states) : base_format_);
+  const auto state = state_bytes(plan, *best);
   if (best->checkpoint && options_.choose_blocks() && limit > static_cast<double>(state)) {
     // The trials do not hold the optimizer state to come: the blocks' budget leaves it room.
     plan.block_choice =
         plan_checkpoints(trainer_, *checkpoint_, static_cast<std::int64_t>(limit) - state, sample);
     if (plan.block_choice.fits) {
-      const auto step_peak = step_peak_of(*best);
       plan.chosen.checkpointed_blocks =
           static_cast<std::int64_t>(plan.block_choice.chosen().size());
       plan.chosen.blocks = static_cast<std::int64_t>(plan.block_choice.blocks.size());
       plan.chosen.predicted_peak = std::max(plan.block_choice.predicted_peak + state,
-                                            best->step_in_backward ? 0 : step_peak);
+                                            best->step_in_backward ? 0 : step_peak(plan, *best));
       plan.chosen.predicted_ms *=
           plan.block_choice.predicted_ms / std::max(1e-9, plan.block_choice.all_checkpointed_ms);
     }
   }
   plan.measured_peak = trainer_.trial(sample).peak + state;
-  return plan;
 }
 
 }  // namespace frugal

@@ -149,6 +149,13 @@ class MemoryPlanner {
   MemoryPlan plan(std::int64_t budget, const Batch& sample);
 
  private:
+  // plan() in its three parts: what each states' format costs, the trials, the prediction of
+  // every configuration from them, and the choice (applied to the trainer and measured).
+  struct Trials;
+  MemoryPlan price_states(std::int64_t budget);
+  Trials measure(const Batch& sample);
+  void predict(MemoryPlan& plan, const Trials& trials) const;
+  void choose(MemoryPlan& plan, const Batch& sample, std::int64_t batch);
   // A format of the optimizer's states to configure: unset, as the optimizer was made.
   using Format = c10::optional<optim::StateFormat>;
   void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,
