@@ -51,6 +51,13 @@ inline int train_rank_and_save(const std::vector<std::string>& args, const RankT
   return 0;
 }
 
+// Registers child `name`: a rank that trains with `train` and saves what it returned.
+inline RegisterChild register_rank_training(const std::string& name, RankTraining train) {
+  return RegisterChild(name, [train](const std::vector<std::string>& args) {
+    return train_rank_and_save(args, train);
+  });
+}
+
 // Starts `world` ranks of child `name` (registered with train_rank_and_save) and returns what
 // each saved, by rank; empty when a rank failed.
 inline std::vector<std::vector<torch::Tensor>> launch_and_load(const std::string& name, int world) {

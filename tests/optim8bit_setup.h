@@ -21,6 +21,11 @@ namespace frugal::testing::optim8bit {
 
 namespace to = torch::optim;
 namespace fo = frugal::optim;
+// The helpers every optimizer test file takes, with `using namespace` on this namespace.
+using frugal::testing::clone_params;
+using frugal::testing::expect_error_contains;
+using frugal::testing::set_grads;
+using frugal::testing::step_overhead;
 
 // Parameters of several shapes: large ones of several chunks and blocks (one with a short
 // last block), a small one (float32 states), one not contiguous (stepped whole).
@@ -34,6 +39,19 @@ inline std::vector<torch::Tensor> make_8bit_params() {
 // Gradients of a size that changes from step to step.
 inline void set_growing_grads(std::vector<torch::Tensor>& params, int step) {
   frugal::testing::set_grads(params, step, 1 + step % 3);
+}
+
+// Runs steps [from, to) of every optimizer in `optimizers`, each after growing gradients
+// (set_growing_grads) on every list in `params`.
+template <typename... Optimizers>
+void step_together(int from, int to, std::initializer_list<std::vector<torch::Tensor>*> params,
+                   Optimizers&... optimizers) {
+  for (int step = from; step < to; ++step) {
+    for (auto* p : params) {
+      set_growing_grads(*p, step);
+    }
+    (optimizers.step(), ...);
+  }
 }
 
 inline double max_abs_diff(const std::vector<torch::Tensor>& a,

@@ -20,15 +20,7 @@
 
 namespace {
 
-namespace to = torch::optim;
-namespace fo = frugal::optim;
-using frugal::testing::clone_params;
-using frugal::testing::set_grads;
-using frugal::testing::step_overhead;
-using frugal::testing::optim8bit::kFactored;
-using frugal::testing::optim8bit::least_squares;
-using frugal::testing::optim8bit::max_abs_diff;
-using frugal::testing::optim8bit::state_of;
+using namespace frugal::testing::optim8bit;
 
 // Matrices of several layouts: several chunks of whole rows with a short last one (100 x
 // 80 under chunks of 768: 1280 elements, 16 rows), a convolution's weight (rows: output

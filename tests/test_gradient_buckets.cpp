@@ -97,9 +97,7 @@ std::vector<torch::Tensor> step(const std::shared_ptr<frugal::distributed::Group
   return out;
 }
 
-const RegisterChild register_step("bucket-step", [](const std::vector<std::string>& args) {
-  return train_rank_and_save(args, step);
-});
+const auto register_step = frugal::testing::register_rank_training("bucket-step", step);
 
 TEST(GradientBuckets, Bf16GradientsTravelInTheDtypeTheBackendSumsAndAverageToOneRounding) {
   const auto ranks = launch_and_load("bucket-step", 2);

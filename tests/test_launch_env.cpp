@@ -42,32 +42,20 @@ std::string launch_error() {
 }
 
 TEST(DistLaunchEnv, NamesTheMissingOrWrongVariable) {
-  {
-    ScopedEnv env({{"RANK", "0"},
-                   {"WORLD_SIZE", nullptr},
-                   {"MASTER_ADDR", "127.0.0.1"},
-                   {"MASTER_PORT", "29500"}});
-    EXPECT_NE(launch_error().find("WORLD_SIZE is not set"), std::string::npos) << launch_error();
-  }
-  {
-    ScopedEnv env({{"RANK", "5"},
-                   {"WORLD_SIZE", "2"},
-                   {"MASTER_ADDR", "127.0.0.1"},
-                   {"MASTER_PORT", "29500"}});
-    EXPECT_NE(launch_error().find("RANK='5' is not an integer in [0, 1]"), std::string::npos)
-        << launch_error();
-  }
-  {
-    ScopedEnv env(
-        {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", nullptr}, {"MASTER_PORT", "29500"}});
-    EXPECT_NE(launch_error().find("MASTER_ADDR is not set"), std::string::npos) << launch_error();
-  }
-  {
-    ScopedEnv env({{"RANK", "1"},
-                   {"WORLD_SIZE", "2"},
-                   {"MASTER_ADDR", "127.0.0.1"},
-                   {"MASTER_PORT", "http"}});
-    EXPECT_NE(launch_error().find("MASTER_PORT='http'"), std::string::npos) << launch_error();
+  // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (null: unset), and what the error must say.
+  struct Case {
+    const char *rank, *world, *addr, *port, *says;
+  };
+  for (const auto& c :
+       {Case{"0", nullptr, "127.0.0.1", "29500", "WORLD_SIZE is not set"},
+        Case{"5", "2", "127.0.0.1", "29500", "RANK='5' is not an integer in [0, 1]"},
+        Case{"1", "2", nullptr, "29500", "MASTER_ADDR is not set"},
+        Case{"1", "2", "127.0.0.1", "http", "MASTER_PORT='http'"}}) {
+    ScopedEnv env({{"RANK", c.rank},
+                   {"WORLD_SIZE", c.world},
+                   {"MASTER_ADDR", c.addr},
+                   {"MASTER_PORT", c.port}});
+    EXPECT_NE(launch_error().find(c.says), std::string::npos) << launch_error();
   }
   {
     ScopedEnv env({{"RANK", "1"},

@@ -72,11 +72,7 @@ std::vector<torch::Tensor> train_two(const std::shared_ptr<Group>& group) {
   return out;
 }
 
-const frugal::testing::RegisterChild register_loop_dp("loop-dp",
-                                                      [](const std::vector<std::string>& args) {
-                                                        return frugal::testing::train_rank_and_save(
-                                                            args, train_two);
-                                                      });
+const auto register_loop_dp = frugal::testing::register_rank_training("loop-dp", train_two);
 
 TEST(LoopDataParallel, TwoRanksOfALoopTrainAsOneProcessAndSkipTogether) {
   const auto ranks = frugal::testing::launch_and_load("loop-dp", 2);
@@ -207,10 +203,8 @@ std::vector<torch::Tensor> train_modes(const std::shared_ptr<Group>& group) {
   return out;
 }
 
-const frugal::testing::RegisterChild register_loop_modes(
-    "loop-dp-modes", [](const std::vector<std::string>& args) {
-      return frugal::testing::train_rank_and_save(args, train_modes);
-    });
+const auto register_loop_modes =
+    frugal::testing::register_rank_training("loop-dp-modes", train_modes);
 
 void expect_loop_ranks_match_one_process(int world) {
   const auto ranks = frugal::testing::launch_and_load("loop-dp-modes", world);

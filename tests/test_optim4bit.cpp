@@ -20,11 +20,6 @@
 
 namespace {
 
-namespace to = torch::optim;
-namespace fo = frugal::optim;
-using frugal::testing::clone_params;
-using frugal::testing::expect_error_contains;
-using frugal::testing::step_overhead;
 using namespace frugal::testing::optim8bit;
 
 TEST(Optim4bit, OneStepFromTheSameStateIsFloat32AdamsStep) {
@@ -206,10 +201,7 @@ TEST(Optim4bit, StateRoundTripsThroughTorchSaveAndResumesBitForBit) {
   auto a = make_8bit_params();
   const auto options = to::AdamWOptions(1e-2).weight_decay(0.01);
   fo::AdamW4bit ours(a, options, fo::four_bit_states(), kChunks);
-  for (int step = 0; step < 3; ++step) {
-    set_growing_grads(a, step);
-    ours.step();
-  }
+  step_together(0, 3, {&a}, ours);
   std::stringstream file;
   torch::save(ours, file);
   auto b = clone_params(a);

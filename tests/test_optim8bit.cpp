@@ -21,10 +21,6 @@
 
 namespace {
 
-namespace to = torch::optim;
-namespace fo = frugal::optim;
-using frugal::testing::clone_params;
-using frugal::testing::step_overhead;
 using namespace frugal::testing::optim8bit;
 
 TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
@@ -38,15 +34,7 @@ TEST(Optim8bit, WithoutQuantizationTheStepIsFrugalAdamsBitForBit) {
     fo::AdamW8bit adamw8(d, to::AdamWOptions(1e-2).weight_decay(decay), {}, kChunks);
     adam8.set_state_format(fo::StateFormat{});  // float32
     adamw8.set_state_format(fo::StateFormat{});
-    for (int step = 0; step < 20; ++step) {
-      for (auto* params : {&a, &b, &c, &d}) {
-        set_growing_grads(*params, step);
-      }
-      adam.step();
-      adam8.step();
-      adamw.step();
-      adamw8.step();
-    }
+    step_together(0, 20, {&a, &b, &c, &d}, adam, adam8, adamw, adamw8);
     EXPECT_EQ(max_abs_diff(a, b), 0) << "decay " << decay;
     EXPECT_EQ(max_abs_diff(c, d), 0) << "decay " << decay;
   }

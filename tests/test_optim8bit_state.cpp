@@ -18,19 +18,12 @@
 
 namespace {
 
-namespace to = torch::optim;
-namespace fo = frugal::optim;
-using frugal::testing::clone_params;
-using frugal::testing::step_overhead;
 using namespace frugal::testing::optim8bit;
 
 TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
   auto a = make_8bit_params();
   fo::AdamW8bit ours(a, to::AdamWOptions(1e-2).weight_decay(0.01), {}, kChunks);
-  for (int step = 0; step < 3; ++step) {
-    set_growing_grads(a, step);
-    ours.step();
-  }
+  step_together(0, 3, {&a}, ours);
   std::stringstream file;
   torch::save(ours, file);
   auto b = clone_params(a);
@@ -89,9 +82,7 @@ TEST(Optim8bit, AFileThatDoesNotFitIsRefusedAndChangesNothing) {
   auto a = make_8bit_params();
   fo::Adam8bit saved(a, to::AdamOptions(1e-2), {}, kChunks);
   to::Adam torch_adam(a, to::AdamOptions(1e-2));
-  set_growing_grads(a, 0);
-  saved.step();
-  torch_adam.step();
+  step_together(0, 1, {&a}, saved, torch_adam);
   std::stringstream ours, torchs;
   torch::save(saved, ours);
   torch::save(torch_adam, torchs);

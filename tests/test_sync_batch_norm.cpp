@@ -163,11 +163,7 @@ std::vector<torch::Tensor> train(const std::shared_ptr<Group>& group) {
   return out;
 }
 
-const frugal::testing::RegisterChild register_sync_bn("sync-bn",
-                                                      [](const std::vector<std::string>& args) {
-                                                        return frugal::testing::train_rank_and_save(
-                                                            args, train);
-                                                      });
+const auto register_sync_bn = frugal::testing::register_rank_training("sync-bn", train);
 
 TEST(SyncBatchNorm, TwoRanksWithUnequalSharesTrainAsOneProcess) {
   const auto ranks = frugal::testing::launch_and_load("sync-bn", 2);

@@ -3,57 +3,34 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
-#include <mutex>
-#include <unordered_map>
-
 #include "call_choice.h"
 #include "frugal/error.h"
+#include "module_registry.h"
 
 namespace frugal::nn {
 namespace detail {
 namespace {
 
-struct Registry {
-  std::mutex mutex;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<CallChoice>> chosen;
-};
-
-Registry& registry() {
-  static auto* r = new Registry();  // never destroyed: policies may outlive static teardown
+ModuleRegistry<CallChoice>& registry() {
+  // Never destroyed: policies may outlive static teardown.
+  static auto* r = new ModuleRegistry<CallChoice>();
   return *r;
 }
 
 }  // namespace
 
 void add_call_choice(const torch::nn::Module* module, std::shared_ptr<CallChoice> choice) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  FRUGAL_CHECK(r.chosen.emplace(module, std::move(choice)).second, "frugal: module '",
-               module->name(), "' is already chosen by another CheckpointPolicy");
+  registry().add(module, std::move(choice), "is already chosen by another CheckpointPolicy");
 }
 
-void remove_call_choice(const torch::nn::Module* module) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.chosen.erase(module);
-}
+void remove_call_choice(const torch::nn::Module* module) { registry().remove(module); }
 
 }  // namespace detail
 
 std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Module& module) {
-  auto& r = detail::registry();
-  using detail::CallChoice;
-  std::shared_ptr<CallChoice> choice;
-  {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    if (r.chosen.empty()) {
-      return nullptr;
-    }
-    const auto found = r.chosen.find(&module);
-    if (found == r.chosen.end()) {
-      return nullptr;
-    }
-    choice = found->second;
+  const auto choice = detail::registry().find(module);
+  if (choice == nullptr) {
+    return nullptr;
   }
   choice->calls.fetch_add(1);
   if (!choice->enabled.load()) {
