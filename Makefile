@@ -3,12 +3,14 @@
 #   make test   builds and tests frugal on both LibTorch builds (2.x wheel, Debian 1.13),
 #               then with AddressSanitizer + UndefinedBehaviorSanitizer (on 1.13), fuzzing
 #               the IDX reader
+# And for the figures: make bench-doc runs the benchmarks of bench/doc.json (on a quiet
+# machine) and writes docs/benchmarks.md and the README's speed table from their output.
 # Both install what is missing first (scripts/setup.sh) and reuse earlier build trees.
 
 BUILDS ?= torch2 debian sanitize
 DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2
 
-.PHONY: demo test clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))
+.PHONY: demo test bench-doc clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))
 
 # The demo builds only the library and the example it runs, not the tests.
 demo:
@@ -46,6 +48,9 @@ $(addprefix build-,$(BUILDS)): build-%:
 $(addprefix test-,$(BUILDS)): test-%: build-%
 	@echo "test: running the '$*' suite"
 	@scripts/stage.sh run "suite $*" - ctest --preset $*
+
+bench-doc: build-torch2 build-debian
+	scripts/bench_doc.py --run
 
 clean:
 	rm -rf build

@@ -1,10 +1,10 @@
 // The counting CPU allocator's cost on training steps of a small MLP, against LibTorch's
 // default allocator, interleaved in one process.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_util.h"
@@ -18,11 +18,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "Interleaved rounds")->capture_default_str();
   app.add_option("--steps", steps, "Training steps per round and variant")->capture_default_str();
   app.add_option("--batch", batch, "Samples per step")->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  bench::threads_flag(app, threads, "Intra-op threads (0: LibTorch's choice)");
   CLI11_PARSE(app, argc, argv);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
 
   torch::manual_seed(0);
   torch::nn::Sequential mlp(torch::nn::Linear(784, 512), torch::nn::ReLU(),
@@ -41,23 +38,25 @@ int main(int argc, char** argv) {
         steps);
   };
   train_steps();  // warm-up
-  const auto times = bench::interleave(
-      {{"default", [&] {
-          frugal::CountingAllocator::uninstall();
-          return train_steps();
-        }},
-       {"counting", [&] {
-          frugal::CountingAllocator::install();
-          return train_steps();
-        }}},
-      rounds);
+  const auto times = bench::interleave({{"default",
+                                         [&] {
+                                           frugal::CountingAllocator::uninstall();
+                                           return train_steps();
+                                         }},
+                                        {"counting",
+                                         [&] {
+                                           frugal::CountingAllocator::install();
+                                           return train_steps();
+                                         }}},
+                                       rounds);
   frugal::CountingAllocator::uninstall();
 
   const double base = bench::median(times.at("default"));
   const double counted = bench::median(times.at("counting"));
-  fmt::print("Counting allocator overhead: MLP 784-512-256-10, batch {}, SGD, {} rounds x {} "
-             "steps, {}\n\n",
-             batch, rounds, steps, bench::machine_line());
+  fmt::print(
+      "Counting allocator overhead: MLP 784-512-256-10, batch {}, SGD, {} rounds x {} "
+      "steps, {}\n\n",
+      batch, rounds, steps, bench::machine_line());
   fmt::print("| allocator | median step (ms) | ratio |\n|---|---|---|\n");
   fmt::print("| default | {:.3f} | 1.000 |\n", base);
   fmt::print("| counting | {:.3f} | {:.3f} |\n\n", counted, counted / base);

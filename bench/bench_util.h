@@ -5,6 +5,7 @@
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -81,6 +82,18 @@ inline frugal::Batch counted_random_batch(int threads, std::int64_t batch, std::
   frugal::CountingAllocator::install();
   torch::manual_seed(0);
   return {torch::randn({batch, width}), torch::randint(0, 10, {batch}, torch::kLong)};
+}
+
+/// Adds --threads: LibTorch's intra-op threads, set as soon as the flags are parsed
+/// (0: LibTorch's choice).
+inline void threads_flag(CLI::App& app, int& threads,
+                         const std::string& what = "Intra-op threads (0: LibTorch's choice)") {
+  app.add_option("--threads", threads, what)->check(CLI::NonNegativeNumber);
+  app.parse_complete_callback([&threads] {
+    if (threads > 0) {
+      torch::set_num_threads(threads);
+    }
+  });
 }
 
 inline std::string machine_line() {

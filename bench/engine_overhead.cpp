@@ -1,10 +1,10 @@
 // The step engine against a hand-written LibTorch loop doing the same work: same model,
 // data and seed, interleaved rounds in one process.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "bench_util.h"
@@ -22,12 +22,9 @@ int main(int argc, char** argv) {
   app.add_option("--model", model, "mlp or cnn (the Fashion-MNIST models)")
       ->check(CLI::IsMember({"mlp", "cnn"}))
       ->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  bench::threads_flag(app, threads, "Intra-op threads (0: LibTorch's choice)");
   app.add_option("--ledger", ledger, "Measure the ledger in every report")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
   frugal::CountingAllocator::install();  // both variants run on the same allocator
   torch::manual_seed(0);
   const auto x = torch::rand({batch, 1, 28, 28});

@@ -34,11 +34,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", a.rounds, "interleaved rounds")->check(CLI::PositiveNumber);
   app.add_option("--calls", a.calls, "forward+backward calls per round")
       ->check(CLI::PositiveNumber);
-  app.add_option("--threads", a.threads, "LibTorch threads (0: its default)");
+  bench::threads_flag(app, a.threads, "LibTorch threads (0: its default)");
   CLI11_PARSE(app, argc, argv);
-  if (a.threads > 0) {
-    torch::set_num_threads(a.threads);
-  }
   const frugal::MemoryProbe probe(torch::kCPU, frugal::MemoryScope::Thread);
   torch::manual_seed(0);
   auto hidden = torch::randn({a.tokens, a.width}).requires_grad_(true);

@@ -151,7 +151,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--workers", workers, "DataLoader worker threads")->capture_default_str();
   app.add_option("--rounds", rounds, "pairs of processes, alternating")->capture_default_str();
-  app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  bench::threads_flag(app, threads, "Intra-op threads (0: LibTorch's choice)");
   app.add_option("--test-samples", test_samples,
                  "Evaluate on the first this many test samples (0: all 10000)")
       ->capture_default_str()
@@ -161,9 +161,6 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   frugal::CountingAllocator::set_cache_limit(cache_limit);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
   if (mode != "both") {
     fmt::print("{}\n", train(mode, data_dir, steps, batch, workers, test_samples).dump());
     return 0;

@@ -7,13 +7,12 @@
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
-
-#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "bench_util.h"
 #include "models.h"
@@ -101,18 +100,20 @@ int main(int argc, char** argv) {
   const double raw_ms = bench::median(times.at("raw"));
   const double save_ms = bench::median(times.at("save"));
   const double load_ms = bench::median(times.at("load"));
-  fmt::print("CNN with frugal's {}: {} of weights + optimizer state; file {} ({:.4f}x)\n",
+  fmt::print("CNN with frugal's {}: {} of weights + optimizer state; file {} ({:.4f}x); {}\n",
              optimizer_name, frugal::format_bytes(static_cast<std::int64_t>(raw.size())),
              frugal::format_bytes(file_bytes),
-             static_cast<double>(file_bytes) / static_cast<double>(raw.size()));
+             static_cast<double>(file_bytes) / static_cast<double>(raw.size()),
+             bench::machine_line());
   fmt::print("| what | median ms | vs raw write |\n|---|---:|---:|\n");
   fmt::print("| raw bytes: write, fsync, rename | {:.1f} | 1.00x |\n", raw_ms);
   fmt::print("| save_training_state | {:.1f} | {:.2f}x |\n", save_ms, save_ms / raw_ms);
   fmt::print("| load_training_state | {:.1f} | {:.2f}x |\n", load_ms, load_ms / raw_ms);
   fmt::print("{} rounds interleaved, {}\n", rounds, bench::machine_line());
-  const nlohmann::json j = {{"bench", "save_state"}, {"optimizer", optimizer_name},
-                            {"raw_ms", raw_ms}, {"save_ms", save_ms}, {"load_ms", load_ms},
-                            {"file_bytes", file_bytes}, {"state_bytes", raw.size()}};
+  const nlohmann::json j = {{"bench", "save_state"},    {"optimizer", optimizer_name},
+                            {"raw_ms", raw_ms},         {"save_ms", save_ms},
+                            {"load_ms", load_ms},       {"file_bytes", file_bytes},
+                            {"state_bytes", raw.size()}};
   fmt::print("{}\n", j.dump());
   std::filesystem::remove(state_path);
   std::filesystem::remove(raw_path);

@@ -26,11 +26,8 @@ int main(int argc, char** argv) {
   for (const auto& [flag, value, help] : sizes) {
     app.add_option(flag, *value, help)->capture_default_str()->check(CLI::PositiveNumber);
   }
-  app.add_option("--threads", threads, "Intra-op threads (0: LibTorch's choice)");
+  bench::threads_flag(app, threads, "Intra-op threads (0: LibTorch's choice)");
   CLI11_PARSE(app, argc, argv);
-  if (threads > 0) {
-    torch::set_num_threads(threads);
-  }
   frugal::CountingAllocator::install();
   for (const std::string model : {"residual_mlp", "cnn"}) {
     for (const std::string variant : {"plain", "checkpoint", "autocast_bf16"}) {

@@ -96,11 +96,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", args.steps, "steps of each run a round")->check(CLI::PositiveNumber);
   app.add_option("--rounds", args.rounds, "rounds; the first is a warm-up left out")
       ->check(CLI::PositiveNumber);
-  app.add_option("--threads", args.threads, "LibTorch intra-op threads a rank (0: its choice)");
+  bench::threads_flag(app, args.threads, "LibTorch intra-op threads a rank (0: its choice)");
   CLI11_PARSE(app, argc, argv);
-  if (args.threads > 0) {
-    torch::set_num_threads(args.threads);
-  }
   const auto group =
       frugal::distributed::LaunchEnv::launched()
           ? frugal::distributed::Group::join(frugal::distributed::LaunchEnv::from_environment())

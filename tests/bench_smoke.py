@@ -2,7 +2,7 @@
 """Runs every benchmark binary and Python twin for a few steps at small sizes, so that a
 changed flag, report format or table breaks the test suite rather than a benchmark run
 months later. Each run must exit 0, print its markdown table and end with its JSON line
-holding the fields docs/benchmarks.md's tables are made from. The figures themselves mean nothing
+holding the fields the benchmark pages' tables are made from. The figures themselves mean nothing
 at these sizes and are not checked.
 Usage: bench_smoke.py BUILD_DIR PYTHON_WITH_TORCH|"" [NAME ...]
   NAME: one of the runs below (all without a name). Without a Python that has torch ("")

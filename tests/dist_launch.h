@@ -74,4 +74,19 @@ inline std::vector<std::vector<torch::Tensor>> launch_and_load(const std::string
   return out;
 }
 
+// What `world` ranks of child `name` saved (empty when a rank failed), beside what one process
+// returns from the same training (`train` on a group of one, at one thread as the ranks run).
+struct RanksAndOne {
+  std::vector<std::vector<torch::Tensor>> ranks;
+  std::vector<torch::Tensor> one;
+};
+inline RanksAndOne ranks_and_one_process(const std::string& name, int world,
+                                         const RankTraining& train) {
+  RanksAndOne out;
+  out.ranks = launch_and_load(name, world);
+  torch::set_num_threads(1);
+  out.one = train(frugal::distributed::Group::single());
+  return out;
+}
+
 }  // namespace frugal::testing

@@ -211,12 +211,7 @@ TEST(Optim4bit, StateRoundTripsThroughTorchSaveAndResumesBitForBit) {
     EXPECT_EQ(state_of(loaded, b[i]).bits(), state_of(ours, a[i]).quantized() ? 4 : 8);
     EXPECT_TRUE(torch::equal(state_of(loaded, b[i]).exp_avg(), state_of(ours, a[i]).exp_avg()));
   }
-  for (int step = 3; step < 8; ++step) {
-    set_growing_grads(a, step);
-    set_growing_grads(b, step);
-    ours.step();
-    loaded.step();
-  }
+  step_together(3, 8, {&a, &b}, ours, loaded);
   EXPECT_EQ(max_abs_diff(a, b), 0);
 
   // The other width is refused, naming it, and changes nothing.

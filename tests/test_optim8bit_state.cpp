@@ -41,12 +41,7 @@ TEST(Optim8bit, StateRoundTripsThroughTorchSaveBitForBit) {
       }
     }
   }
-  for (int step = 3; step < 8; ++step) {
-    set_growing_grads(a, step);
-    set_growing_grads(b, step);
-    ours.step();
-    loaded.step();
-  }
+  step_together(3, 8, {&a, &b}, ours, loaded);
   EXPECT_EQ(max_abs_diff(a, b), 0);
 }
 

@@ -166,10 +166,8 @@ std::vector<torch::Tensor> train(const std::shared_ptr<Group>& group) {
 const auto register_sync_bn = frugal::testing::register_rank_training("sync-bn", train);
 
 TEST(SyncBatchNorm, TwoRanksWithUnequalSharesTrainAsOneProcess) {
-  const auto ranks = frugal::testing::launch_and_load("sync-bn", 2);
+  const auto [ranks, one] = frugal::testing::ranks_and_one_process("sync-bn", 2, train);
   ASSERT_EQ(ranks.size(), 2u) << "a rank failed";
-  torch::set_num_threads(1);
-  const auto one = train(Group::single());
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(ranks[static_cast<std::size_t>(r)].size(), one.size()) << "rank " << r;
   }

@@ -2,7 +2,7 @@
 """Test accuracy by epoch of the Fashion-MNIST CNN trained with frugal's smaller formats
 (bfloat16 weights with stochastic rounding, 8-bit and 4-bit states, factored second moments,
 no first moment)
-against float32 Adam, seed by seed: the table of docs/benchmarks.md's accuracy rows.
+against float32 Adam, seed by seed: the table of docs/benchmarks-history.md's accuracy rows.
 
 Usage: accuracy.py FASHION_MNIST_BINARY [--epochs 3] [--seeds 1 2] [--threads 2]
                    [--configs adam factored ...] [--extra "--max-steps 3 --eval-samples 100"]

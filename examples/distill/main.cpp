@@ -11,6 +11,7 @@
 #include <string>
 
 #include "device.h"
+#include "main_flags.h"
 #include "models.h"
 
 namespace {
@@ -47,9 +48,6 @@ double checksum(torch::nn::Module& m) {
 
 int run(const Args& args) {
   torch::manual_seed(args.seed);
-  if (args.threads > 0) {
-    torch::set_num_threads(args.threads);
-  }
   const auto device = examples::pick_device(args.device);
   const auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   const auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
@@ -129,13 +127,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", args.seed, "random seed");
   app.add_option("--log-every", args.log_every, "print every N steps")->check(CLI::PositiveNumber);
-  app.add_option("--threads", args.threads, "LibTorch threads (0: its default)");
+  examples::threads_flag(app, args.threads);
   app.add_option("--device", args.device, "cpu, cuda or cuda:N")->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
-  try {
-    return run(args);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "{}\n", frugal::error_message(e));
-    return 1;
-  }
+  return examples::parse_and_run(app, argc, argv, [&args] { return run(args); });
 }

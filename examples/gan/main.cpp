@@ -18,6 +18,7 @@
 #include <string>
 
 #include "device.h"
+#include "main_flags.h"
 
 namespace {
 
@@ -134,9 +135,6 @@ std::string format_line(const Line& l) {
 
 int run(const Args& args) {
   torch::manual_seed(args.seed);
-  if (args.threads > 0) {
-    torch::set_num_threads(args.threads);
-  }
   const auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   // Under torchrun, --device cuda is each rank's GPU (LOCAL_RANK).
   const auto device = examples::pick_device(
@@ -311,15 +309,9 @@ int main(int argc, char** argv) {
   app.add_option("--resume", args.resume, "resume from a state --save wrote, up to --iterations");
   app.add_option("--log-every", args.log_every, "print every N iterations")
       ->check(CLI::PositiveNumber);
-  app.add_option("--threads", args.threads, "LibTorch threads (0: its default)");
+  examples::threads_flag(app, args.threads);
   app.add_option("--device", args.device,
                  "cpu, cuda or cuda:N (under --distributed, cuda is each rank's cuda:LOCAL_RANK)")
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
-  try {
-    return run(args);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "{}\n", frugal::error_message(e));
-    return 1;
-  }
+  return examples::parse_and_run(app, argc, argv, [&args] { return run(args); });
 }

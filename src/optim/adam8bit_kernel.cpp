@@ -344,10 +344,8 @@ void store_bf16_weights(const FusedWeights& w, const float* p, std::int64_t begi
 void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                   std::uint8_t* v_codes, float* v_scales, std::int64_t n, std::int64_t block,
                   int bits, const AdamScalars& a) {
-  Moments s;
+  Moments s{m_codes, m_scales};
   s.bits = bits;
-  s.m_codes = m_codes;
-  s.m_scales = m_scales;
   s.v_codes = v_codes;
   s.v_scales = v_scales;
   step_all(w, s, n, block, a);
@@ -356,11 +354,9 @@ void adam8bit_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
 void adam8bit_factored_cpu(const FusedWeights& w, std::uint8_t* m_codes, float* m_scales,
                            const float* rows, const float* col_hat, std::int64_t cols,
                            std::int64_t n, std::int64_t block, int bits, const AdamScalars& a) {
-  Moments s;
+  Moments s{m_codes, m_scales};
   s.bits = bits;
-  s.m_codes = m_codes;
-  s.m_scales = m_scales;
-  s.rows = rows;
+  s.rows = rows;  // the second moment factored
   s.col_hat = col_hat;
   s.cols = cols;
   step_all(w, s, n, block, a);
