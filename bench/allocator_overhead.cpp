@@ -60,13 +60,9 @@ int main(int argc, char** argv) {
   fmt::print("| allocator | median step (ms) | ratio |\n|---|---|---|\n");
   fmt::print("| default | {:.3f} | 1.000 |\n", base);
   fmt::print("| counting | {:.3f} | {:.3f} |\n\n", counted, counted / base);
-  nlohmann::json j = {{"bench", "allocator_overhead"},
-                      {"default_ms", base},
-                      {"counting_ms", counted},
-                      {"ratio", counted / base},
-                      {"rounds", rounds},
-                      {"steps", steps},
-                      {"threads", torch::get_num_threads()}};
-  fmt::print("{}\n", j.dump());
+  nlohmann::json j = {
+      {"bench", "allocator_overhead"}, {"default_ms", base}, {"counting_ms", counted},
+      {"ratio", counted / base},       {"rounds", rounds},   {"steps", steps}};
+  bench::print_json(j);
   return 0;
 }

@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,13 @@ inline void threads_flag(CLI::App& app, int& threads,
       torch::set_num_threads(threads);
     }
   });
+}
+
+/// Prints a benchmark's JSON line (the last line of its output, what the benchmark pages are
+/// made from), with the intra-op threads it ran with.
+inline void print_json(nlohmann::json j) {
+  j["threads"] = torch::get_num_threads();
+  fmt::print("{}\n", j.dump());
 }
 
 inline std::string machine_line() {

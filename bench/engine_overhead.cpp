@@ -91,14 +91,10 @@ int main(int argc, char** argv) {
              engine / hand);
   fmt::print("| frugal::Loop (backward, step, end; probe + ledger) | {:.3f} | {:.3f} |\n\n",
              user_loop, user_loop / hand);
-  nlohmann::json j = {{"bench", "engine_overhead"},
-                      {"model", model},
-                      {"hand_ms", hand},
-                      {"engine_ms", engine},
-                      {"ratio", engine / hand},
-                      {"loop_ms", user_loop},
-                      {"loop_ratio", user_loop / hand},
-                      {"threads", torch::get_num_threads()}};
-  fmt::print("{}\n", j.dump());
+  nlohmann::json j = {
+      {"bench", "engine_overhead"},    {"model", model},         {"hand_ms", hand},
+      {"engine_ms", engine},           {"ratio", engine / hand}, {"loop_ms", user_loop},
+      {"loop_ratio", user_loop / hand}};
+  bench::print_json(j);
   return 0;
 }

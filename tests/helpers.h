@@ -95,6 +95,18 @@ inline void set_grads(std::vector<torch::Tensor>& params, int step, double scale
 
 /// Bytes the second of two optimizer steps allocates above what it started with (the
 /// first makes the state).
+// Steps `optimizer` once over `params`, whose gradients are set but for params[skipped]'s:
+// that parameter stays as it was and gets no state, as LibTorch's optimizers leave it.
+inline void expect_steps_around_missing_gradient(torch::optim::Optimizer& optimizer,
+                                                 std::vector<torch::Tensor>& params,
+                                                 std::size_t skipped) {
+  const auto before = params[skipped].detach().clone();
+  params[skipped].mutable_grad().reset();
+  optimizer.step();
+  EXPECT_TRUE(torch::equal(params[skipped], before));
+  EXPECT_EQ(optimizer.state().size(), params.size() - 1);
+}
+
 inline std::int64_t step_overhead(torch::optim::Optimizer& optimizer,
                                   std::vector<torch::Tensor>& params,
                                   const frugal::MemoryProbe& probe) {

@@ -140,13 +140,9 @@ TEST(Optim, StateDictRoundTripsThroughTorchSaveBothWays) {
 
 TEST(Optim, ParametersWithoutGradientAreSkippedAsLibTorchDoes) {
   auto params = make_params();
-  const auto before = params[1].detach().clone();
   fo::Adam adam(params, to::AdamOptions(1e-2));
   set_grads(params, 0);
-  params[1].mutable_grad().reset();
-  adam.step();
-  EXPECT_TRUE(torch::equal(params[1], before));
-  EXPECT_EQ(adam.state().size(), 2u);
+  frugal::testing::expect_steps_around_missing_gradient(adam, params, 1);
 }
 
 TEST(Optim, StepParameterEqualsTheWholeStep) {
