@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "main_flags.h"
+
 namespace bench {
 
 inline double median(std::vector<double> v) {
@@ -85,17 +87,8 @@ inline frugal::Batch counted_random_batch(int threads, std::int64_t batch, std::
   return {torch::randn({batch, width}), torch::randint(0, 10, {batch}, torch::kLong)};
 }
 
-/// Adds --threads: LibTorch's intra-op threads, set as soon as the flags are parsed
-/// (0: LibTorch's choice).
-inline void threads_flag(CLI::App& app, int& threads,
-                         const std::string& what = "Intra-op threads (0: LibTorch's choice)") {
-  app.add_option("--threads", threads, what)->check(CLI::NonNegativeNumber);
-  app.parse_complete_callback([&threads] {
-    if (threads > 0) {
-      torch::set_num_threads(threads);
-    }
-  });
-}
+/// --threads, as the examples take it (main_flags.h).
+using examples::threads_flag;
 
 /// Prints a benchmark's JSON line (the last line of its output, what the benchmark pages are
 /// made from), with the intra-op threads it ran with.

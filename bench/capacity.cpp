@@ -25,11 +25,14 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "capacity_configs.h"
 #include "device.h"
 #include "local_ranks.h"
 #include "tiny_lm/model.h"
 
 namespace {
+
+using namespace bench::capacity;
 
 struct Args {
   std::int64_t cap_mib = 512;
@@ -49,49 +52,6 @@ constexpr std::int64_t kStep = 32;  // the width's step, and a head's dimensions
 
 tiny_lm::ModelOptions decoder(const Args& a, std::int64_t dim) {
   return tiny_lm::ModelOptions{256, a.seq, dim, dim / kStep, a.layers, 0.0};
-}
-
-// One way to train, from the plain loop up; each frugal row adds to the one before (the last
-// replaces the one before it).
-struct Config {
-  const char* name;
-  const char* what;
-  bool frugal;  // frugal's Trainer: checkpointed blocks, AdamW8bit stepped in backward
-  bool autocast;
-  bool bf16_weights;
-  bool factored;
-  double beta1;
-  int bits;              // the quantized states' codes
-  bool sharded = false;  // ZeRO-3 over --ranks processes, each block a unit
-};
-
-const std::vector<Config>& configs() {
-  static const std::vector<Config> all{
-      {"plain", "LibTorch loop: AdamW, float32", false, false, false, false, 0.9, 8},
-      {"8bit", "frugal: checkpointed blocks, bf16 autocast, AdamW8bit stepped in backward", true,
-       true, false, false, 0.9, 8},
-      {"bf16", "+ bf16 weights and gradients (stochastic rounding), no autocast", true, false, true,
-       false, 0.9, 8},
-      {"factored", "+ factored second moment (QuantizedStateOptions::factored)", true, false, true,
-       true, 0.9, 8},
-      {"factored-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0, 8},
-      {"factored-4bit", "(instead of the row before) a 4-bit first moment (AdamW4bit's states)",
-       true, false, true, true, 0.9, 4},
-      {"zero3",
-       "frugal over --ranks processes, per rank: ZeRO-3 with each block a unit gathered in "
-       "bf16 (no prefetch), checkpointed blocks, bf16 autocast, AdamW8bit",
-       true, true, false, false, 0.9, 8, true},
-  };
-  return all;
-}
-
-const Config& config_named(const std::string& name) {
-  for (const auto& c : configs()) {
-    if (name == c.name) {
-      return c;
-    }
-  }
-  throw std::invalid_argument("bench_capacity: no configuration '" + name + "'");
 }
 
 std::int64_t count_params(torch::nn::Module& m) {
@@ -188,7 +148,6 @@ int sharded_trial(const Args& a, const Config& config, torch::Device device) {
 // memory ran out (the model itself included).
 int trial(const Args& a) {
   const auto& config = config_named(a.trial);
-  torch::set_num_threads(a.threads);
   frugal::CountingAllocator::install();
   const auto device = examples::pick_device(a.device);
   if (config.sharded) {
@@ -323,7 +282,7 @@ int main(int argc, char** argv) {
   app.add_option("--seq", a.seq, "Tokens per sequence")->check(CLI::Range(8, 4096));
   app.add_option("--max-dim", a.max_dim, "Widest width tried")
       ->check(CLI::Range(kStep, std::int64_t{65536}));
-  app.add_option("--threads", a.threads, "Intra-op threads")->check(CLI::Range(1, 256));
+  bench::threads_flag(app, a.threads, "Intra-op threads")->check(CLI::Range(1, 256));
   app.add_option("--device", a.device, "cpu, cuda or cuda:N");
   app.add_option("--only", a.only, "One configuration (and the plain loop)");
   app.add_option("--ranks", a.ranks,
@@ -345,10 +304,15 @@ int main(int argc, char** argv) {
     const auto length = readlink(self.c_str(), path, sizeof path - 1);
     const std::string exe =
         length > 0 ? std::string(path, static_cast<std::size_t>(length)) : argv[0];
-    torch::set_num_threads(a.threads);
     struct Found {
       const Config* config;
       std::int64_t dim, fails;
+      double params;  // 0 where no width fit
+    };
+    // Each row's parameters, counted once from a model of its width.
+    const auto params = [&](std::int64_t dim) {
+      tiny_lm::TinyLM m(decoder(a, dim));
+      return static_cast<double>(count_params(*m));
     };
     std::vector<Found> found;
     std::int64_t start = 256;
@@ -358,14 +322,10 @@ int main(int argc, char** argv) {
         continue;
       }
       const auto [dim, fails] = widest(a, exe, c, start);
-      found.push_back({&c, dim, fails});
+      found.push_back({&c, dim, fails, dim > 0 ? params(dim) : 0.0});
       start = std::max(start, dim);
     }
-    const auto params = [&](std::int64_t dim) {
-      tiny_lm::TinyLM m(decoder(a, dim));
-      return static_cast<double>(count_params(*m));
-    };
-    const double plain = found.front().dim > 0 ? params(found.front().dim) : 0;
+    const double plain = found.front().params;
     const double cap = static_cast<double>(frugal::MiB(a.cap_mib));
     fmt::print(
         "\nbench_capacity: tiny_lm decoder, {} layers, width in steps of {} (heads of {}), "
@@ -376,7 +336,7 @@ int main(int argc, char** argv) {
         "x plain |\n|---|---|---|---|---|\n");
     nlohmann::json rows = nlohmann::json::array();
     for (const auto& f : found) {
-      const double n = f.dim > 0 ? params(f.dim) : 0;
+      const double n = f.params;
       fmt::print("| {} | {} ({}) | {:.1f} M | {:.2f} | {:.2f} |\n", f.config->what, f.dim, f.fails,
                  n / 1e6, n > 0 ? cap / n : 0.0, plain > 0 ? n / plain : 0.0);
       rows.push_back(
@@ -386,7 +346,7 @@ int main(int argc, char** argv) {
       const auto f = std::find_if(found.begin(), found.end(), [&](const Found& x) {
         return std::string(x.config->name) == name;
       });
-      return f != found.end() && f->dim > 0 ? params(f->dim) : 0.0;
+      return f != found.end() ? f->params : 0.0;
     };
     const double sharded = row("zero3"), one_process = row("8bit");
     if (sharded > 0 && one_process > 0) {

@@ -13,15 +13,15 @@
 namespace examples {
 
 /// Adds --threads: LibTorch's intra-op threads, set as soon as the flags are parsed
-/// (0: LibTorch's choice).
-inline void threads_flag(CLI::App& app, int& threads) {
-  app.add_option("--threads", threads, "LibTorch threads (0: its default)")
-      ->check(CLI::NonNegativeNumber);
+/// (0: LibTorch's choice). Returns the option, for more checks.
+inline CLI::Option* threads_flag(CLI::App& app, int& threads,
+                                 const std::string& what = "LibTorch threads (0: its default)") {
   app.parse_complete_callback([&threads] {
     if (threads > 0) {
       torch::set_num_threads(threads);
     }
   });
+  return app.add_option("--threads", threads, what)->check(CLI::NonNegativeNumber);
 }
 
 /// Parses the flags (CLI11's help and errors as usual) and returns what `run` returns, or 1

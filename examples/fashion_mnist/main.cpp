@@ -15,6 +15,7 @@
 
 #include "cli_checks.h"
 #include "device.h"
+#include "main_flags.h"
 #include "models.h"
 #include "run_args.h"
 
@@ -62,9 +63,6 @@ int run(Args args) {
     }
   }
   torch::manual_seed(args.seed);
-  if (args.threads > 0) {
-    torch::set_num_threads(args.threads);
-  }
   const auto device = examples::pick_device(args.device, local_rank);
   auto train = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Train);
   auto test = frugal::data::load_mnist_dir(args.data_dir, frugal::data::Split::Test);
@@ -333,7 +331,7 @@ int main(int argc, char** argv) {
          "Cap on the device's tensor bytes (0: none; on CUDA the caching allocator's fraction)")
       ->check(kNonNegative)
       ->capture_default_str();
-  app.add_option("--threads", args.threads, "Intra-op threads (0: LibTorch's choice)")
+  examples::threads_flag(app, args.threads, "Intra-op threads (0: LibTorch's choice)")
       ->check(CLI::Range(0, kMaxThreads))
       ->capture_default_str();
   app.add_option("--seed", args.seed, "Seed of weights, shuffling and dropout")

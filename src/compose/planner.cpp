@@ -198,17 +198,18 @@ struct MemoryPlanner::Trials {
 
 namespace {
 
-// A plan's optimizer state to come and its ordinary step's peak, from its states' format.
-const MemoryPlan::StateCost& cost_of(const MemoryPlan& plan, const PlanOption& o) {
-  static const MemoryPlan::StateCost none;
-  const auto* cost = o.states ? plan.cost_of(o.states->bits, o.states->factored) : nullptr;
-  return cost != nullptr ? *cost : none;
+// A plan's optimizer state to come and its ordinary step's peak: its low-bit format's, or
+// the optimizer's own (null).
+const MemoryPlan::StateCost* cost_of(const MemoryPlan& plan, const PlanOption& o) {
+  return o.states ? plan.cost_of(o.states->bits, o.states->factored) : nullptr;
 }
 std::int64_t state_bytes(const MemoryPlan& plan, const PlanOption& o) {
-  return o.states ? cost_of(plan, o).bytes : plan.optimizer_bytes;
+  const auto* cost = cost_of(plan, o);
+  return cost != nullptr ? cost->bytes : plan.optimizer_bytes;
 }
 std::int64_t step_peak(const MemoryPlan& plan, const PlanOption& o) {
-  return o.states ? cost_of(plan, o).step_peak : plan.optimizer_step_peak;
+  const auto* cost = cost_of(plan, o);
+  return cost != nullptr ? cost->step_peak : plan.optimizer_step_peak;
 }
 
 }  // namespace

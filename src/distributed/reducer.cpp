@@ -272,8 +272,6 @@ ReduceResult BucketReducer::finalize(const ReduceShare& share) {
   return result;
 }
 
-bool BucketReducer::any(bool value) { return group_->sum(value ? 1.0 : 0.0) > 0; }
-
 Reducer::Reducer(std::shared_ptr<Group> group, ReducerOptions options)
     : group_(std::move(group)), options_(options) {
   FRUGAL_CHECK(group_ != nullptr, "frugal: distributed::Reducer needs a process group");

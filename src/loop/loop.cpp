@@ -170,8 +170,9 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
         if (i + 1 < split.micros.size()) {
           quiet.emplace(*this, model);
         }
-        check_loss(loss * weight, model);
-        backward_read(loss * weight, weight * value, model, false, &aside);
+        const auto weighted = loss * weight;
+        check_loss(weighted, model);
+        backward_read(weighted, weight * value, model, false, &aside);
       }
       if (options_.oom_recovery()) {
         parts.window.put_back(std::move(aside), /*add=*/true);
@@ -258,7 +259,6 @@ void Loop::finish_step(LoopModel& model, bool stepped) {
   parts.non_finite = false;
   parts.iteration.stepped = stepped;
   parts.iteration.skipped = !stepped;
-  parts.open = false;
   if (parts.reducer) {
     parts.reducer->begin();  // stage 3: the next forward's weights
   }

@@ -28,7 +28,8 @@ struct ReducerOptions {
 /// over the sum of all ranks' counts. Gradients are packed into buckets in reverse parameter
 /// order (backward produces the last layers' first); a bucket is sent as soon as all its
 /// gradients were added, in the same order on every rank whatever order they came in. The
-/// first bucket of a step carries the agreement on the global count and on a non-finite loss.
+/// first bucket of a step carries the agreement on the global count and on a non-finite loss,
+/// and finalize returns it.
 ///
 /// Under a ShardedOptimizer with Trait::KeepsGradients (ZeRO stage 2 and 3) each averaged
 /// bucket leaves only the part this rank owns and is freed; under stage 3 the parameters are
@@ -41,7 +42,6 @@ class BucketReducer : public ModelReducer {
   void begin() override;
   void add(const torch::Tensor& param, const ReduceShare& share) override;
   ReduceResult finalize(const ReduceShare& share) override;
-  bool any(bool value) override;
   bool keeps_gradients() const override { return keeper_ != nullptr; }
 
   /// Stage 3: what a forward needs whole, without the step's communication (a trial step).

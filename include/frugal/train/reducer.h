@@ -37,8 +37,6 @@ class ModelReducer {
   virtual void add(const torch::Tensor& param, const ReduceShare& share) = 0;
   /// Reduces every gradient not added yet and waits for all; collective.
   virtual ReduceResult finalize(const ReduceShare& share) = 0;
-  /// Whether `value` is true on any process; collective.
-  virtual bool any(bool value) = 0;
   /// Whether the optimizer keeps only its share of the gradients (ZeRO stage 2 and 3): the
   /// parameters hold none after finalize, and a second reduction in one step is refused.
   virtual bool keeps_gradients() const = 0;
