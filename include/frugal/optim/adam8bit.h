@@ -141,7 +141,8 @@ class Adam8bitBase : public torch::optim::Optimizer,
                               const torch::optim::OptimizerOptions& options) const override;
 
  private:
-  // Refuses a change of the states' format (`call`, e.g. "set_bits(4)") once states exist.
+  // Refuses a change of the states' format (`call`, e.g. "set_state_format(4-bit)") once states
+  // exist.
   void check_format_change(bool unchanged, const std::string& call) const;
   // These options with `format`'s width, factoring and rounding, checked.
   QuantizedStateOptions options_for(const StateFormat& format) const;
