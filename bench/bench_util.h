@@ -54,6 +54,16 @@ inline std::map<std::string, std::vector<double>> interleave(
   return times;
 }
 
+/// The median of each variant's times, by name.
+inline std::map<std::string, double> medians(
+    const std::map<std::string, std::vector<double>>& times) {
+  std::map<std::string, double> out;
+  for (const auto& [name, t] : times) {
+    out[name] = median(t);
+  }
+  return out;
+}
+
 /// A classifier of 10 classes trained by SGD (lr 0.01) on cross-entropy under frugal's
 /// Trainer, as the checkpointing benchmarks train theirs.
 struct SgdClassifier {

@@ -93,8 +93,6 @@ inline void set_grads(std::vector<torch::Tensor>& params, int step, double scale
   }
 }
 
-/// Bytes the second of two optimizer steps allocates above what it started with (the
-/// first makes the state).
 // Steps `optimizer` once over `params`, whose gradients are set but for params[skipped]'s:
 // that parameter stays as it was and gets no state, as LibTorch's optimizers leave it.
 inline void expect_steps_around_missing_gradient(torch::optim::Optimizer& optimizer,
@@ -107,6 +105,28 @@ inline void expect_steps_around_missing_gradient(torch::optim::Optimizer& optimi
   EXPECT_EQ(optimizer.state().size(), params.size() - 1);
 }
 
+/// Steps `whole` `steps` times with `a`, and its copy `one_by_one` with `b` a parameter at a
+/// time in reverse order, both with the gradients `grads_at(params, step)` sets; expects
+/// the two exactly equal: a step of each parameter on its own is the whole step.
+template <typename Optimizer, typename SetGrads>
+void expect_step_parameter_is_the_whole_step(Optimizer& a, std::vector<torch::Tensor>& whole,
+                                             Optimizer& b, std::vector<torch::Tensor>& one_by_one,
+                                             int steps, SetGrads grads_at) {
+  for (int step = 0; step < steps; ++step) {
+    grads_at(whole, step);
+    grads_at(one_by_one, step);
+    a.step();
+    for (auto it = one_by_one.rbegin(); it != one_by_one.rend(); ++it) {  // any order
+      b.step_parameter(*it);
+    }
+  }
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_TRUE(torch::equal(one_by_one[i], whole[i])) << "parameter " << i;
+  }
+}
+
+/// Bytes the second of two optimizer steps allocates above what it started with (the
+/// first makes the state).
 inline std::int64_t step_overhead(torch::optim::Optimizer& optimizer,
                                   std::vector<torch::Tensor>& params,
                                   const frugal::MemoryProbe& probe) {

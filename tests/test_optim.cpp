@@ -31,8 +31,7 @@ std::vector<torch::Tensor> make_params() {
 }
 
 // Largest relative difference between two sets of tensors; 0 when bitwise equal.
-double max_relative_diff(const std::vector<torch::Tensor>& a,
-                         const std::vector<torch::Tensor>& b) {
+double max_relative_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   double most = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     const auto diff = (a[i] - b[i]).abs() / b[i].abs().clamp_min(1e-12);
@@ -67,7 +66,8 @@ std::vector<Case> all_cases() {
           "sgd-momentum-dampening-decay",
           to::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(1e-2)),
       make_case<to::SGD, fo::SGD>(
-          "sgd-nesterov-decay", to::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3)),
+          "sgd-nesterov-decay",
+          to::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3)),
       make_case<to::Adam, fo::Adam>("adam", to::AdamOptions(1e-2)),
       make_case<to::Adam, fo::Adam>("adam-decay", to::AdamOptions(1e-2).weight_decay(1e-2)),
       make_case<to::Adam, fo::Adam>("adam-amsgrad-decay",
@@ -150,15 +150,8 @@ TEST(Optim, StepParameterEqualsTheWholeStep) {
   auto one_by_one = clone_params(whole);
   fo::Adam a(whole, to::AdamOptions(1e-2).weight_decay(1e-2), kSmallChunks);
   fo::Adam b(one_by_one, to::AdamOptions(1e-2).weight_decay(1e-2), kSmallChunks);
-  for (int step = 0; step < 5; ++step) {
-    set_grads(whole, step);
-    set_grads(one_by_one, step);
-    a.step();
-    for (auto it = one_by_one.rbegin(); it != one_by_one.rend(); ++it) {  // any order
-      b.step_parameter(*it);
-    }
-  }
-  EXPECT_EQ(max_relative_diff(one_by_one, whole), 0);
+  frugal::testing::expect_step_parameter_is_the_whole_step(
+      a, whole, b, one_by_one, 5, [](auto& params, int step) { set_grads(params, step); });
   EXPECT_THROW(b.step_parameter(torch::zeros({3}, torch::requires_grad())), c10::Error);
 }
 

@@ -188,7 +188,7 @@ TEST(StepInBackward, AFailureMidBackwardNamesTheParametersItUpdated) {
   frugal::optim::SGD sgd(model->parameters(), to::SGDOptions(0.1));
   bool fail = true;
   frugal::Trainer trainer(
-      model.ptr(),
+      model.ptr(), sgd,
       [&](const torch::Tensor& x) {
         auto hidden = model[1]->as<torch::nn::Tanh>()->forward(
             model[0]->as<torch::nn::Linear>()->forward(x));
@@ -199,7 +199,7 @@ TEST(StepInBackward, AFailureMidBackwardNamesTheParametersItUpdated) {
         });
         return model[2]->as<torch::nn::Linear>()->forward(hidden);
       },
-      sgd, mse);
+      mse);
   trainer.add_policy(std::make_shared<frugal::OomRecovery>());
   trainer.add_policy(std::make_shared<frugal::StepInBackward>());
   const auto before = clone_all(model->parameters());

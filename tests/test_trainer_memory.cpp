@@ -120,7 +120,7 @@ TEST(TrainerMemory, ReportsCountABufferTheModuleReplacedBetweenSteps) {
   auto net = std::make_shared<Net>();
   torch::optim::SGD sgd(net->parameters(), 0.1);
   frugal::Trainer trainer(
-      net, [net](const torch::Tensor& x) { return net->fc->forward(x * net->scale); }, sgd, mse);
+      net, sgd, [net](const torch::Tensor& x) { return net->fc->forward(x * net->scale); }, mse);
   const auto batch = wide_batch(16);
   const auto first = trainer.step(batch).ledger;
   const auto allocated = probe.allocated();

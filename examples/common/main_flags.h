@@ -1,5 +1,6 @@
-// What every example's main does with its flags: --threads, and running the program with
-// a failure's message (frugal::error_message) on standard error and exit status 1.
+// What every example's main does with its flags: --threads, --data-dir for Fashion-MNIST,
+// and running the program with a failure's message (frugal::error_message) on standard error and
+// exit status 1.
 #pragma once
 
 #include <fmt/format.h>
@@ -22,6 +23,16 @@ inline CLI::Option* threads_flag(CLI::App& app, int& threads,
     }
   });
   return app.add_option("--threads", threads, what)->check(CLI::NonNegativeNumber);
+}
+
+/// Where Debian's dataset-fashion-mnist package puts the gzipped IDX files.
+inline const char* const kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+
+/// Adds --data-dir: the folder of Fashion-MNIST's gzipped IDX files, which must exist.
+inline CLI::Option* fashion_mnist_flag(CLI::App& app, std::string& dir) {
+  return app.add_option("--data-dir", dir, "Folder with Fashion-MNIST's gzipped IDX files")
+      ->check(CLI::ExistingDirectory)
+      ->capture_default_str();
 }
 
 /// Parses the flags (CLI11's help and errors as usual) and returns what `run` returns, or 1

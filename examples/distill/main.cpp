@@ -19,7 +19,7 @@ namespace {
 namespace F = torch::nn::functional;
 
 struct Args {
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string data_dir = examples::kFashionMnistDir;
   std::int64_t teacher_steps = 300;
   std::int64_t steps = 300;
   std::int64_t batch = 128;
@@ -112,8 +112,7 @@ int run(const Args& args) {
 int main(int argc, char** argv) {
   CLI::App app{"Distillation on Fashion-MNIST: a frozen teacher, a student in one frugal::Loop"};
   Args args;
-  app.add_option("--data-dir", args.data_dir, "Fashion-MNIST's IDX files")
-      ->check(CLI::ExistingDirectory);
+  examples::fashion_mnist_flag(app, args.data_dir);
   app.add_option("--teacher-steps", args.teacher_steps, "steps of the teacher's training")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--steps", args.steps, "steps of the student's distillation")

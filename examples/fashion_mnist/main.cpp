@@ -277,9 +277,7 @@ int main(int argc, char** argv) {
   using fashion::kMaxThreads, fashion::kNonNegative, fashion::kPositive, fashion::kSeed;
   Args args;
   CLI::App app{"Trains a CNN or an MLP on Fashion-MNIST with frugal"};
-  app.add_option("--data-dir", args.data_dir, "Folder with the gzipped IDX files")
-      ->check(CLI::ExistingDirectory)
-      ->capture_default_str();
+  examples::fashion_mnist_flag(app, args.data_dir);
   app.add_option("--model", args.model, "cnn or mlp")
       ->check(CLI::IsMember({"cnn", "mlp"}))
       ->capture_default_str();

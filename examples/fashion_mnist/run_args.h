@@ -12,10 +12,12 @@
 #include <tuple>
 #include <vector>
 
+#include "main_flags.h"
+
 namespace fashion {
 
 struct Args {
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string data_dir = examples::kFashionMnistDir;
   std::string model = "cnn";
   int epochs = 1;
   std::int64_t batch = 64;

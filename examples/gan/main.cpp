@@ -25,7 +25,7 @@ namespace {
 namespace F = torch::nn::functional;
 
 struct Args {
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string data_dir = examples::kFashionMnistDir;
   std::int64_t iterations = 200;
   std::int64_t batch = 64;
   std::int64_t latent = 32;
@@ -283,8 +283,7 @@ int run(const Args& args) {
 int main(int argc, char** argv) {
   CLI::App app{"A DCGAN on Fashion-MNIST in one frugal::Loop"};
   Args args;
-  app.add_option("--data-dir", args.data_dir, "Fashion-MNIST's IDX files")
-      ->check(CLI::ExistingDirectory);
+  examples::fashion_mnist_flag(app, args.data_dir);
   app.add_option("--iterations", args.iterations, "iterations (one step of each model)")
       ->check(CLI::PositiveNumber);
   app.add_option("--batch", args.batch, "images per iteration")->check(CLI::PositiveNumber);

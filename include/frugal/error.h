@@ -10,9 +10,9 @@
 namespace frugal {
 
 /// Every error frugal raises itself: bad values (the message names them, e.g.
-/// `micro_batch must be >= 1, got 0`), refused combinations, files that do not fit. It derives from c10::Error (and so from
-/// std::exception): code that catches LibTorch's errors catches frugal's too. Unlike
-/// TORCH_CHECK's errors, what() is the message alone, without LibTorch's C++ backtrace.
+/// `micro_batch must be >= 1, got 0`), refused combinations, files that do not fit. It derives from
+/// c10::Error (and so from std::exception): code that catches LibTorch's errors catches frugal's
+/// too. Unlike TORCH_CHECK's errors, what() is the message alone, without LibTorch's C++ backtrace.
 /// Errors raised inside LibTorch (a shape mismatch in the model, an out-of-memory error)
 /// pass through frugal with their own types; `frugal::error_message` strips their backtrace.
 ///
@@ -45,9 +45,20 @@ std::string error_message(const std::exception& error);
 
 /// Throws frugal::Error with the arguments after the condition, concatenated as
 /// c10::str does, when `cond` is false.
-#define FRUGAL_CHECK(cond, ...)                                 \
-  do {                                                          \
-    if (C10_UNLIKELY(!(cond))) {                       \
-      throw ::frugal::Error(::c10::str(__VA_ARGS__));      \
-    }                                                           \
+#define FRUGAL_CHECK(cond, ...)                       \
+  do {                                                \
+    if (C10_UNLIKELY(!(cond))) {                      \
+      throw ::frugal::Error(::c10::str(__VA_ARGS__)); \
+    }                                                 \
   } while (false)
+
+namespace frugal::detail {
+
+/// Throws frugal::Error "frugal: <what> must be >= <least>, got <value>" when `value` is
+/// below `least`: the check of a count or a size in options.
+template <typename T, typename U>
+void check_at_least(const T& value, const U& least, const char* what) {
+  FRUGAL_CHECK(value >= least, "frugal: ", what, " must be >= ", least, ", got ", value);
+}
+
+}  // namespace frugal::detail

@@ -11,7 +11,7 @@
 #include "checkpoint_observer.h"
 #include "frugal/error.h"
 #include "frugal/memory/format.h"
-#include "train/internal.h"
+#include "engine/clock.h"
 
 namespace frugal {
 namespace {

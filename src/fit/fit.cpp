@@ -48,11 +48,11 @@ class SignalWatch {
 };
 
 void check_options(const FitOptions& o) {
-  FRUGAL_CHECK(o.epochs() >= 1, "frugal: fit epochs must be >= 1, got ", o.epochs());
-  FRUGAL_CHECK(o.batch_size() >= 1, "frugal: fit batch_size must be >= 1, got ", o.batch_size());
-  FRUGAL_CHECK(o.max_steps() >= 0, "frugal: fit max_steps must be >= 0, got ", o.max_steps());
-  FRUGAL_CHECK(o.eval_every() >= 0, "frugal: fit eval_every must be >= 0, got ", o.eval_every());
-  FRUGAL_CHECK(o.save_every() >= 0, "frugal: fit save_every must be >= 0, got ", o.save_every());
+  detail::check_at_least(o.epochs(), 1, "fit epochs");
+  detail::check_at_least(o.batch_size(), 1, "fit batch_size");
+  detail::check_at_least(o.max_steps(), 0, "fit max_steps");
+  detail::check_at_least(o.eval_every(), 0, "fit eval_every");
+  detail::check_at_least(o.save_every(), 0, "fit save_every");
   FRUGAL_CHECK(!o.save_dir().empty() || (!o.resume() && o.save_every() == 0),
                "frugal: fit resume and save_every need a save_dir");
 }

@@ -10,10 +10,8 @@
 namespace frugal {
 
 LeakCheck::LeakCheck(LeakGuardOptions options) : options_(options) {
-  FRUGAL_CHECK(options_.warmup() >= 0, "frugal: LeakGuard warmup must be >= 0, got ",
-               options_.warmup());
-  FRUGAL_CHECK(options_.tolerance() >= 0, "frugal: LeakGuard tolerance must be >= 0, got ",
-               options_.tolerance());
+  detail::check_at_least(options_.warmup(), 0, "LeakGuard warmup");
+  detail::check_at_least(options_.tolerance(), 0, "LeakGuard tolerance");
 }
 
 void LeakCheck::observe(std::int64_t allocated, std::int64_t step) {

@@ -152,8 +152,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
 torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Tensor& weight,
                                    const torch::Tensor& bias, const torch::Tensor& targets,
                                    const LinearCrossEntropyOptions& options) {
-  FRUGAL_CHECK(options.chunk() >= 1, "frugal: linear_cross_entropy: chunk must be >= 1, got ",
-               options.chunk());
+  frugal::detail::check_at_least(options.chunk(), 1, "linear_cross_entropy: chunk");
   FRUGAL_CHECK(options.label_smoothing() >= 0 && options.label_smoothing() <= 1,
                "frugal: linear_cross_entropy: label_smoothing must be in [0, 1], got ",
                options.label_smoothing());

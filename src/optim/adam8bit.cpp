@@ -68,8 +68,7 @@ void check_options(const Options& o, const QuantizedStateOptions& q) {
                "frugal: QuantizedStateOptions bits must be 8 or 4, got ", q.bits());
   FRUGAL_CHECK(q.bits() == 8 || q.block() % 2 == 0,  // two codes a byte
                "frugal: 4-bit states need an even QuantizedStateOptions block, got ", q.block());
-  FRUGAL_CHECK(q.min_elements() >= 0,
-               "frugal: QuantizedStateOptions min_elements must be >= 0, got ", q.min_elements());
+  frugal::detail::check_at_least(q.min_elements(), 0, "QuantizedStateOptions min_elements");
 }
 
 }  // namespace

@@ -52,8 +52,7 @@ struct CheckpointPolicy::Chosen {
 
 CheckpointPolicy::CheckpointPolicy(CheckpointSelect select, CheckpointOptions options)
     : select_(std::move(select)), options_(std::move(options)) {
-  FRUGAL_CHECK(select_.every() >= 0, "frugal: CheckpointSelect every must be >= 0, got ",
-               select_.every());
+  detail::check_at_least(select_.every(), 0, "CheckpointSelect every");
   FRUGAL_CHECK(!select_.names().empty() || !select_.types().empty() || select_.every() > 0,
                "frugal: CheckpointPolicy chooses nothing: give names, types or every");
 }

@@ -2,15 +2,14 @@
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
+
 #include "frugal/error.h"
 
 namespace frugal {
 
 ClipGrad::ClipGrad(ClipGradOptions options) : options_(options) {
-  FRUGAL_CHECK(options_.max_norm() >= 0, "frugal: max_norm must be >= 0, got ",
-               options_.max_norm());
-  FRUGAL_CHECK(options_.max_value() >= 0, "frugal: max_value must be >= 0, got ",
-               options_.max_value());
+  detail::check_at_least(options_.max_norm(), 0, "max_norm");
+  detail::check_at_least(options_.max_value(), 0, "max_value");
   FRUGAL_CHECK(options_.max_norm() > 0 || options_.max_value() > 0,
                "frugal: ClipGrad needs max_norm or max_value > 0");
 }
@@ -29,8 +28,8 @@ void ClipGrad::before_optimizer_step(StepContext& ctx) {
     torch::nn::utils::clip_grad_value_(params, options_.max_value());
   }
   if (options_.max_norm() > 0) {
-    last_norm_ = torch::nn::utils::clip_grad_norm_(params, options_.max_norm(),
-                                                   options_.norm_type());
+    last_norm_ =
+        torch::nn::utils::clip_grad_norm_(params, options_.max_norm(), options_.norm_type());
   }
 }
 

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <map>
 
-#include "frugal/state/archive.h"
 #include "frugal/error.h"
+#include "frugal/state/archive.h"
 
 namespace frugal {
 namespace {
@@ -78,20 +78,19 @@ void update_scale(torch::Tensor& scale, torch::Tensor& tracker, const torch::Ten
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   FRUGAL_CHECK(options_.init_scale() > 0, "frugal: GradScaler init_scale must be > 0, got ",
                options_.init_scale());
-  FRUGAL_CHECK(options_.growth_factor() > 1.0,
-               "frugal: GradScaler growth_factor must be > 1, got ", options_.growth_factor());
+  FRUGAL_CHECK(options_.growth_factor() > 1.0, "frugal: GradScaler growth_factor must be > 1, got ",
+               options_.growth_factor());
   FRUGAL_CHECK(options_.backoff_factor() > 0.0 && options_.backoff_factor() < 1.0,
                "frugal: GradScaler backoff_factor must be in (0, 1), got ",
                options_.backoff_factor());
-  FRUGAL_CHECK(options_.growth_interval() >= 1,
-               "frugal: GradScaler growth_interval must be >= 1, got ", options_.growth_interval());
+  detail::check_at_least(options_.growth_interval(), 1, "GradScaler growth_interval");
 }
 
 void GradScaler::lazy_init(torch::Device device) {
   scale_ = torch::full({}, options_.init_scale(),
                        torch::TensorOptions().dtype(torch::kFloat).device(device));
-  growth_tracker_ = torch::full({}, init_tracker_,
-                                torch::TensorOptions().dtype(torch::kInt).device(device));
+  growth_tracker_ =
+      torch::full({}, init_tracker_, torch::TensorOptions().dtype(torch::kInt).device(device));
 }
 
 torch::Tensor GradScaler::scale(const torch::Tensor& loss) {
@@ -114,7 +113,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
                "update()");
   FRUGAL_CHECK(state.stage != Stage::Stepped, "frugal: unscale_() is being called after step()");
   FRUGAL_CHECK(scale_.defined(),
-              "frugal: unscale_() before any scale(): scale the loss before backward");
+               "frugal: unscale_() before any scale(): scale the loss before backward");
   torch::NoGradGuard no_grad;
   const auto inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
   std::map<std::string, std::vector<torch::Tensor>> by_device;
@@ -123,11 +122,16 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     for (auto& p : group.params()) {
       const auto& g = p.grad();
       if (g.defined()) {
-        FRUGAL_CHECK(g.scalar_type() != torch::kHalf, "frugal: GradScaler cannot unscale FP16 "
-                     "gradients (parameter ", index, "); keep parameters in float32 and let "
+        FRUGAL_CHECK(g.scalar_type() != torch::kHalf,
+                     "frugal: GradScaler cannot unscale FP16 "
+                     "gradients (parameter ",
+                     index,
+                     "); keep parameters in float32 and let "
                      "autocast lower the activations");
-        FRUGAL_CHECK(!g.is_sparse(), "frugal: GradScaler does not support sparse gradients "
-                     "(parameter ", index, ")");
+        FRUGAL_CHECK(!g.is_sparse(),
+                     "frugal: GradScaler does not support sparse gradients "
+                     "(parameter ",
+                     index, ")");
         by_device[g.device().str()].push_back(g);
       }
       ++index;
@@ -188,8 +192,9 @@ void GradScaler::update(c10::optional<double> new_scale) {
   if (!options_.enabled()) {
     return;
   }
-  FRUGAL_CHECK(scale_.defined(), "frugal: update() before any scale(): scale the loss before "
-              "backward in every iteration");
+  FRUGAL_CHECK(scale_.defined(),
+               "frugal: update() before any scale(): scale the loss before "
+               "backward in every iteration");
   if (new_scale) {
     scale_.fill_(*new_scale);
   } else {
@@ -235,7 +240,8 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   if (!options_.enabled()) {
     return;
   }
-  FRUGAL_CHECK(!state.empty(), "frugal: the source state dict is empty, possibly because it "
+  FRUGAL_CHECK(!state.empty(),
+               "frugal: the source state dict is empty, possibly because it "
                "was saved from a disabled GradScaler");
   for (const char* key :
        {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {

@@ -33,8 +33,7 @@ double lr_factor(const LrScheduleOptions& o, std::int64_t t) {
 
 LrSchedule::LrSchedule(LrScheduleOptions options) : options_(options) {
   const auto& o = options_;
-  FRUGAL_CHECK(o.warmup_steps() >= 0, "frugal: LrSchedule warmup_steps must be >= 0, got ",
-               o.warmup_steps());
+  detail::check_at_least(o.warmup_steps(), 0, "LrSchedule warmup_steps");
   const bool to_total = o.decay() == LrDecay::Linear || o.decay() == LrDecay::Cosine;
   FRUGAL_CHECK(!to_total || o.total_steps() > o.warmup_steps(), "frugal: LrSchedule total_steps (",
                o.total_steps(), ") must be greater than warmup_steps (", o.warmup_steps(), ")");
@@ -94,7 +93,7 @@ void LrSchedule::load_state(torch::serialize::InputArchive& archive) {
   for (const auto& [name, value] : option_values(options_)) {
     const double saved = state::read_double(archive, name);
     FRUGAL_CHECK(saved == value, "frugal: the saved LrSchedule has ", name, " ", saved,
-                ", this one ", value);
+                 ", this one ", value);
   }
   const auto groups = state::read_int(archive, "groups");
   FRUGAL_CHECK(groups == static_cast<std::int64_t>(base_lrs_.size()),

@@ -17,8 +17,7 @@ OomRecovery::OomRecovery(OomRecoveryOptions options) : options_(options) {
                "frugal: OomRecovery min_micro_batch must be "
                ">= 1, got ",
                options_.min_micro_batch());
-  FRUGAL_CHECK(options_.grow_after() >= 0, "frugal: OomRecovery grow_after must be >= 0, got ",
-               options_.grow_after());
+  detail::check_at_least(options_.grow_after(), 0, "OomRecovery grow_after");
 }
 
 bool OomRecovery::on_step_error(StepContext& ctx, const std::exception& error) {

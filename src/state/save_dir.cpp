@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "frugal/train/trainer.h"
 #include "frugal/error.h"
+#include "frugal/train/trainer.h"
 
 namespace frugal {
 namespace {
@@ -33,7 +33,7 @@ std::int64_t step_of(const std::string& name) {
 
 SaveDir::SaveDir(std::string dir, std::int64_t keep) : dir_(std::move(dir)), keep_(keep) {
   FRUGAL_CHECK(!dir_.empty(), "frugal: SaveDir needs a folder, got an empty path");
-  FRUGAL_CHECK(keep_ >= 1, "frugal: SaveDir keep must be >= 1, got ", keep_);
+  detail::check_at_least(keep_, 1, "SaveDir keep");
   std::error_code error;
   fs::create_directories(dir_, error);
   FRUGAL_CHECK(!error && fs::is_directory(dir_), "frugal: cannot create the folder '", dir_,

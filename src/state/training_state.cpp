@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
 #include "frugal/error.h"
 #include "frugal/state/archive.h"
@@ -12,6 +13,14 @@
 
 namespace frugal {
 namespace {
+
+// The trainer's counters in a saved state: each one's key and field.
+const std::pair<const char*, std::int64_t TrainerCounters::*> kCounters[] = {
+    {"trainer/steps", &TrainerCounters::steps},
+    {"trainer/skipped", &TrainerCounters::skipped},
+    {"trainer/batches", &TrainerCounters::batches},
+    {"trainer/micro_batch", &TrainerCounters::micro_batch},
+    {"trainer/eval_batch", &TrainerCounters::eval_batch}};
 
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
@@ -69,12 +78,9 @@ Loaded read_checked(Trainer& trainer, InputArchive& archive, const std::string& 
     out.policies.push_back(state::read_archive(archive, "policies/" + std::to_string(i)));
   }
 
-  auto& c = out.counters;
-  c.steps = state::read_int(archive, "trainer/steps");
-  c.skipped = state::read_int(archive, "trainer/skipped");
-  c.batches = state::read_int(archive, "trainer/batches");
-  c.micro_batch = state::read_int(archive, "trainer/micro_batch");
-  c.eval_batch = state::read_int(archive, "trainer/eval_batch");
+  for (const auto& [key, field] : kCounters) {
+    out.counters.*field = state::read_int(archive, key);
+  }
   out.rng = detail::read_rng(archive, path);
   out.user = detail::read_user(archive);
   return out;
@@ -96,12 +102,10 @@ void save_training_state(Trainer& trainer, const std::string& path, const UserSt
     trainer.policies()[i]->save_state(policy);
     archive.write("policies/" + std::to_string(i), policy);
   }
-  const auto c = trainer.counters();
-  state::write_int(archive, "trainer/steps", c.steps);
-  state::write_int(archive, "trainer/skipped", c.skipped);
-  state::write_int(archive, "trainer/batches", c.batches);
-  state::write_int(archive, "trainer/micro_batch", c.micro_batch);
-  state::write_int(archive, "trainer/eval_batch", c.eval_batch);
+  const auto counters = trainer.counters();
+  for (const auto& [key, field] : kCounters) {
+    state::write_int(archive, key, counters.*field);
+  }
   detail::finish_state(archive, path, user);
 }
 

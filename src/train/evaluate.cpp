@@ -12,7 +12,7 @@
 #include "frugal/train/sink.h"
 #include "frugal/train/trainer.h"
 #include "internal.h"
-#include "parts.h"
+#include "trainer_impl.h"
 
 namespace frugal {
 namespace detail {
@@ -45,21 +45,16 @@ c10::optional<std::pair<std::int64_t, std::int64_t>> class_hits(const torch::Ten
 
 }  // namespace detail
 
-void Trainer::set_eval_batch(std::int64_t size) {
-  FRUGAL_CHECK(size >= 1, "frugal: eval_batch must be >= 1, got ", size);
-  eval_batch_ = size;
-}
-
 EvalReport Trainer::evaluate(const Batch& data, c10::optional<std::int64_t> batch_size) {
   return evaluate(data, EvaluateOptions().batch_size(batch_size));
 }
 
 EvalReport Trainer::evaluate(const Batch& data, const EvaluateOptions& options) {
-  auto report = evaluate_chunks(data, options.batch_size());
+  auto report = impl_->evaluate_chunks(*this, data, options.batch_size());
   if (options.combine()) {
     options.combine()(report);
   }
-  for (auto& sink : sinks_) {
+  for (auto& sink : impl_->sinks) {
     sink->write(report);
   }
   return report;
@@ -73,7 +68,7 @@ EvalReport Trainer::evaluate_each(const std::function<c10::optional<Batch>()>& n
   bool classes = true;
   double time_ms = 0;
   while (auto batch = next()) {
-    const auto part = evaluate_chunks(*batch, options.batch_size());
+    const auto part = impl_->evaluate_chunks(*this, *batch, options.batch_size());
     const auto count = all.count + part.count;
     all.loss = count > 0 ? (all.loss * static_cast<double>(all.count) +
                             part.loss * static_cast<double>(part.count)) /
@@ -101,84 +96,75 @@ EvalReport Trainer::evaluate_each(const std::function<c10::optional<Batch>()>& n
   if (options.combine()) {
     options.combine()(all);
   }
-  for (auto& sink : sinks_) {
+  for (auto& sink : impl_->sinks) {
     sink->write(all);
   }
   return all;
 }
 
-EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_t> batch_size) {
+EvalReport Trainer::Impl::evaluate_chunks(PolicyPort& port, const Batch& data,
+                                          c10::optional<std::int64_t> batch_size) {
   const auto start = detail::Clock::now();
   const std::int64_t samples = data.size();
   FRUGAL_CHECK(samples > 0, "frugal: evaluate() got an empty batch (0 samples)");
   detail::check_positive(batch_size, "the evaluation batch size");
-  std::int64_t size = batch_size.value_or(eval_batch_ > 0 ? eval_batch_ : micro_batch_);
+  std::int64_t size = batch_size.value_or(
+      state.counters.eval_batch > 0 ? state.counters.eval_batch : state.counters.micro_batch);
   size = size > 0 ? std::min(size, samples) : samples;
 
   EvalReport report;
-  report.step = steps_;
+  report.step = state.counters.steps;
   report.samples = samples;
 
-  const bool was_training = module_->is_training();
-  module_->eval();
+  const bool was_training = state.module->is_training();
+  state.module->eval();
   struct RestoreMode {
     torch::nn::Module& m;
     bool training;
     ~RestoreMode() { m.train(training); }
-  } restore{*module_, was_training};
+  } restore{*state.module, was_training};
   // Parameters sharded between steps (ZeRO-3) are gathered for the evaluation (units one
   // at a time, as they are called).
   std::unique_ptr<optim::GatheredParameters> whole;
-  if (parts_->sharded != nullptr) {
+  if (state.sharded != nullptr) {
     whole = std::make_unique<optim::GatheredParameters>(
-        *parts_->sharded, optim::GatheredParameters::What::ForForward);
+        *state.sharded, optim::GatheredParameters::What::ForForward);
   }
   std::unique_ptr<torch::NoGradGuard> no_grad;
   std::unique_ptr<c10::InferenceMode> inference;
-  if (options_.inference_mode()) {
+  if (state.options.inference_mode()) {
     inference = std::make_unique<c10::InferenceMode>();
   } else {
     no_grad = std::make_unique<torch::NoGradGuard>();
   }
 
   // The policies' evaluation scopes (autocast), ended in reverse order however it ends.
-  struct Scopes {
-    Trainer& trainer;
-    std::size_t begun = 0;
-    ~Scopes() {
-      while (begun > 0) {
-        trainer.policies_[--begun]->on_evaluate_end(trainer);
-      }
-    }
-  } scopes{*this};
-  for (; scopes.begun < policies_.size(); ++scopes.begun) {
-    policies_[scopes.begun]->on_evaluate_begin(*this);
-  }
+  const detail::PolicySet::Evaluation scopes(policies, port);
 
-  ScopedPeak peak(probe_);
+  ScopedPeak peak(state.probe);
   double loss_sum = 0;
   std::int64_t correct = 0;
   std::int64_t scored = 0;
   std::int64_t total = 0;
-  bool classes = forward_ != nullptr;
-  const bool mean = options_.reduction() == LossReduction::Mean;
+  bool classes = state.forward != nullptr;
+  const bool mean = state.options.reduction() == LossReduction::Mean;
   for (std::int64_t offset = 0; offset < samples;) {
     const std::int64_t n = std::min(size, samples - offset);
     try {
-      const auto micro = data.slice(offset, n).to(options_.device());
-      const std::int64_t count = parts_->plan.count(micro);
+      const auto micro = data.slice(offset, n).to(state.options.device());
+      const std::int64_t count = state.plan.count(micro);
       torch::Tensor loss;
-      if (forward_) {
-        const auto output = forward_(micro);
-        loss = loss_(output, micro);
-        const auto hits = detail::class_hits(output, micro.targets, options_.ignore_index());
+      if (state.forward) {
+        const auto output = state.forward(micro);
+        loss = state.loss(output, micro);
+        const auto hits = detail::class_hits(output, micro.targets, state.options.ignore_index());
         classes = classes && hits.has_value();
         if (classes) {
           correct += hits->first;
           scored += hits->second;
         }
       } else {
-        loss = batch_loss_(micro);
+        loss = state.batch_loss(micro);
       }
       if (!mean || count > 0) {  // a chunk that counts nothing (all padding) weighs nothing
         loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
@@ -188,12 +174,11 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
       offset += n;
     } catch (const std::exception& error) {
       // A policy may shrink the evaluation batch; evaluation goes on from this chunk.
-      const bool retry = std::any_of(policies_.begin(), policies_.end(),
-                                     [&](auto& p) { return p->on_eval_error(*this, size, error); });
+      const bool retry = policies.eval_retry(port, size, error);
       if (!retry) {
         throw;
       }
-      size = std::min(eval_batch_, size);
+      size = std::min(state.counters.eval_batch, size);
       ++report.oom_retries;
     }
   }
@@ -204,11 +189,11 @@ EvalReport Trainer::evaluate_chunks(const Batch& data, c10::optional<std::int64_
   report.accuracy =
       classes && scored > 0 ? static_cast<double>(correct) / static_cast<double>(scored) : -1;
   report.peak = peak.end();
-  report.memory = probe_.snapshot();
-  if (options_.ledger()) {
-    report.ledger = detail::measure_ledger(report.memory, *parts_->module_tensors, &optimizer_);
+  report.memory = state.probe.snapshot();
+  if (state.options.ledger()) {
+    report.ledger = detail::measure_ledger(report.memory, state.module_tensors, &state.optimizer);
   }
-  report.time_ms = detail::ms_since(start, options_.device());
+  report.time_ms = detail::ms_since(start, state.options.device());
   return report;
 }
 

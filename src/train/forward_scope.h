@@ -13,7 +13,7 @@ namespace frugal::detail {
 // by an exception, so that policies can pair before/after like a guard.
 class ForwardScope {
  public:
-  ForwardScope(std::vector<std::shared_ptr<Policy>>& policies, StepContext& ctx)
+  ForwardScope(const std::vector<std::shared_ptr<Policy>>& policies, StepContext& ctx)
       : policies_(policies), ctx_(ctx) {
     for (; entered_ < policies_.size(); ++entered_) {
       policies_[entered_]->before_forward(ctx_);
@@ -35,7 +35,7 @@ class ForwardScope {
   }
 
  private:
-  std::vector<std::shared_ptr<Policy>>& policies_;
+  const std::vector<std::shared_ptr<Policy>>& policies_;
   StepContext& ctx_;
   std::size_t entered_ = 0;
 };

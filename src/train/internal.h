@@ -2,54 +2,16 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
-#include <torch/cuda.h>
 
-#include <chrono>
 #include <cstdint>
 #include <utility>
 
+#include "../engine/clock.h"
 #include "frugal/error.h"
 
 namespace frugal::detail {
-
-using Clock = std::chrono::steady_clock;
-
-inline double ms_since(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
-
-/// Waits for the work queued on `device` when it is a CUDA device: a kernel runs after its
-/// launch has returned, so a clock read without waiting counts launches, not the work.
-/// Nothing to wait for on the CPU.
-inline void wait_for(const c10::Device& device) {
-  if (device.is_cuda()) {
-    torch::cuda::synchronize(device.index());
-  }
-}
-
-/// Milliseconds since `start`, once `device` has done the work queued on it.
-inline double ms_since(Clock::time_point start, const c10::Device& device) {
-  wait_for(device);
-  return ms_since(start);
-}
-
-/// Milliseconds from `mark` to now, with `mark` moved to now: consecutive phases share the
-/// clock read between them.
-inline double lap(Clock::time_point& mark) {
-  const auto now = Clock::now();
-  const double ms = std::chrono::duration<double, std::milli>(now - mark).count();
-  mark = now;
-  return ms;
-}
-
-/// The same once the work queued on `device` is done.
-inline double lap(Clock::time_point& mark, const c10::Device& device) {
-  wait_for(device);
-  return lap(mark);
-}
 
 inline void check_positive(const c10::optional<std::int64_t>& value, const char* name) {
   FRUGAL_CHECK(!value.has_value() || *value >= 1, "frugal: ", name, " must be >= 1, got ", *value);

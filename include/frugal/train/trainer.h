@@ -72,6 +72,9 @@ class Trainer : public PolicyPort {
   using OutputLossFn =
       std::function<torch::Tensor(const torch::Tensor& output, const Batch& batch)>;
 
+  /// Every constructor takes the model, its optimizer, then how a (micro-)batch becomes a
+  /// loss, the options last.
+  ///
   /// The model as a module holder (torch::nn::Linear, a TORCH_MODULE) or a std::shared_ptr
   /// to a torch::nn::Module subclass (`std::make_shared<Net>()`) with a forward(Tensor); its
   /// optimizer; any loss frugal::make_loss takes: a callable of (output, targets), a
@@ -81,10 +84,11 @@ class Trainer : public PolicyPort {
             typename = std::enable_if_t<!std::is_invocable_v<Loss&, const Batch&> &&
                                         !std::is_convertible_v<Model, std::string>>>
   Trainer(Model model, torch::optim::Optimizer& optimizer, Loss&& loss, TrainerOptions options = {})
-      : Trainer(nn::module_pointer(model), nn::tensor_forward(model), optimizer,
+      : Trainer(nn::module_pointer(model), optimizer, nn::tensor_forward(model),
                 make_loss(std::forward<Loss>(loss)), std::move(options)) {}
-  Trainer(std::shared_ptr<torch::nn::Module> module, ForwardFn forward,
-          torch::optim::Optimizer& optimizer, LossFn loss, TrainerOptions options = {});
+  /// A forward of the inputs other than the module's own, and a loss of (output, targets).
+  Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+          ForwardFn forward, LossFn loss, TrainerOptions options = {});
   /// Several tensors a sample: `forward` receives each micro-batch (inputs, targets and its
   /// named tensors, Batch::get), `loss` its output and the same micro-batch. evaluate()
   /// reports loss and accuracy as with a plain forward.
@@ -157,25 +161,25 @@ class Trainer : public PolicyPort {
   /// its traits cannot meet those of one already added or of the optimizer, e.g. a policy
   /// that needs all gradients at once beside one that updates parameters during backward.
   Trainer& add_policy(std::shared_ptr<Policy> policy);
-  const std::vector<std::shared_ptr<Policy>>& policies() const { return policies_; }
+  const std::vector<std::shared_ptr<Policy>>& policies() const;
   Trainer& add_hook(Phase phase, HookPolicy::Fn fn);
   Trainer& add_sink(std::shared_ptr<ReportSink> sink);
 
   /// The micro-batch size in use (0: the whole batch); policies may change it.
-  std::int64_t micro_batch() const override { return micro_batch_; }
+  std::int64_t micro_batch() const override;
   void set_micro_batch(std::int64_t size) override;
   /// The evaluation batch size in use (0: the micro-batch, else the whole set).
-  std::int64_t eval_batch() const override { return eval_batch_; }
+  std::int64_t eval_batch() const override;
   void set_eval_batch(std::int64_t size) override;
 
-  const TrainerOptions& options() const { return options_; }
-  const MemoryProbe& probe() const override { return probe_; }
-  torch::nn::Module& module() override { return *module_; }
-  torch::optim::Optimizer& optimizer() override { return optimizer_; }
-  std::int64_t steps() const override { return steps_; }
-  std::int64_t skipped_steps() const override { return skipped_; }
+  const TrainerOptions& options() const;
+  const MemoryProbe& probe() const override;
+  torch::nn::Module& module() override;
+  torch::optim::Optimizer& optimizer() override;
+  std::int64_t steps() const override;
+  std::int64_t skipped_steps() const override;
   /// The traits of the policies added so far, together.
-  Traits traits() const { return traits_; }
+  Traits traits() const;
   void set_unscale(Unscale unscale) override;
   void unscale_gradients() override;
   /// True between the first batch of an accumulation window and the step that ends it.
@@ -190,55 +194,10 @@ class Trainer : public PolicyPort {
           BatchForwardFn forward, OutputLossFn loss, BatchLossFn batch_loss,
           TrainerOptions options);
 
-  // The phases of a step (src/train: micro_batches.cpp, optimizer_phase.cpp).
-  class LossLog;
-  void run_batch(StepContext& ctx, bool isolate);
-  void run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside);
-  torch::Tensor loss_of(const Batch& micro) const;
-  torch::Tensor weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
-                      LossLog& log) const;
-  bool skips_last_backward(const StepContext& ctx, const LossLog& log);
-  void backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
-                double ready_scale);
-  // Divides the window's gradients by `window_count`, steps, and from then on counts the
-  // step (and the batch that ends it, if any), whatever the hooks after it do.
-  void optimizer_phase(StepContext& ctx, std::int64_t window_count, bool ends_batch);
-  // `changed`: the parameters the failed optimizer step wrote (the rest were put back).
-  [[noreturn]] void optimizer_failed(StepContext& ctx, const std::vector<torch::Tensor>& changed,
-                                     const std::exception* error);
-  void drop_window();
-  void finish_report(StepReport& report);
-  EvalReport evaluate_chunks(const Batch& data, c10::optional<std::int64_t> batch_size);
-  void grad_ready(const torch::Tensor& param);
-  PartialStepError partial_error(const char* where, const std::vector<torch::Tensor>& changed,
-                                 const std::exception& error);
-
-  std::shared_ptr<torch::nn::Module> module_;
-  BatchForwardFn forward_;
-  torch::optim::Optimizer& optimizer_;
-  OutputLossFn loss_;
-  BatchLossFn batch_loss_;
-  TrainerOptions options_;
-  MemoryProbe probe_;
-  std::vector<std::shared_ptr<Policy>> policies_;
-  std::vector<Traits> policy_traits_;         // each policy's, read when it was added
-  std::vector<Policy*> grad_ready_policies_;  // those that declared Trait::GradReady
-  Traits traits_;                             // every policy's, together
-  Traits optimizer_traits_;                   // a sharded optimizer's
-  Unscale unscale_;                           // a policy's that scales the loss
-  std::vector<std::shared_ptr<ReportSink>> sinks_;
-  // The parts the engine owns (src/train/parts.h), each a class with its own test: the
-  // micro-batch plan, the gradient window, the non-finite guard, the halt after a partial
-  // update; and the module's tensors the ledger counts, the gradient-ready hooks.
-  struct Parts;
-  std::unique_ptr<Parts> parts_;
-  StepContext* backward_ctx_ = nullptr;  // the step whose backward is running
-
-  std::int64_t micro_batch_ = 0;
-  std::int64_t eval_batch_ = 0;
-  std::int64_t steps_ = 0;
-  std::int64_t skipped_ = 0;
-  std::int64_t batches_ = 0;
+  // The step runner, the optimizer phase, the policy set and the state they share
+  // (src/train), each a class with its own test.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace frugal

@@ -1,4 +1,5 @@
-// A batch's forward and backward passes, one micro-batch after another, and their retries.
+#include "step_runner.h"
+
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
@@ -7,17 +8,12 @@
 
 #include "forward_scope.h"
 #include "frugal/error.h"
-#include "frugal/train/trainer.h"
-#include "internal.h"
-#include "parts.h"
 
-namespace frugal {
-
-using detail::Clock;
+namespace frugal::detail {
 
 // The batch's logged loss: one read for one micro-batch, as a plain loop does; for several,
 // summed on the device and read once.
-class Trainer::LossLog {
+class StepRunner::LossLog {
  public:
   explicit LossLog(bool single) : single_(single) {}
   void add(const torch::Tensor& loss, double share) {
@@ -50,24 +46,24 @@ torch::Tensor checked_loss(torch::Tensor loss) {
 
 }  // namespace
 
-torch::Tensor Trainer::loss_of(const Batch& micro) const {
-  if (batch_loss_) {
-    return checked_loss(batch_loss_(micro));
+torch::Tensor StepRunner::loss_of(const Batch& micro) {
+  if (state_.batch_loss) {
+    return checked_loss(state_.batch_loss(micro));
   }
-  const auto output = forward_(micro);
-  if (options_.metrics()) {
+  const auto output = state_.forward(micro);
+  if (state_.options.metrics()) {
     torch::NoGradGuard no_grad;
-    for (const auto& [name, value] : options_.metrics()(output.detach(), micro)) {
-      parts_->metrics[name] += value;
+    for (const auto& [name, value] : state_.options.metrics()(output.detach(), micro)) {
+      state_.metrics[name] += value;
     }
   }
-  return checked_loss(loss_(output, micro));
+  return checked_loss(state_.loss(output, micro));
 }
 
-void Trainer::run_batch(StepContext& ctx, bool isolate) {
+void StepRunner::run(StepContext& ctx, bool isolate) {
   auto& report = ctx.report;
-  auto& window = parts_->window;
-  auto& split = parts_->split;
+  auto& window = state_.window;
+  auto& split = state_.split;
   // Gradients of earlier batches of the window wait aside, so that a failed attempt
   // cannot spoil them; they are added back when the batch succeeds.
   std::vector<torch::Tensor> aside;
@@ -80,45 +76,46 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
     }
   };
   for (bool first = true;; first = false) {
-    parts_->mark = Clock::now();  // data time runs on into the first micro-batch's
+    state_.mark = Clock::now();  // data time runs on into the first micro-batch's
     if (!first) {
-      parts_->plan.split_into(ctx.batch, micro_batch_, split);  // the size a policy chose
+      state_.plan.split_into(ctx.batch, state_.counters.micro_batch,
+                             split);  // the size a policy chose
     }
     report.count = split.total;
     report.micro_batches = static_cast<std::int64_t>(split.micros.size());
     report.micro_batch = split.micros.front().size();
-    parts_->batch_statistics.check(*module_, report.micro_batches, report.micro_batch);
+    state_.batch_statistics.check(*state_.module, report.micro_batches, report.micro_batch);
     ctx.micro_count = report.micro_batches;
-    parts_->metrics.clear();  // a retried attempt counts from nothing
+    state_.metrics.clear();  // a retried attempt counts from nothing
     try {
       run_micro_batches(ctx, &aside);
-      report.metrics = parts_->metrics;
+      report.metrics = state_.metrics;
       break;
     } catch (const std::exception& error) {
       // Drop everything the failed attempt made: its graph, outputs and gradients.
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
       split.clear();
-      for (auto& p : module_->parameters()) {
+      for (auto& p : state_.module->parameters()) {
         p.mutable_grad().reset();
       }
       // Gradients handed out in backward may have changed parameters, or gone to other
       // processes: no retry then, and the window (part of it handed out) is dropped.
-      auto& ready = parts_->grad_ready;
+      auto& ready = state_.grad_ready;
       if (ready && ready->delivered_count() > 0) {
         ready->clear();
         give_up();
         if (!ctx.updated_in_backward.empty()) {
-          throw partial_error("the optimizer step in backward", ctx.updated_in_backward, error);
+          throw state_.partial_error("the optimizer step in backward", ctx.updated_in_backward,
+                                     error);
         }
-        drop_window();
+        state_.drop_window();
         throw;
       }
       // A policy may ask for the batch to run again; one that gives up says why.
       bool retry = false;
       try {
-        retry = std::any_of(policies_.begin(), policies_.end(),
-                            [&](const auto& policy) { return policy->on_step_error(ctx, error); });
+        retry = policies_.retry(ctx, error);
       } catch (...) {
         give_up();
         throw;
@@ -135,101 +132,97 @@ void Trainer::run_batch(StepContext& ctx, bool isolate) {
   }
 }
 
-void Trainer::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside) {
+void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside) {
   auto& report = ctx.report;
-  const auto& split = parts_->split;
-  const auto& window = parts_->window;
+  const auto& split = state_.split;
+  const auto& window = state_.window;
   // Gradient-ready calls go out in the backward that completes the optimizer step, with
   // the window's division done there rather than before the optimizer step.
   const bool completes_step = ctx.trial || window.completes_with_next();
   ctx.window_count = ctx.trial ? split.total : window.count() + split.total;
   const double ready_scale = ctx.trial ? 1.0 : window.scale(ctx.window_count);
   LossLog log(split.micros.size() == 1);
-  auto& t = parts_->mark;  // one clock read between phases
+  auto& t = state_.mark;  // one clock read between phases
   for (std::size_t i = 0; i < split.micros.size(); ++i) {
-    ctx.micro = split.micros[i].to(options_.device());
+    ctx.micro = split.micros[i].to(state_.options.device());
     ctx.micro_index = static_cast<std::int64_t>(i);
-    report.time.data_ms += detail::lap(t);
+    report.time.data_ms += lap(t);
 
     {
-      ScopedPeak forward_peak(probe_);
+      ScopedPeak forward_peak(state_.probe);
       {
-        detail::ForwardScope scope(policies_, ctx);
+        ForwardScope scope(policies_.all(), ctx);
         ctx.loss = weigh(loss_of(ctx.micro), split.counts[i], split.total, log);
       }  // AfterForward hooks see ctx.loss
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
     }
-    report.time.forward_ms += detail::lap(t, options_.device());
+    report.time.forward_ms += lap(t, state_.options.device());
 
     const bool last = i + 1 == split.micros.size();
     if (completes_step && last && skips_last_backward(ctx, log)) {
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
-      report.time.backward_ms += detail::lap(t, options_.device());
+      report.time.backward_ms += lap(t, state_.options.device());
       break;
     }
     backward(ctx, completes_step && last, aside, ready_scale);
-    report.time.backward_ms += detail::lap(t, options_.device());
+    report.time.backward_ms += lap(t, state_.options.device());
   }
   report.loss = log.value() / static_cast<double>(split.total);
   if (!ctx.trial && !std::isfinite(report.loss)) {
-    parts_->window.mark_non_finite();
+    state_.window.mark_non_finite();
   }
 }
 
-torch::Tensor Trainer::weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
-                             LossLog& log) const {
+torch::Tensor StepRunner::weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
+                                LossLog& log) const {
   // The weight makes the sum over micro-batches the gradient of the batch's mean loss;
   // within an accumulation window, the division by the window's count waits for its end
   // (GradientWindow). A micro-batch that counts nothing (all padding) weighs nothing: its
   // mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
-  const bool mean = options_.reduction() == LossReduction::Mean;
+  const bool mean = state_.options.reduction() == LossReduction::Mean;
   if (mean && count == 0) {
     return loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
   }
   const double share = mean ? static_cast<double>(count) : 1.0;
   log.add(loss, share);
-  const double weight = parts_->window.weight(share, total);
+  const double weight = state_.window.weight(share, total);
   return weight == 1.0 ? loss : loss * weight;
 }
 
-bool Trainer::skips_last_backward(const StepContext& ctx, const LossLog& log) {
+bool StepRunner::skips_last_backward(const StepContext& ctx, const LossLog& log) {
   // A policy that updates parameters during backward leaves no later check to stop a NaN
   // or inf from reaching them: a non-finite window skips its last backward, and the
   // optimizer phase skips the step.
-  const bool updates = traits_.has(Trait::UpdatesInBackward) ||
-                       optimizer_traits_.has(Trait::UpdatesSharesInBackward);
-  if (ctx.trial || !parts_->guard.enabled() || !updates) {
+  const bool updates = policies_.traits().has(Trait::UpdatesInBackward) ||
+                       policies_.optimizer_traits().has(Trait::UpdatesSharesInBackward);
+  if (ctx.trial || !state_.guard.enabled() || !updates) {
     return false;
   }
-  if (!parts_->window.non_finite() && std::isfinite(log.value())) {
+  if (!state_.window.non_finite() && std::isfinite(log.value())) {
     return false;
   }
-  parts_->window.mark_non_finite();
+  state_.window.mark_non_finite();
   return true;
 }
 
-void Trainer::backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
-                       double ready_scale) {
-  for (auto& policy : policies_) {
-    policy->before_backward(ctx);
-  }
+void StepRunner::backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
+                          double ready_scale) {
+  policies_.run(&Policy::before_backward, ctx);
   {
-    ScopedPeak backward_peak(probe_);
-    auto* ready = completes_step ? parts_->grad_ready.get() : nullptr;
+    ScopedPeak backward_peak(state_.probe);
+    auto* ready = completes_step ? state_.grad_ready.get() : nullptr;
     if (ready != nullptr) {
       ready->clear();
     }
-    backward_ctx_ = &ctx;
-    detail::ArmedScope arm(ready, aside, ready_scale);
+    state_.backward_ctx = &ctx;
+    ArmedScope arm(ready, aside, ready_scale);
     ctx.loss.backward();
     ctx.loss = torch::Tensor();
     ctx.report.backward_peak = std::max(ctx.report.backward_peak, backward_peak.end());
   }
-  for (auto& policy : policies_) {
-    policy->after_backward(ctx);
-  }
+  policies_.run(&Policy::after_backward, ctx);
   ctx.micro = Batch();
 }
 
-}  // namespace frugal
+}  // namespace frugal::detail
