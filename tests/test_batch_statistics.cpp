@@ -1,10 +1,11 @@
-// Micro-batches over BatchNorm layers: the trainer warns once naming them, refuses, goes on
-// silently, or runs whole batches until memory forces a cut, as
-// TrainerOptions::batch_statistics says.
+// Micro-batches over BatchNorm layers: the trainer (and the Loop's accumulate) warns once
+// naming them, refuses, goes on silently, or runs whole batches until memory forces a cut,
+// as the batch_statistics option says.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "compat.h"
+#include "frugal/loop/loop.h"
 #include "frugal/policy/oom_recovery.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
@@ -150,6 +151,68 @@ TEST(BatchStatistics, WholeBatchCutByAnOutOfMemoryErrorWarnsOnceNamingTheLayers)
   ASSERT_EQ(r.warnings.size(), 1u);
   EXPECT_NE(r.warnings[0].find("micro-batches of 4 samples"), std::string::npos) << r.warnings[0];
   EXPECT_NE(r.warnings[0].find("'features.1'"), std::string::npos) << r.warnings[0];
+}
+
+// The same choices in a frugal::Loop's accumulate: what three iterations of kBatch leave.
+Trained loop_train(frugal::LoopOptions options) {
+  Net net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  frugal::Loop loop(std::move(options));
+  auto& model = loop.prepare(net, sgd, "net");
+  frugal::compat::WarningCapture capture;
+  Trained out;
+  for (int i = 0; i < 3; ++i) {
+    loop.accumulate(kBatch, model, [&](const frugal::Batch& micro) {
+      return F::cross_entropy(net->forward(micro.inputs), micro.targets);
+    });
+    loop.step(model);
+    loop.end();
+  }
+  out.warnings = capture.messages;
+  out.state = frugal::testing::clone_all(net->parameters());
+  for (const auto& b : frugal::testing::clone_all(net->buffers())) {
+    out.state.push_back(b);
+  }
+  return out;
+}
+
+TEST(BatchStatistics, TheLoopWarnsOnceNamingTheLayersOrStaysSilentWhenToldTo) {
+  const auto warned = loop_train(frugal::LoopOptions().micro_batch(4));
+  ASSERT_EQ(warned.warnings.size(), 1u);
+  EXPECT_NE(warned.warnings[0].find("'features.1'"), std::string::npos) << warned.warnings[0];
+  EXPECT_TRUE(loop_train(frugal::LoopOptions().micro_batch(4).batch_statistics(
+                             frugal::BatchStatistics::Accept))
+                  .warnings.empty());
+  EXPECT_TRUE(loop_train(frugal::LoopOptions()).warnings.empty());
+}
+
+TEST(BatchStatistics, TheLoopRefusesWhenToldBeforeAnyForward) {
+  Net net;
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  frugal::Loop loop(
+      frugal::LoopOptions().micro_batch(4).batch_statistics(frugal::BatchStatistics::Refuse));
+  auto& model = loop.prepare(net, sgd, "net");
+  const auto buffers = frugal::testing::clone_all(net->buffers());
+  frugal::testing::expect_error_contains(
+      [&] {
+        loop.accumulate(kBatch, model, [&](const frugal::Batch& micro) {
+          return F::cross_entropy(net->forward(micro.inputs), micro.targets);
+        });
+      },
+      "'features.1'");
+  const auto after = net->buffers();
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(torch::equal(buffers[i], after[i]));  // no forward ran
+  }
+  EXPECT_FALSE(loop.pending());
+}
+
+TEST(BatchStatistics, TheLoopKeepsWholeBatchesBitForBit) {
+  const auto whole = loop_train(frugal::LoopOptions());
+  const auto kept = loop_train(
+      frugal::LoopOptions().micro_batch(2).batch_statistics(frugal::BatchStatistics::WholeBatch));
+  EXPECT_TRUE(kept.warnings.empty());
+  expect_equal_state(kept, whole);
 }
 
 }  // namespace batch_statistics

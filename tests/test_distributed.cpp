@@ -132,7 +132,7 @@ std::vector<torch::Tensor> train(const std::string& zero_mode, const std::shared
   }
   frugal::Trainer::LossFn loss = cross_entropy;
   if (mode == "tokens") {
-    options.reduction(frugal::LossReduction::Sum).micro_batch(7).count([](const frugal::Batch& b) {
+    options.reduction(frugal::LossReduction::SumOverCount).micro_batch(7).count([](const frugal::Batch& b) {
       return b.targets.ne(kIgnore).sum().item<std::int64_t>();
     });
     loss = [](const torch::Tensor& out, const torch::Tensor& y) {

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "compat.h"
@@ -103,6 +104,25 @@ TEST(Optim8bit, ParametersWithoutGradientAreSkipped) {
   fo::Adam8bit adam8(params, to::AdamOptions(1e-2));
   set_growing_grads(params, 0);
   frugal::testing::expect_steps_around_missing_gradient(adam8, params, 1);
+}
+
+TEST(Optim8bit, ALearningRateThatIsNotFiniteIsRefusedAndStepsNothing) {
+  auto params = make_8bit_params();
+  frugal::testing::expect_error_contains(
+      [&] { fo::Adam8bit(params, to::AdamOptions(std::numeric_limits<double>::infinity())); },
+      "invalid learning rate: inf (needs a finite value >= 0)");
+  fo::Adam8bit adam8(params, to::AdamOptions(1e-2), {}, kChunks);
+  set_growing_grads(params, 0);
+  adam8.step();
+  const auto before = clone_params(params);
+  const auto states = adam8.state().size();
+  set_growing_grads(params, 1);
+  // As a schedule or a user would set it, after construction.
+  adam8.param_groups()[0].options().set_lr(std::numeric_limits<double>::quiet_NaN());
+  frugal::testing::expect_error_contains([&] { adam8.step(); },
+                                         "needs a finite learning rate >= 0, got nan");
+  EXPECT_EQ(max_abs_diff(params, before), 0);
+  EXPECT_EQ(adam8.state().size(), states);
 }
 
 TEST(Optim8bit, StepParameterEqualsTheWholeStep) {

@@ -1,12 +1,15 @@
 // SaveDir: the newest saves kept, a damaged newest one passed over for the one before it,
-// and every file named when none loads.
+// every file named when none loads, and a save refused by a full disk.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "helpers.h"
 #include "resume_setup.h"
 
 namespace {
@@ -54,6 +57,67 @@ TEST(SaveDir, KeepsTheNewestAndResumesPastADamagedOne) {
     }
   }
   EXPECT_EQ(none->trainer->steps(), 0);
+  fs::remove_all(dir);
+}
+
+// While alive, this process's writes past `bytes` of a file fail (EFBIG), as writes to a full
+// disk do (ENOSPC), without the signal that would otherwise end it.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) : handler_(std::signal(SIGXFSZ, SIG_IGN)) {
+    ::getrlimit(RLIMIT_FSIZE, &previous_);
+    rlimit limit = previous_;
+    limit.rlim_cur = bytes;
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &previous_);
+    std::signal(SIGXFSZ, handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit previous_{};
+  void (*handler_)(int);
+};
+
+TEST(SaveDir, AFullDiskRefusesTheSaveByNameAndKeepsTheLastGoodOne) {
+  const auto dir = frugal::testing::fresh_temp_dir("state_full_disk");
+  auto s = make_resume_setup("plain");
+  frugal::SaveDir saves(dir.string(), /*keep=*/3);
+  train(*s, 2);
+  saves.save(*s->trainer);
+  const auto good = saves.files().front();
+  const auto saved = frugal::testing::clone_all(s->model->parameters());
+  train(*s, 1);
+  {
+    const FileSizeLimit full(fs::file_size(good) / 2);
+    try {
+      saves.save(*s->trainer);
+      ADD_FAILURE() << "saved past the limit";
+    } catch (const frugal::Error& e) {
+      const auto what = frugal::error_message(e);
+      EXPECT_NE(what.find("cannot save '" + (dir / "step-000000000003.frugal").string() + "'"),
+                std::string::npos)
+          << what;
+      EXPECT_NE(what.find("File too large; the save needs "), std::string::npos) << what;
+      EXPECT_NE(what.find("The temporary file was removed"), std::string::npos) << what;
+    }
+  }
+  std::vector<std::string> names;  // no temporary file left beside the good save
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  EXPECT_EQ(names, std::vector<std::string>{"step-000000000002.frugal"});
+
+  auto fresh = make_resume_setup("plain");
+  ASSERT_TRUE(saves.resume(*fresh->trainer).has_value());
+  EXPECT_EQ(fresh->trainer->steps(), 2);
+  const auto loaded = fresh->model->parameters();
+  for (std::size_t i = 0; i < saved.size(); ++i) {
+    EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << "parameter " << i;
+  }
   fs::remove_all(dir);
 }
 

@@ -112,7 +112,7 @@ TEST(Accumulation, SumLossWithTokenCountMatchesTheMeanOverTokens) {
   torch::optim::SGD sgd(model->parameters(), 0.1);
   auto options = frugal::TrainerOptions()
                      .micro_batch(20)
-                     .reduction(frugal::LossReduction::Sum)
+                     .reduction(frugal::LossReduction::SumOverCount)
                      .count([](const frugal::Batch& b) {
                        return b.targets.ne(-100).sum().item<std::int64_t>();
                      });

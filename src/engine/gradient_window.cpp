@@ -5,8 +5,8 @@
 namespace frugal::detail {
 
 GradientWindow::GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate,
-                               bool set_to_none)
-    : optimizer_(optimizer), accumulate_(accumulate), set_to_none_(set_to_none) {}
+                               bool set_to_none, bool sums)
+    : optimizer_(optimizer), accumulate_(accumulate), set_to_none_(set_to_none), sums_(sums) {}
 
 void GradientWindow::add(std::int64_t count) {
   count_ += count;
@@ -19,12 +19,16 @@ void GradientWindow::drop() {
   non_finite_ = false;
 }
 
+double GradientWindow::share(LossReduction reduction, std::int64_t count) {
+  return reduction == LossReduction::Mean ? static_cast<double>(count) : 1.0;
+}
+
 double GradientWindow::weight(double share, std::int64_t total) const {
-  return accumulate_ > 1 ? share : share / static_cast<double>(total);
+  return sums_ || accumulate_ > 1 ? share : share / static_cast<double>(total);
 }
 
 double GradientWindow::scale(std::int64_t count) const {
-  return accumulate_ > 1 ? 1.0 / static_cast<double>(count) : 1.0;
+  return !sums_ && accumulate_ > 1 ? 1.0 / static_cast<double>(count) : 1.0;
 }
 
 void GradientWindow::divide(std::int64_t count,

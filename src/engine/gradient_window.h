@@ -8,6 +8,8 @@
 #include <functional>
 #include <vector>
 
+#include "frugal/train/options.h"
+
 namespace frugal::detail {
 
 /// The gradients of an accumulation window of `accumulate` batches over an optimizer's
@@ -16,7 +18,9 @@ namespace frugal::detail {
 /// divided by the window's count, zeroed or released).
 class GradientWindow {
  public:
-  GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate, bool set_to_none);
+  /// `sums`: the window trains on the sum of its losses (LossReduction::Sum), never divided.
+  GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate, bool set_to_none,
+                 bool sums = false);
 
   /// Between the first batch of a window and the step that ends it.
   bool open() const { return batches_ > 0; }
@@ -32,13 +36,16 @@ class GradientWindow {
   bool non_finite() const { return non_finite_; }
   void mark_non_finite() { non_finite_ = true; }
 
-  /// The weight of a micro-batch's loss whose share (its count, or 1 for a summed loss) is
-  /// `share` of a batch of `total`: over several batches the share alone, the division
-  /// waiting for the window's end (scale); in a window of one batch, share / total.
+  /// The share of a micro-batch's loss of `count` under `reduction`: its count for a mean,
+  /// 1 for a sum.
+  static double share(LossReduction reduction, std::int64_t count);
+  /// The weight of a micro-batch's loss whose share is `share` of a batch of `total`: over
+  /// several batches the share alone, the division waiting for the window's end (scale); in
+  /// a window of one batch, share / total; for a window of sums, the share alone.
   double weight(double share, std::int64_t total) const;
   /// What the window's summed gradients are multiplied by at its end, when it holds
   /// `count` in all: 1/count over several batches; 1 for a window of one batch, whose
-  /// micro-batch losses carry their share already (weight).
+  /// micro-batch losses carry their share already (weight), and for a window of sums.
   double scale(std::int64_t count) const;
   /// Multiplies every gradient by scale(count), except those `scaled` says are already.
   void divide(std::int64_t count, const std::function<bool(const torch::Tensor&)>& scaled);
@@ -56,6 +63,7 @@ class GradientWindow {
   torch::optim::Optimizer& optimizer_;
   std::int64_t accumulate_;
   bool set_to_none_;
+  bool sums_;
   std::int64_t batches_ = 0;
   std::int64_t count_ = 0;
   bool non_finite_ = false;  // a loss of the open window was NaN or infinite

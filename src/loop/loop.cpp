@@ -21,11 +21,11 @@
 namespace frugal {
 
 LoopModel::LoopModel(std::string name, std::shared_ptr<torch::nn::Module> module,
-                     torch::optim::Optimizer& optimizer, bool set_to_none)
+                     torch::optim::Optimizer& optimizer, const LoopOptions& options)
     : name_(std::move(name)),
       module_(std::move(module)),
       optimizer_(optimizer),
-      parts_(std::make_unique<Parts>(*module_, optimizer, set_to_none)) {
+      parts_(std::make_unique<Parts>(*module_, optimizer, options)) {
   parts_->iteration.name = name_;
 }
 
@@ -53,7 +53,7 @@ LoopModel& Loop::prepare_module(std::shared_ptr<torch::nn::Module> module,
   }
   // Checked and attached before it joins the loop: a refused model leaves the loop as it was.
   std::unique_ptr<LoopModel> added(
-      new LoopModel(std::move(name), std::move(module), optimizer, options_.set_to_none()));
+      new LoopModel(std::move(name), std::move(module), optimizer, options_));
   auto& parts = *added->parts_;
   FRUGAL_CHECK(!parts.trainable.empty(), "frugal: Loop::prepare of '", added->name(),
                "': its optimizer holds no parameter that requires grad");
@@ -154,17 +154,24 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
   const bool pending = parts.pending;
   const bool non_finite = parts.non_finite;
   while (true) {
+    // A model with BatchNorm layers under BatchStatistics::WholeBatch runs its batches whole
+    // until an out-of-memory error cuts them.
+    const std::int64_t size = parts.whole_batch ? 0 : micro_batch_;
     try {
-      const auto split = plan.split(batch, micro_batch_);
-      double mean = 0;
+      const auto split = plan.split(batch, size);
+      parts.batch_statistics.check(model.module(), static_cast<std::int64_t>(split.micros.size()),
+                                   split.micros.front().size());
+      double logged = 0;
       for (std::size_t i = 0; i < split.micros.size(); ++i) {
         const auto loss = micro_loss(split.micros[i]);
         FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
                      model.name(), "': the micro-batch loss must be a scalar");
-        const double weight =
-            parts.window.weight(static_cast<double>(split.counts[i]), split.total);
-        const double value = loss.detach().item<double>();
-        mean += weight * value;
+        const double share = detail::GradientWindow::share(options_.reduction(), split.counts[i]);
+        const double weight = parts.window.weight(share, split.total);
+        // The batch's loss per count in every reduction, as the Trainer reports it.
+        const double value =
+            loss.detach().item<double>() * share / static_cast<double>(split.total);
+        logged += value;
         // Only the last micro-batch's backward reduces, the earlier gradients added to it.
         c10::optional<NoSync> quiet;
         if (i + 1 < split.micros.size()) {
@@ -172,14 +179,14 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
         }
         const auto weighted = loss * weight;
         check_loss(weighted, model);
-        backward_read(weighted, weight * value, model, false, &aside);
+        backward_read(weighted, value, model, false, &aside);
       }
       if (options_.oom_recovery()) {
         parts.window.put_back(std::move(aside), /*add=*/true);
       }
       // One loss of the batch in the report, not one per micro-batch.
       parts.iteration.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
-      return mean;
+      return logged;
     } catch (const c10::OutOfMemoryError& error) {
       if (!options_.oom_recovery() || parts.open) {
         throw;  // without recovery, or gradients began to travel: not run again
@@ -194,8 +201,9 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
       parts.non_finite = non_finite;
       try {
         micro_batch_ =
-            detail::back_off(micro_batch_ > 0 ? micro_batch_ : batch.size(), 1, probe_, error,
+            detail::back_off(size > 0 ? size : batch.size(), 1, probe_, error,
                              "The model, its optimizer and its gradients are as before the call.");
+        parts.whole_batch = false;
       } catch (...) {
         parts.iteration.oom_retries = retries;
         parts.window.put_back(std::move(aside), /*add=*/false);

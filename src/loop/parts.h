@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "../engine/batch_statistics.h"
 #include "../engine/compatibility.h"
 #include "../engine/grad_ready.h"
 #include "../engine/gradient_window.h"
@@ -34,8 +35,12 @@ inline std::vector<detail::Party> gradient_readers(const LoopOptions& options) {
 // weights of micro-batch losses, releasing gradients), the tensors the ledger counts, and
 // what happened to it since its last step and in this iteration.
 struct LoopModel::Parts {
-  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, bool set_to_none)
-      : window(optimizer, /*accumulate=*/1, set_to_none), tensors(module) {
+  Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const LoopOptions& options)
+      : window(optimizer, /*accumulate=*/1, options.set_to_none(),
+               options.reduction() == LossReduction::Sum),
+        tensors(module),
+        batch_statistics(options.batch_statistics()),
+        whole_batch(detail::keeps_whole_batch(options.batch_statistics(), module)) {
     for (const auto& group : optimizer.param_groups()) {
       for (const auto& p : group.params()) {
         if (p.requires_grad()) {
@@ -47,6 +52,10 @@ struct LoopModel::Parts {
   std::vector<torch::Tensor> trainable;
   detail::GradientWindow window;
   detail::ModuleTensors tensors;
+  // BatchNorm under accumulate's micro-batches: the choice, and whether this model's batches
+  // run whole (BatchStatistics::WholeBatch) until an out-of-memory error cuts them.
+  detail::BatchStatisticsCheck batch_statistics;
+  bool whole_batch;
   bool pending = false;     // a backward reached it since its last step
   bool non_finite = false;  // a loss of those was NaN or infinite
   LoopModelReport iteration;

@@ -53,7 +53,8 @@ std::int64_t book_bytes(int bits) { return 2 * (2 * (std::int64_t{1} << bits) - 
 
 template <typename Options>
 void check_options(const Options& o, const QuantizedStateOptions& q) {
-  FRUGAL_CHECK(o.lr() >= 0, "frugal: invalid learning rate: ", o.lr());
+  FRUGAL_CHECK(std::isfinite(o.lr()) && o.lr() >= 0, "frugal: invalid learning rate: ", o.lr(),
+               " (needs a finite value >= 0)");
   FRUGAL_CHECK(o.eps() >= 0, "frugal: invalid epsilon: ", o.eps());
   const auto [beta1, beta2] = o.betas();
   FRUGAL_CHECK(0 <= beta1 && beta1 < 1, "frugal: invalid beta1 (needs 0 <= beta1 < 1): ", beta1);

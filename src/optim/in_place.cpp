@@ -4,6 +4,7 @@
 #include <c10/util/Type.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <tuple>
 
@@ -18,7 +19,8 @@ torch::Tensor ParamUpdate::part(const torch::Tensor& t, std::int64_t offset,
   if (!flat) {
     return t;
   }
-  FRUGAL_CHECK(t.is_contiguous(), "frugal: an optimizer state tensor is not contiguous while "
+  FRUGAL_CHECK(t.is_contiguous(),
+               "frugal: an optimizer state tensor is not contiguous while "
                "its parameter is; it cannot be updated in place chunk by chunk");
   return t.view(-1).narrow(0, offset, length);
 }
@@ -136,12 +138,18 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   for (auto& w : work) {
     const auto& p = w.param;
     const auto& g = p.grad();
+    // A learning rate set after construction (a schedule, a user) is checked here too.
+    const double lr = w.group->options().get_lr();
+    FRUGAL_CHECK(std::isfinite(lr) && lr >= 0,
+                 "frugal: ", c10::demangle(typeid(optimizer()).name()),
+                 " needs a finite learning rate >= 0, got ", lr,
+                 " in a parameter group; nothing was stepped");
     FRUGAL_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
                  " does not support sparse gradients");
     FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),
                  "frugal: a gradient of shape ", g.sizes(), ", ", g.dtype(), " on ", g.device(),
-                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ",
-                 p.device(), ")");
+                 " does not match its parameter (", p.sizes(), ", ", p.dtype(), " on ", p.device(),
+                 ")");
     w.has_state = state.count(w.key) != 0;
     if (!w.has_state) {
       w.new_state = make_state(p, w.group->options());

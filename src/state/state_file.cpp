@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+
 #include "frugal/error.h"
 
 namespace frugal::detail {
@@ -50,6 +52,15 @@ std::uint32_t crc_update(std::uint32_t crc, const void* data, std::size_t size) 
     size -= chunk;
   }
   return crc;
+}
+
+// The bytes an unprivileged writer may still use in the file system of `dir` (-1: unknown).
+long long free_bytes(const std::string& dir) {
+  struct statvfs fs {};
+  if (::statvfs(dir.c_str(), &fs) != 0) {
+    return -1;
+  }
+  return static_cast<long long>(fs.f_bavail) * static_cast<long long>(fs.f_frsize);
 }
 
 std::string system_error(const char* what, const std::string& path) {
@@ -96,6 +107,15 @@ class TempFile {
     FRUGAL_CHECK(::close(fd) == 0, "frugal: cannot close ", system_error("the file", path_));
   }
   void release() { released_ = true; }
+  /// Closes and removes the file now.
+  void discard() {
+    if (fd_ >= 0) {
+      ::close(fd_);
+      fd_ = -1;
+    }
+    ::unlink(path_.c_str());
+    released_ = true;
+  }
 
  private:
   std::string path_;
@@ -120,11 +140,24 @@ void write_state_file(const std::string& path,
   const std::string tmp_path = dir + "/." + name + ".tmp-" + std::to_string(::getpid());
   TempFile tmp(tmp_path);
   std::array<unsigned char, kHeaderBytes> header{};
-  tmp.write_all(header.data(), header.size());  // filled in once the payload is known
   std::uint64_t length = 0;
+  std::string failed;  // the first write's error: the file is dropped, the save refused
+  // LibTorch's archive writer must not see an error: one thrown through it comes back from
+  // its destructor and ends the process. The payload is counted on after a failed write, so
+  // that the error can say how much the save needs.
+  auto write = [&](const void* data, std::size_t size, off_t* at = nullptr) {
+    if (failed.empty()) {
+      try {
+        tmp.write_all(data, size, at);
+      } catch (const std::exception& e) {
+        failed = error_message(e);
+      }
+    }
+  };
+  write(header.data(), header.size());  // filled in once the payload is known
   std::uint32_t crc = crc_update(0, nullptr, 0);
   payload([&](const void* data, std::size_t size) {
-    tmp.write_all(data, size);
+    write(data, size);
     crc = crc_update(crc, data, size);
     length += size;
     return size;
@@ -134,8 +167,24 @@ void write_state_file(const std::string& path,
   put_u64(header.data() + 16, length);
   put_u32(header.data() + 24, crc);
   off_t at = 0;
-  tmp.write_all(header.data(), header.size(), &at);
-  tmp.sync_and_close();
+  write(header.data(), header.size(), &at);
+  if (failed.empty()) {
+    try {
+      tmp.sync_and_close();  // a full disk may show here, on a file system that delays
+    } catch (const std::exception& e) {
+      failed = error_message(e);
+    }
+  }
+  if (!failed.empty()) {
+    tmp.discard();
+    const std::string prefix = "frugal: ";
+    if (failed.rfind(prefix, 0) == 0) {
+      failed.erase(0, prefix.size());
+    }
+    FRUGAL_CHECK(false, "frugal: cannot save '", path, "': ", failed, "; the save needs ",
+                 kHeaderBytes + length, " bytes and the file system has ", free_bytes(dir),
+                 " free. The temporary file was removed; '", path, "' is as it was");
+  }
   FRUGAL_CHECK(::rename(tmp_path.c_str(), path.c_str()) == 0, "frugal: cannot rename ",
                system_error("the temporary file to", path));
   tmp.release();

@@ -176,15 +176,15 @@ void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>*
 
 torch::Tensor StepRunner::weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
                                 LossLog& log) const {
-  // The weight makes the sum over micro-batches the gradient of the batch's mean loss;
-  // within an accumulation window, the division by the window's count waits for its end
-  // (GradientWindow). A micro-batch that counts nothing (all padding) weighs nothing: its
-  // mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
+  // The weight makes the sum over micro-batches the gradient of the batch's loss (its mean,
+  // or its sum: LossReduction); within an accumulation window, the division by the window's
+  // count waits for its end (GradientWindow). A micro-batch that counts nothing (all padding)
+  // weighs nothing: its mean over nothing is NaN, so it is replaced by a zero that keeps the graph.
   const bool mean = state_.options.reduction() == LossReduction::Mean;
   if (mean && count == 0) {
     return loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
   }
-  const double share = mean ? static_cast<double>(count) : 1.0;
+  const double share = GradientWindow::share(state_.options.reduction(), count);
   log.add(loss, share);
   const double weight = state_.window.weight(share, total);
   return weight == 1.0 ? loss : loss * weight;

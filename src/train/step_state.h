@@ -13,7 +13,7 @@
 #include "../engine/non_finite_guard.h"
 #include "../engine/step_halt.h"
 #include "../memory/module_tensors.h"
-#include "batch_statistics.h"
+#include "../engine/batch_statistics.h"
 #include "frugal/error.h"
 #include "frugal/memory/probe.h"
 #include "frugal/optim/sharded.h"

@@ -21,6 +21,7 @@
 #include "frugal/memory/probe.h"
 #include "frugal/nn/module_pointer.h"
 #include "frugal/train/batch.h"
+#include "frugal/train/options.h"
 #include "frugal/train/reducer.h"
 
 namespace frugal {
@@ -40,6 +41,13 @@ struct LoopOptions {
   /// What a (micro-)batch counts for Loop::accumulate, e.g. non-padding tokens. Unset:
   /// samples.
   TORCH_ARG(std::function<std::int64_t(const Batch&)>, count) = nullptr;
+  /// How Loop::accumulate's loss function reduces over a micro-batch, and so what the
+  /// gradient is: the batch's mean, its sum, or its sum over its count (see LossReduction).
+  TORCH_ARG(LossReduction, reduction) = LossReduction::Mean;
+  /// What Loop::accumulate does when micro-batches would change what a BatchNorm layer
+  /// computes (see BatchStatistics): warn once a model naming the layers, refuse, accept,
+  /// or run such a model's batches whole until an out-of-memory error cuts them.
+  TORCH_ARG(BatchStatistics, batch_statistics) = BatchStatistics::Warn;
   /// On an out-of-memory error inside Loop::accumulate, halve the micro-batch (down to 1) and
   /// run the batch again from its first micro-batch, the gradients before the call kept: the
   /// effective batch and its gradient stay as they were. The smaller size stays.
@@ -86,7 +94,7 @@ class LoopModel {
   friend class Loop;
   struct Parts;
   LoopModel(std::string name, std::shared_ptr<torch::nn::Module> module,
-            torch::optim::Optimizer& optimizer, bool set_to_none);
+            torch::optim::Optimizer& optimizer, const LoopOptions& options);
 
   std::string name_;
   std::shared_ptr<torch::nn::Module> module_;
@@ -200,7 +208,8 @@ class Loop {
   bool backward_step(const torch::Tensor& loss, LoopModel& model);
   /// Exact gradient accumulation: cuts `batch` into micro-batches (LoopOptions::micro_batch),
   /// calls `micro_loss` on each and backpropagates it into `model` weighted by its share of
-  /// the batch's count, so the gradient is the whole batch's mean loss's. Returns that mean.
+  /// the batch, so the gradient is the whole batch's loss's: its mean, or its sum
+  /// (LoopOptions::reduction). Returns that loss per count (a sum divided by the samples).
   double accumulate(const Batch& batch, LoopModel& model, const MicroLossFn& micro_loss);
   /// Unscales (with a scaler), decides the skip on inf/NaN, steps the model's optimizer and
   /// releases its gradients. Returns whether it stepped. At most once per iteration with a

@@ -28,10 +28,20 @@ struct EvaluateOptions {
   TORCH_ARG(std::function<void(EvalReport&)>, combine);
 };
 
-/// How the loss function reduces over a micro-batch.
+/// How the loss function reduces over a (micro-)batch, and so what the step trains on.
+/// Exact across micro-batches: the gradient is the unsplit batch's, and over an accumulation
+/// window that of the window's batches as one. Reports and evaluate() give the loss per
+/// count (sample or token) in every reduction, as pytorch/examples print a summed loss.
 enum class LossReduction {
-  Mean,  ///< mean over the micro-batch's count: weighted by count / global count
-  Sum,   ///< sum over the micro-batch: divided by the global count
+  /// The loss is a mean over its micro-batch's count; the step trains on the batch's mean
+  /// (each micro-batch weighted by its share of the global count). PyTorch's default.
+  Mean,
+  /// The loss is a sum over its micro-batch; the step trains on the batch's sum, as the
+  /// unsplit program with reduction='sum' does (a VAE's loss).
+  Sum,
+  /// The loss is a sum over its micro-batch; the step trains on that sum divided by the
+  /// batch's global count (a token-summed loss over the batch's non-padding tokens).
+  SumOverCount,
 };
 
 /// What the trainer does when micro-batches would change what a layer computes from the
