@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,26 @@ TEST(LinearCrossEntropy, MatchesTheLinearHeadAndCrossEntropyAtEveryChunkSize) {
               << (ignored ? ", a third ignored" : "") << ": differs by "
               << (got[i] - expected[i]).abs().max().item<double>();
         }
+      }
+    }
+  }
+}
+
+TEST(LinearCrossEntropy, NoCountedTokenGivesANanLossAndZeroGradientsAsCrossEntropyDoes) {
+  for (const std::int64_t tokens : {0, 8}) {
+    auto h = make_head(tokens, 16, 37, false);
+    h.targets.fill_(-100);  // every target ignored (or none at all)
+    for (const bool recompute : {false, true}) {
+      const auto expected = loss_and_grads(h, plain(h, 0.0));
+      const auto got = loss_and_grads(
+          h, frugal::nn::linear_cross_entropy(h.hidden, h.weight, h.bias, h.targets,
+                                              LinearCrossEntropyOptions().recompute(recompute)));
+      EXPECT_TRUE(std::isnan(got[0].item<double>()) && std::isnan(expected[0].item<double>()))
+          << tokens << " tokens: loss " << got[0].item<double>();
+      for (std::size_t i = 1; i < got.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], expected[i]))
+            << tokens << " tokens, recompute " << recompute << ", gradient " << i;
+        EXPECT_EQ(got[i].abs().sum().item<double>(), 0.0);
       }
     }
   }

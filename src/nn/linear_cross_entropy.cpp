@@ -134,7 +134,10 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
                                Needs{flags.get(0), flags.get(1), flags.get(2)});
       saved = {sums.hidden, sums.weight, sums.bias};
     }
-    const auto scale = grads[0].to(torch::kFloat) / ctx->saved_data["divisor"].toDouble();
+    // A mean over no counted token (every target ignored, or no token) is NaN, as
+    // cross_entropy's; its gradient sums are zeros, and stay zeros, as cross_entropy's do.
+    const double divisor = ctx->saved_data["divisor"].toDouble();
+    const auto scale = grads[0].to(torch::kFloat) / (divisor == 0 ? 1.0 : divisor);
     auto scaled = [&](const torch::Tensor& g, bool needed) {
       return g.defined() && needed ? g * scale.to(g.scalar_type()) : torch::Tensor();
     };
