@@ -5,8 +5,11 @@
 namespace frugal::detail {
 
 GradientWindow::GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate,
-                               bool set_to_none, bool sums)
-    : optimizer_(optimizer), accumulate_(accumulate), set_to_none_(set_to_none), sums_(sums) {}
+                               bool set_to_none, LossReduction reduction)
+    : optimizer_(optimizer),
+      accumulate_(accumulate),
+      set_to_none_(set_to_none),
+      reduction_(reduction) {}
 
 void GradientWindow::add(std::int64_t count) {
   count_ += count;
@@ -19,16 +22,18 @@ void GradientWindow::drop() {
   non_finite_ = false;
 }
 
-double GradientWindow::share(LossReduction reduction, std::int64_t count) {
-  return reduction == LossReduction::Mean ? static_cast<double>(count) : 1.0;
+double GradientWindow::share(std::int64_t count) const {
+  return reduction_ == LossReduction::Mean ? static_cast<double>(count) : 1.0;
 }
 
 double GradientWindow::weight(double share, std::int64_t total) const {
-  return sums_ || accumulate_ > 1 ? share : share / static_cast<double>(total);
+  return reduction_ == LossReduction::Sum || accumulate_ > 1 ? share
+                                                             : share / static_cast<double>(total);
 }
 
 double GradientWindow::scale(std::int64_t count) const {
-  return !sums_ && accumulate_ > 1 ? 1.0 / static_cast<double>(count) : 1.0;
+  return reduction_ != LossReduction::Sum && accumulate_ > 1 ? 1.0 / static_cast<double>(count)
+                                                             : 1.0;
 }
 
 void GradientWindow::divide(std::int64_t count,

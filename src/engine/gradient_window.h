@@ -18,9 +18,10 @@ namespace frugal::detail {
 /// divided by the window's count, zeroed or released).
 class GradientWindow {
  public:
-  /// `sums`: the window trains on the sum of its losses (LossReduction::Sum), never divided.
+  /// `reduction`: what the micro-batch losses are (LossReduction); a window of sums trains on
+  /// their sum, never divided.
   GradientWindow(torch::optim::Optimizer& optimizer, std::int64_t accumulate, bool set_to_none,
-                 bool sums = false);
+                 LossReduction reduction = LossReduction::Mean);
 
   /// Between the first batch of a window and the step that ends it.
   bool open() const { return batches_ > 0; }
@@ -36,9 +37,8 @@ class GradientWindow {
   bool non_finite() const { return non_finite_; }
   void mark_non_finite() { non_finite_ = true; }
 
-  /// The share of a micro-batch's loss of `count` under `reduction`: its count for a mean,
-  /// 1 for a sum.
-  static double share(LossReduction reduction, std::int64_t count);
+  /// The share of a micro-batch's loss of `count`: its count for a mean, 1 for a sum.
+  double share(std::int64_t count) const;
   /// The weight of a micro-batch's loss whose share is `share` of a batch of `total`: over
   /// several batches the share alone, the division waiting for the window's end (scale); in
   /// a window of one batch, share / total; for a window of sums, the share alone.
@@ -63,7 +63,7 @@ class GradientWindow {
   torch::optim::Optimizer& optimizer_;
   std::int64_t accumulate_;
   bool set_to_none_;
-  bool sums_;
+  LossReduction reduction_;
   std::int64_t batches_ = 0;
   std::int64_t count_ = 0;
   bool non_finite_ = false;  // a loss of the open window was NaN or infinite

@@ -166,7 +166,7 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
         const auto loss = micro_loss(split.micros[i]);
         FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
                      model.name(), "': the micro-batch loss must be a scalar");
-        const double share = detail::GradientWindow::share(options_.reduction(), split.counts[i]);
+        const double share = parts.window.share(split.counts[i]);
         const double weight = parts.window.weight(share, split.total);
         // The batch's loss per count in every reduction, as the Trainer reports it.
         const double value =

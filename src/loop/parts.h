@@ -36,8 +36,7 @@ inline std::vector<detail::Party> gradient_readers(const LoopOptions& options) {
 // what happened to it since its last step and in this iteration.
 struct LoopModel::Parts {
   Parts(torch::nn::Module& module, torch::optim::Optimizer& optimizer, const LoopOptions& options)
-      : window(optimizer, /*accumulate=*/1, options.set_to_none(),
-               options.reduction() == LossReduction::Sum),
+      : window(optimizer, /*accumulate=*/1, options.set_to_none(), options.reduction()),
         tensors(module),
         batch_statistics(options.batch_statistics()),
         whole_batch(detail::keeps_whole_batch(options.batch_statistics(), module)) {

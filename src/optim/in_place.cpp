@@ -135,15 +135,19 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   const auto kind_of = [](const torch::Tensor& p, c10::ScalarType type) {
     return Kind{p.device().type(), p.device().index(), type};
   };
+  const torch::optim::OptimizerParamGroup* checked = nullptr;
   for (auto& w : work) {
     const auto& p = w.param;
     const auto& g = p.grad();
-    // A learning rate set after construction (a schedule, a user) is checked here too.
-    const double lr = w.group->options().get_lr();
-    FRUGAL_CHECK(std::isfinite(lr) && lr >= 0,
-                 "frugal: ", c10::demangle(typeid(optimizer()).name()),
-                 " needs a finite learning rate >= 0, got ", lr,
-                 " in a parameter group; nothing was stepped");
+    if (w.group != checked) {  // a group's parameters come together: its rate once a step
+      // A learning rate set after construction (a schedule, a user) is checked here too.
+      const double lr = w.group->options().get_lr();
+      FRUGAL_CHECK(std::isfinite(lr) && lr >= 0,
+                   "frugal: ", c10::demangle(typeid(optimizer()).name()),
+                   " needs a finite learning rate >= 0, got ", lr,
+                   " in a parameter group; nothing was stepped");
+      checked = w.group;
+    }
     FRUGAL_CHECK(!g.is_sparse(), "frugal: ", c10::demangle(typeid(optimizer()).name()),
                  " does not support sparse gradients");
     FRUGAL_CHECK(g.sizes() == p.sizes() && g.dtype() == p.dtype() && g.device() == p.device(),

@@ -75,11 +75,10 @@ class TempFile {
     FRUGAL_CHECK(fd_ >= 0, "frugal: cannot create ", system_error("the file", path_));
   }
   ~TempFile() {
-    if (fd_ >= 0) {
-      ::close(fd_);
-    }
     if (!released_) {
-      ::unlink(path_.c_str());
+      discard();
+    } else if (fd_ >= 0) {
+      ::close(fd_);
     }
   }
   TempFile(const TempFile&) = delete;

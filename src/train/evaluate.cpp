@@ -167,7 +167,7 @@ EvalReport Trainer::Impl::evaluate_chunks(PolicyPort& port, const Batch& data,
         loss = state.batch_loss(micro);
       }
       if (!mean || count > 0) {  // a chunk that counts nothing (all padding) weighs nothing
-        loss_sum += loss.item<double>() * (mean ? static_cast<double>(count) : 1.0);
+        loss_sum += loss.item<double>() * state.window.share(count);
       }
       total += count;
       ++report.batches;

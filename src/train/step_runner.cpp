@@ -184,7 +184,7 @@ torch::Tensor StepRunner::weigh(torch::Tensor loss, std::int64_t count, std::int
   if (mean && count == 0) {
     return loss.nan_to_num(0.0, 0.0, 0.0) * 0.0;
   }
-  const double share = GradientWindow::share(state_.options.reduction(), count);
+  const double share = state_.window.share(count);
   log.add(loss, share);
   const double weight = state_.window.weight(share, total);
   return weight == 1.0 ? loss : loss * weight;

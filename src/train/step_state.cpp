@@ -45,8 +45,7 @@ StepState::StepState(std::shared_ptr<torch::nn::Module> module_,
       module_tensors(*module),
       whole_batch(keeps_whole_batch(options.batch_statistics(), *module)),
       plan(whole_batch ? c10::nullopt : options.micro_batches(), options.count()),
-      window(optimizer, options.accumulate(), options.set_to_none(),
-             options.reduction() == LossReduction::Sum),
+      window(optimizer, options.accumulate(), options.set_to_none(), options.reduction()),
       guard(options.skip_non_finite(), options.check_gradients()),
       batch_statistics(options.batch_statistics()) {
   counters.micro_batch = whole_batch ? 0 : options.micro_batch().value_or(0);
