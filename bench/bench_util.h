@@ -64,6 +64,20 @@ inline std::map<std::string, double> medians(
   return out;
 }
 
+/// The median over rounds of `name`'s time divided by `base`'s in the same round: a ratio
+/// of variants that ran side by side, so that a slow stretch of the machine (which the
+/// medians of whole runs still feel when it falls on more rounds of one variant) cancels.
+inline double paired_ratio(const std::map<std::string, std::vector<double>>& times,
+                           const std::string& name, const std::string& base) {
+  const auto& t = times.at(name);
+  const auto& b = times.at(base);
+  std::vector<double> ratios;
+  for (std::size_t r = 0; r < std::min(t.size(), b.size()); ++r) {
+    ratios.push_back(t[r] / b[r]);
+  }
+  return median(ratios);
+}
+
 /// A classifier of 10 classes trained by SGD (lr 0.01) on cross-entropy under frugal's
 /// Trainer, as the checkpointing benchmarks train theirs.
 struct SgdClassifier {

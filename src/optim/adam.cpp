@@ -24,9 +24,8 @@ std::unique_ptr<torch::optim::OptimizerParamState> adam_state(const torch::Tenso
 
 // One step of Adam (coupled: L2 weight decay added to the gradient) or AdamW (decoupled:
 // the parameter shrunk first), in LibTorch's order of operations, chunk by chunk.
-template <typename Options, typename State>
-void adam_update(ParamUpdate& u, bool decoupled) {
-  const auto& o = static_cast<const Options&>(u.options);
+template <typename State, typename Options>
+void adam_update(ParamUpdate& u, const Options& o, bool decoupled) {
   auto& state = static_cast<State&>(*u.state);
   state.step(state.step() + 1);
   const auto step = detail::adam_chunk_step(o, state.step(), decoupled, u.fresh);
@@ -37,8 +36,8 @@ void adam_update(ParamUpdate& u, bool decoupled) {
     const auto bits = [](const torch::Tensor& t) {
       return reinterpret_cast<std::uint16_t*>(t.data_ptr<at::BFloat16>());
     };
-    detail::adam_bf16_cpu(detail::fused_weights(u), bits(state.exp_avg()),
-                          bits(state.exp_avg_sq()), u.numel(), detail::adam_scalars(step));
+    detail::adam_bf16_cpu(detail::fused_weights(u), bits(state.exp_avg()), bits(state.exp_avg_sq()),
+                          u.numel(), detail::adam_scalars(step));
     return;
   }
   // Scratch: the denominator, and Adam's decayed gradient when it has weight decay.
@@ -60,24 +59,33 @@ using torch::optim::AdamParamState;
 using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
-std::unique_ptr<torch::optim::OptimizerParamState> Adam::make_state(
-    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
-  return adam_state<AdamParamState>(param, static_cast<const AdamOptions&>(options).amsgrad());
-}
+namespace detail {
 
-int Adam::scratch_buffers(const torch::optim::OptimizerOptions& options) const {
-  return static_cast<const AdamOptions&>(options).weight_decay() != 0 ? 2 : 1;
-}
+struct AdamRule {
+  static std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::Tensor& param,
+                                                                       const AdamOptions& o) {
+    return adam_state<AdamParamState>(param, o.amsgrad());
+  }
+  static int scratch_buffers(const AdamOptions& o) { return o.weight_decay() != 0 ? 2 : 1; }
+  static void update(ParamUpdate& u, const AdamOptions& o) {
+    adam_update<AdamParamState>(u, o, false);
+  }
+};
 
-void Adam::update(ParamUpdate& u) const { adam_update<AdamOptions, AdamParamState>(u, false); }
+struct AdamWRule {
+  static std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::Tensor& param,
+                                                                       const AdamWOptions& o) {
+    return adam_state<AdamWParamState>(param, o.amsgrad());
+  }
+  static int scratch_buffers(const AdamWOptions&) { return 1; }
+  static void update(ParamUpdate& u, const AdamWOptions& o) {
+    adam_update<AdamWParamState>(u, o, true);
+  }
+};
 
-std::unique_ptr<torch::optim::OptimizerParamState> AdamW::make_state(
-    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
-  return adam_state<AdamWParamState>(param, static_cast<const AdamWOptions&>(options).amsgrad());
-}
+}  // namespace detail
 
-int AdamW::scratch_buffers(const torch::optim::OptimizerOptions&) const { return 1; }
-
-void AdamW::update(ParamUpdate& u) const { adam_update<AdamWOptions, AdamWParamState>(u, true); }
+template class InPlace<torch::optim::Adam, AdamOptions, detail::AdamRule>;
+template class InPlace<torch::optim::AdamW, AdamWOptions, detail::AdamWRule>;
 
 }  // namespace frugal::optim

@@ -7,9 +7,18 @@ namespace frugal::optim {
 using torch::optim::SGDOptions;
 using torch::optim::SGDParamState;
 
-std::unique_ptr<torch::optim::OptimizerParamState> SGD::make_state(
-    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
-  if (static_cast<const SGDOptions&>(options).momentum() == 0) {
+namespace detail {
+
+struct SGDRule {
+  static std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::Tensor& param,
+                                                                       const SGDOptions& o);
+  static int scratch_buffers(const SGDOptions& o);
+  static void update(ParamUpdate& u, const SGDOptions& o);
+};
+
+std::unique_ptr<torch::optim::OptimizerParamState> SGDRule::make_state(const torch::Tensor& param,
+                                                                       const SGDOptions& o) {
+  if (o.momentum() == 0) {
     return nullptr;
   }
   auto state = std::make_unique<SGDParamState>();
@@ -17,14 +26,12 @@ std::unique_ptr<torch::optim::OptimizerParamState> SGD::make_state(
   return state;
 }
 
-int SGD::scratch_buffers(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = static_cast<const SGDOptions&>(options);
+int SGDRule::scratch_buffers(const SGDOptions& o) {
   // 0: the gradient with weight decay; 1: the Nesterov direction.
   return o.momentum() != 0 && o.nesterov() ? 2 : (o.weight_decay() != 0 ? 1 : 0);
 }
 
-void SGD::update(ParamUpdate& u) const {
-  const auto& o = static_cast<const SGDOptions&>(u.options);
+void SGDRule::update(ParamUpdate& u, const SGDOptions& o) {
   const auto* state = static_cast<SGDParamState*>(u.state);
   for_each_chunk(u, [&](std::int64_t offset, std::int64_t n) {
     auto p = u.weights(offset, n);
@@ -53,5 +60,9 @@ void SGD::update(ParamUpdate& u) const {
     u.store_weights(p, offset, n);
   });
 }
+
+}  // namespace detail
+
+template class InPlace<torch::optim::SGD, SGDOptions, detail::SGDRule>;
 
 }  // namespace frugal::optim

@@ -8,6 +8,15 @@
 
 namespace frugal::optim {
 
+namespace detail {
+// The updates, in adam.cpp; so are InPlace's functions for them (explicit instantiations).
+struct AdamRule;
+struct AdamWRule;
+}  // namespace detail
+
+extern template class InPlace<torch::optim::Adam, torch::optim::AdamOptions, detail::AdamRule>;
+extern template class InPlace<torch::optim::AdamW, torch::optim::AdamWOptions, detail::AdamWRule>;
+
 /// LibTorch's Adam with frugal's step: in place, chunk by chunk, all or nothing (see
 /// InPlaceOptimizer). LibTorch's step allocates two temporaries the size of each parameter
 /// for the denominator (three with weight decay); this one a chunk's worth. Options, state
@@ -16,15 +25,9 @@ namespace frugal::optim {
 ///
 /// Example:
 ///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-class Adam : public InPlace<torch::optim::Adam, torch::optim::AdamOptions> {
+class Adam : public InPlace<torch::optim::Adam, torch::optim::AdamOptions, detail::AdamRule> {
  public:
   using InPlace::InPlace;  // (params or groups, AdamOptions = {}, InPlaceOptions = {})
-
- protected:
-  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
-      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
-  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
-  void update(ParamUpdate& u) const override;
 };
 
 /// LibTorch's AdamW (decoupled weight decay) with frugal's step; see Adam.
@@ -32,15 +35,9 @@ class Adam : public InPlace<torch::optim::Adam, torch::optim::AdamOptions> {
 /// Example:
 ///   frugal::optim::AdamW adamw(model->parameters(),
 ///                              torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
-class AdamW : public InPlace<torch::optim::AdamW, torch::optim::AdamWOptions> {
+class AdamW : public InPlace<torch::optim::AdamW, torch::optim::AdamWOptions, detail::AdamWRule> {
  public:
   using InPlace::InPlace;  // (params or groups, AdamWOptions = {}, InPlaceOptions = {})
-
- protected:
-  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
-      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
-  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
-  void update(ParamUpdate& u) const override;
 };
 
 }  // namespace frugal::optim

@@ -182,10 +182,15 @@ class InPlaceOptimizer : public LedgerParts {
   std::unordered_map<const void*, torch::Tensor> compensation_;  // TensorImpl -> buffer
 };
 
-/// LibTorch's optimizer `Torch` with the in-place step: the constructors and overrides that
-/// frugal's SGD, Adam and AdamW share (the base to build another from). Each adds make_state,
-/// scratch_buffers and update.
-template <typename Torch, typename Options>
+/// LibTorch's optimizer `Torch` with the in-place step, its update given by `Rule`: the base
+/// of frugal's SGD, Adam and AdamW, and the one to build another from. `Rule` is a type with
+/// three static functions of the group's `Options`:
+///   std::unique_ptr<torch::optim::OptimizerParamState> make_state(const torch::Tensor& param,
+///                                                                 const Options& options);
+///   int scratch_buffers(const Options& options);
+///   void update(ParamUpdate& u, const Options& options);
+/// what InPlaceOptimizer's make_state, scratch_buffers and update say they do.
+template <typename Torch, typename Options, typename Rule>
 class InPlace : public Torch, public InPlaceOptimizer {
  public:
   explicit InPlace(const std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -208,7 +213,32 @@ class InPlace : public Torch, public InPlaceOptimizer {
     Torch::load(archive);
     commit();
   }
+
+ protected:
+  // Rule's functions, given the group's options as `Options` (defined below, out of the
+  // class, so that frugal's own rules can stay in their .cpp files: see adam.h).
+  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
+  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
+  void update(ParamUpdate& u) const override;
 };
+
+template <typename Torch, typename Options, typename Rule>
+std::unique_ptr<torch::optim::OptimizerParamState> InPlace<Torch, Options, Rule>::make_state(
+    const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const {
+  return Rule::make_state(param, static_cast<const Options&>(options));
+}
+
+template <typename Torch, typename Options, typename Rule>
+int InPlace<Torch, Options, Rule>::scratch_buffers(
+    const torch::optim::OptimizerOptions& options) const {
+  return Rule::scratch_buffers(static_cast<const Options&>(options));
+}
+
+template <typename Torch, typename Options, typename Rule>
+void InPlace<Torch, Options, Rule>::update(ParamUpdate& u) const {
+  Rule::update(u, static_cast<const Options&>(u.options));
+}
 
 /// Calls `fn(offset, length)` for consecutive chunks covering `u`'s parameter.
 template <typename Fn>

@@ -7,21 +7,21 @@
 
 namespace frugal::optim {
 
+namespace detail {
+struct SGDRule;  // the update, in sgd.cpp, with InPlace's functions for it
+}  // namespace detail
+
+extern template class InPlace<torch::optim::SGD, torch::optim::SGDOptions, detail::SGDRule>;
+
 /// LibTorch's SGD with frugal's step: in place, chunk by chunk, all or nothing (see
 /// InPlaceOptimizer). Options, state (momentum buffers) and serialization are torch's.
 /// Same arithmetic as torch::optim::SGD, element by element.
 ///
 /// Example:
 ///   frugal::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-class SGD : public InPlace<torch::optim::SGD, torch::optim::SGDOptions> {
+class SGD : public InPlace<torch::optim::SGD, torch::optim::SGDOptions, detail::SGDRule> {
  public:
   using InPlace::InPlace;  // (params or groups, SGDOptions, InPlaceOptions = {})
-
- protected:
-  std::unique_ptr<torch::optim::OptimizerParamState> make_state(
-      const torch::Tensor& param, const torch::optim::OptimizerOptions& options) const override;
-  int scratch_buffers(const torch::optim::OptimizerOptions& options) const override;
-  void update(ParamUpdate& u) const override;
 };
 
 }  // namespace frugal::optim
