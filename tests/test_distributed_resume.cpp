@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "children.h"
 #include "dist_launch.h"
@@ -12,6 +14,7 @@
 #include "frugal/distributed/zero.h"
 #include "frugal/fit/fit.h"
 #include "frugal/optim/adam.h"
+#include "frugal/state/save_dir.h"
 #include "frugal/train/trainer.h"
 #include "resume_setup.h"
 
@@ -87,6 +90,39 @@ int dp_fit(const std::vector<std::string>& args) {
 }
 const frugal::testing::RegisterChild register_fit("dp-fit", dp_fit);
 
+// same-weights A B: exit 0 when the weight files A and B (written by dp-fit) are equal bit for
+// bit, else 1 (scripts/kill_resume_soak.py).
+int same_weights(const std::vector<std::string>& args) {
+  std::vector<torch::Tensor> a, b;
+  torch::load(a, args.at(0));
+  torch::load(b, args.at(1));
+  bool same = a.size() == b.size();
+  for (std::size_t i = 0; same && i < a.size(); ++i) {
+    same = torch::equal(a[i], b[i]);
+  }
+  return same ? 0 : 1;
+}
+const frugal::testing::RegisterChild register_same("same-weights", same_weights);
+
+// Whether rank `r`'s run ended with weights equal to the straight run's, bit for bit.
+void expect_weights_equal(const std::string& out, const std::string& straight,
+                          const std::string& resumed) {
+  for (int r = 0; r < 2; ++r) {
+    std::vector<torch::Tensor> a, b;
+    torch::load(a, out + "-" + straight + "-" + std::to_string(r) + ".pt");
+    torch::load(b, out + "-" + resumed + "-" + std::to_string(r) + ".pt");
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << r << " parameter " << i;
+    }
+  }
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
 void expect_resumed_run_equals_straight_run(const std::string& mode) {
   const auto dir = frugal::testing::fresh_temp_dir("frugal-dist-resume-" + mode);
   const auto saves = (dir / "saves").string();
@@ -99,15 +135,7 @@ void expect_resumed_run_equals_straight_run(const std::string& mode) {
   }
   // ZeRO keeps one folder a rank (their optimizer states differ); plain data parallelism one.
   EXPECT_EQ(fs::exists(fs::path(saves) / "rank-1"), mode != "adam");
-  for (int r = 0; r < 2; ++r) {
-    std::vector<torch::Tensor> straight, resumed;
-    torch::load(straight, out + "-straight-" + std::to_string(r) + ".pt");
-    torch::load(resumed, out + "-second-" + std::to_string(r) + ".pt");
-    ASSERT_EQ(straight.size(), resumed.size());
-    for (std::size_t i = 0; i < straight.size(); ++i) {
-      EXPECT_TRUE(torch::equal(straight[i], resumed[i])) << "rank " << r << " parameter " << i;
-    }
-  }
+  expect_weights_equal(out, "straight", "second");
 }
 
 TEST(DataParallelResume, TwoRanksResumeBitForBitFromRankZerosSaves) {
@@ -124,6 +152,64 @@ TEST(DataParallelResume, ZeroStageThreeRanksResumeBitForBitFromTheirOwnSaves) {
 
 TEST(DataParallelResume, ZeroStageThreeSteppedInBackwardRanksResumeBitForBit) {
   expect_resumed_run_equals_straight_run("zero3-in-backward");
+}
+
+// A crash between two ranks' saves leaves their newest steps apart, and a file can be
+// damaged on one rank: the ranks resume together from the newest step both hold whole.
+TEST(DataParallelResume, ZeroStageThreeRanksResumeFromTheNewestStepEveryRankHoldsWhole) {
+  const auto dir = frugal::testing::fresh_temp_dir("frugal-dist-resume-agree");
+  const auto saves = dir / "saves";
+  const auto out = (dir / "w").string();
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", "-", "22", out + "-straight"}),
+            (std::vector<int>{0, 0}));
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "12", out + "-first"}),
+            (std::vector<int>{0, 0}));
+  const auto step = [&](int rank, int n) {
+    char name[40];
+    std::snprintf(name, sizeof(name), "step-%012d.frugal", n);
+    return saves / ("rank-" + std::to_string(rank)) / name;
+  };
+  ASSERT_TRUE(fs::exists(step(0, 12)) && fs::exists(step(1, 10)) && fs::exists(step(1, 5)));
+  fs::remove(step(1, 12));  // rank 1 died before its save of step 12
+  {
+    std::fstream damaged(step(0, 10), std::ios::in | std::ios::out | std::ios::binary);
+    damaged.seekp(100);
+    damaged.put('\x7f');  // rank 0's step 10 is damaged: step 5 is the newest both hold
+  }
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "22", out + "-second"}),
+            (std::vector<int>{0, 0}));
+  expect_weights_equal(out, "straight", "second");
+}
+
+// Saves no step of which every rank holds: refused on every rank, naming what each holds; and
+// the saves of a sharded optimizer are not silently ignored by a run without one.
+TEST(DataParallelResume, RanksWithNoCommonStepOrAnotherSaveLayoutAreRefusedByName) {
+  const auto dir = frugal::testing::fresh_temp_dir("frugal-dist-resume-refused");
+  const auto saves = dir / "saves";
+  const auto out = (dir / "w").string();
+  const auto err = (dir / "err").string();
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "12", out + "-first"}),
+            (std::vector<int>{0, 0}));
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"adam", saves.string(), "22", out + "-plain"},
+                                    err + "-layout-"),
+            (std::vector<int>{3, 3}));
+  for (int r = 0; r < 2; ++r) {
+    const auto text = read_text(err + "-layout-" + std::to_string(r) + ".txt");
+    EXPECT_NE(text.find("holds the saves of a sharded optimizer"), std::string::npos) << text;
+  }
+  EXPECT_TRUE(frugal::SaveDir::files_in(saves.string()).empty())
+      << "a refused run wrote saves beside the rank folders";
+  fs::remove_all(saves / "rank-1");
+  fs::create_directory(saves / "rank-1");
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "22", out + "-second"},
+                                    err + "-common-"),
+            (std::vector<int>{3, 3}));
+  for (int r = 0; r < 2; ++r) {
+    const auto text = read_text(err + "-common-" + std::to_string(r) + ".txt");
+    EXPECT_NE(text.find("rank 0 holds steps 12, 10, 5; rank 1 holds no whole save"),
+              std::string::npos)
+        << text;
+  }
 }
 
 }  // namespace

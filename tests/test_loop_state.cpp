@@ -9,6 +9,7 @@
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/state/training_state.h"
 #include "helpers.h"
+#include "state/state_file.h"
 
 namespace {
 namespace loop_state {  // helper names of its own in the unity build
@@ -97,6 +98,20 @@ TEST(LoopState, AnotherLoopOrPendingGradientsAreRefusedAndChangeNothing) {
   frugal::testing::expect_error_contains(
       [&] { frugal::save_training_state(*pending.loop, path.string()); },
       "gradients waiting for its step");
+  fs::remove(path);
+}
+
+TEST(LoopState, AFileLibTorchCannotReadIsRefusedByName) {
+  const auto path = temp_file("garbage.frugal").string();
+  frugal::detail::write_state_file(path, [](const frugal::detail::ByteWriter& write) {
+    const std::string bytes = "a good checksum over bytes that are no archive";
+    write(bytes.data(), bytes.size());
+  });
+  Pair pair(65);
+  frugal::testing::expect_error_contains(
+      [&] { frugal::load_training_state(*pair.loop, path); },
+      "frugal: '" + path + "' cannot be read as a saved state: ");
+  EXPECT_EQ(pair.loop->iterations(), 0);
   fs::remove(path);
 }
 

@@ -226,6 +226,33 @@ TEST(Optim4bit, StateRoundTripsThroughTorchSaveAndResumesBitForBit) {
   EXPECT_TRUE(torch::equal(state_of(eight, c[0]).exp_avg(), codes));
 }
 
+// A state keeps the layout it was made in: a factored save goes on factored in an optimizer
+// built without `factored` (and the other way round), exactly as the run that saved it.
+TEST(Optim4bit, ALoadedStateKeepsItsLayoutAndGoesOnAsTheRunThatSavedIt) {
+  for (const bool saved_factored : {true, false}) {
+    SCOPED_TRACE(saved_factored ? "factored save, whole optimizer" : "whole save, factored one");
+    auto a = make_8bit_params();
+    const auto options = to::AdamOptions(1e-2);
+    fo::Adam4bit saved(a, options, fo::four_bit_states().min_elements(0).factored(saved_factored),
+                       kChunks);
+    step_together(0, 3, {&a}, saved);
+    std::stringstream file;
+    torch::save(saved, file);
+    auto b = clone_params(a);
+    fo::Adam4bit loaded(b, options, fo::four_bit_states().min_elements(0).factored(!saved_factored),
+                        kChunks);
+    torch::load(loaded, file);
+    bool some_factored = false;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(state_of(loaded, b[i]).factored(), state_of(saved, a[i]).factored()) << i;
+      some_factored = some_factored || state_of(saved, a[i]).factored();
+    }
+    EXPECT_EQ(some_factored, saved_factored);
+    step_together(3, 8, {&a, &b}, saved, loaded);
+    EXPECT_EQ(max_abs_diff(a, b), 0);
+  }
+}
+
 TEST(Optim4bit, BadOptionsNameTheValue) {
   auto params = make_8bit_params();
   expect_error_contains(

@@ -310,9 +310,12 @@ TEST(Planner, ChooseBlocksCheckpointsOnlySomeBlocksWhenThereIsRoomForTheRest) {
               0.15 * static_cast<double>(peak));
 }
 
-TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {
-  auto s = setup();
+TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeededAndChangesNothing) {
+  auto s = setup(Optimizer::Adam8bit);
+  s.trainer->set_micro_batch(256);
   frugal::MemoryPlanner planner(*s.trainer, planner_options());
+  auto& states = dynamic_cast<frugal::optim::QuantizedStateOptimizer&>(*s.optimizer);
+  const auto format = states.state_format();
   try {
     planner.plan(1 << 20, sample());
     FAIL();
@@ -320,6 +323,11 @@ TEST(Planner, ImpossibleBudgetSaysWhatWouldBeNeeded) {
     EXPECT_NE(std::string(e.what()).find("no plan fits the budget of 1.00 MiB"), std::string::npos)
         << e.what();
   }
+  // The trials tried other micro-batches and formats; the failed plan put the trainer back.
+  EXPECT_EQ(s.trainer->micro_batch(), 256);
+  EXPECT_EQ(s.trainer->steps(), 0);
+  EXPECT_EQ(states.state_format().bits, format.bits);
+  EXPECT_EQ(states.state_format().factored, format.factored);
   EXPECT_THROW(planner.plan(0, sample()), c10::Error);
 }
 

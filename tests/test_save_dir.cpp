@@ -1,11 +1,15 @@
 // SaveDir: the newest saves kept, a damaged newest one passed over for the one before it,
 // every file named when none loads, and a save refused by a full disk.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -81,6 +85,31 @@ class FileSizeLimit {
   rlimit previous_{};
   void (*handler_)(int);
 };
+
+TEST(SaveDir, SweepsAbandonedTemporaryFilesButNotOneAnotherSaveIsWriting) {
+  const auto dir = frugal::testing::fresh_temp_dir("state_savedir_sweep");
+  auto s = make_resume_setup("plain");
+  frugal::SaveDir saves(dir.string());
+  const auto abandoned = dir / ".step-000000000007.frugal.tmp-4000001";  // a crashed save's
+  const auto in_use = dir / ".step-000000000008.frugal.tmp-4000002";     // a live run's
+  for (const auto& path : {abandoned, in_use}) {
+    std::ofstream(path) << "half a save";
+  }
+  // What a save writing it holds: a lock through its own open file.
+  const int writer = ::open(in_use.c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(writer, 0);
+  ASSERT_EQ(::flock(writer, LOCK_EX), 0);
+  train(*s, 1);
+  saves.save(*s->trainer);
+  EXPECT_FALSE(fs::exists(abandoned));
+  EXPECT_TRUE(fs::exists(in_use)) << "a save removed the temporary file another one is writing";
+  ::close(writer);  // that save ended without renaming it (its process died)
+  train(*s, 1);
+  saves.save(*s->trainer);
+  EXPECT_FALSE(fs::exists(in_use));
+  EXPECT_EQ(saves.files().size(), 2u);
+  fs::remove_all(dir);
+}
 
 TEST(SaveDir, AFullDiskRefusesTheSaveByNameAndKeepsTheLastGoodOne) {
   const auto dir = frugal::testing::fresh_temp_dir("state_full_disk");

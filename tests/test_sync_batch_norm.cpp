@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -191,6 +193,40 @@ TEST(SyncBatchNorm, TwoRanksWithUnequalSharesTrainAsOneProcess) {
   // the comparison of running statistics meant something.
   const auto& running_mean = one[one.size() - 6];
   EXPECT_GT(running_mean.abs().max().item<double>(), 0.01);
+}
+
+// sync-bn-mismatch ERR: rank R builds SyncBatchNorm(4 + 4 R) and runs a training forward on
+// inputs of its own width; what it threw goes to ERR-<rank>.txt.
+int mismatched_rank(const std::vector<std::string>& args) {
+  torch::set_num_threads(1);
+  const auto env = frugal::distributed::LaunchEnv::from_environment();
+  auto group =
+      Group::join(env, frugal::distributed::GroupOptions().timeout(std::chrono::seconds(60)));
+  const std::int64_t channels = 4 + 4 * env.rank;
+  SyncBatchNorm bn(torch::nn::BatchNormOptions(channels), group);
+  try {
+    bn->forward(torch::randn({3, channels}));
+  } catch (const std::exception& e) {
+    std::ofstream(args.at(0) + "-" + std::to_string(env.rank) + ".txt") << frugal::error_message(e);
+    return 1;
+  }
+  return 0;
+}
+const frugal::testing::RegisterChild register_mismatch("sync-bn-mismatch", mismatched_rank);
+
+TEST(SyncBatchNorm, LayersOfOtherSizesOnTheRanksAreRefusedByNameOnEveryRank) {
+  const auto dir = frugal::testing::fresh_temp_dir("frugal-sync-bn-mismatch");
+  const auto err = (dir / "err").string();
+  ASSERT_EQ(frugal::testing::launch("sync-bn-mismatch", 2, {err}), (std::vector<int>{1, 1}));
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream in(err + "-" + std::to_string(r) + ".txt");
+    const std::string text{std::istreambuf_iterator<char>(in), {}};
+    EXPECT_NE(text.find("SyncBatchNorm of " + std::to_string(4 + 4 * r) + " features on rank " +
+                        std::to_string(r) + " is synchronized with layers of other sizes"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("(rank 0: 4, rank 1: 8)"), std::string::npos) << text;
+  }
 }
 
 }  // namespace sync_batch_norm

@@ -1,5 +1,6 @@
 // Saved training states: all or nothing on bad files, other models, other optimizers.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include "compat.h"
 #include "helpers.h"
 #include "resume_setup.h"
+#include "state/state_file.h"
 #include "state/state_parts.h"
 
 namespace {
@@ -137,6 +139,32 @@ TEST(TrainingState, DamagedFilesAreRefusedAndChangeNothing) {
   // The good file still loads, and then the trainer is where it was at step 3.
   frugal::load_training_state(*s->trainer, good);
   EXPECT_EQ(s->trainer->steps(), 3);
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, ForgedFilesAndFilesThatAreNotFilesAreRefusedByName) {
+  const auto dir = frugal::testing::fresh_temp_dir("state_forged");
+  auto s = make_resume_setup("plain");
+  train(*s, 2);
+  // Header and checksum right, contents not: LibTorch's own errors, with the file's name.
+  const auto garbage = (dir / "garbage.frugal").string();
+  frugal::detail::write_state_file(garbage, [](const frugal::detail::ByteWriter& write) {
+    const std::string bytes = "not an archive at all";
+    write(bytes.data(), bytes.size());
+  });
+  expect_refused(*s, garbage, "cannot be read as a saved state");
+  const auto keyless = (dir / "keyless.frugal").string();
+  auto archive = frugal::detail::new_state_archive();  // the layout and nothing else
+  frugal::detail::write_state_file(
+      keyless, [&](const frugal::detail::ByteWriter& write) { archive.save_to(write); });
+  expect_refused(*s, keyless, "'" + keyless + "'");
+  // Opening a FIFO for reading waits for a writer: it is refused before that.
+  const auto fifo = (dir / "fifo.frugal").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_refused(*s, fifo, "is a FIFO, not a saved state");
+  const auto folder = dir / "folder.frugal";
+  fs::create_directory(folder);
+  expect_refused(*s, folder.string(), "is a folder, not a saved state");
   fs::remove_all(dir);
 }
 

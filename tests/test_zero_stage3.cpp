@@ -10,6 +10,7 @@
 #include "frugal/error.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/train/trainer.h"
+#include "helpers.h"
 
 namespace {
 
@@ -150,11 +151,28 @@ TEST(ZeroStageThree, ASavedStateHoldsTheRangeOfTheWeights) {
   torch::serialize::InputArchive archive;
   archive.load_from(in);
   other->load(archive);
-  GatheredParameters whole(*other);
-  const auto loaded = copies(other_model);
-  for (std::size_t i = 0; i < saved.size(); ++i) {
-    EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << "parameter " << i;
+  {
+    GatheredParameters whole(*other);
+    const auto loaded = copies(other_model);
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << "parameter " << i;
+    }
   }
+  // Another optimizer over the shards is refused by name, before LibTorch's own load.
+  auto adam_model = zero3_model(41);
+  ZeroOptimizer adam_zero(
+      adam_model->parameters(), Group::single(),
+      [](std::vector<torch::Tensor> shard) {
+        return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(1e-3));
+      },
+      ZeroOptimizerOptions().stage(3));
+  std::istringstream again(bytes.str());
+  torch::serialize::InputArchive sgd_archive;
+  sgd_archive.load_from(again);
+  frugal::testing::expect_error_contains(
+      [&] { adam_zero.load(sgd_archive); },
+      "the saved ZeRO state is of the optimizer torch::optim::SGD over each shard; this "
+      "ZeroOptimizer's function makes torch::optim::Adam");
 }
 
 TEST(ZeroStageThree, AStageOtherThanOneTwoOrThreeIsRefusedNamingIt) {

@@ -217,11 +217,41 @@ std::int64_t step_peak(const MemoryPlan& plan, const PlanOption& o) {
 MemoryPlan MemoryPlanner::plan(std::int64_t budget, const Batch& sample) {
   FRUGAL_CHECK(budget > 0, "frugal: the memory budget must be > 0 bytes, got ", budget);
   FRUGAL_CHECK(sample.size() > 0, "frugal: the planner's sample batch is empty");
-  auto plan = price_states(budget);
-  const auto trials = measure(sample);
-  predict(plan, trials);
-  choose(plan, sample, trials.batch);
-  return plan;
+  // A plan that fails (no plan fits, a trial's error) leaves the trainer as it was: its
+  // micro-batch, each policy's switch, each block's checkpointing, the states' format.
+  const auto counters = trainer_.counters();
+  const bool autocast = autocast_ && autocast_->enabled();
+  const bool in_backward = in_backward_ && in_backward_->enabled();
+  std::vector<std::pair<std::string, bool>> blocks;
+  if (checkpoint_) {
+    for (const auto& block : checkpoint_->wrapped()) {
+      blocks.emplace_back(block, checkpoint_->enabled(block));
+    }
+  }
+  const auto format =
+      quantized_ ? c10::optional<optim::StateFormat>(quantized_->state_format()) : c10::nullopt;
+  try {
+    auto plan = price_states(budget);
+    const auto trials = measure(sample);
+    predict(plan, trials);
+    choose(plan, sample);
+    return plan;
+  } catch (...) {
+    trainer_.restore_counters(counters);
+    if (autocast_) {
+      autocast_->set_enabled(autocast);
+    }
+    if (in_backward_) {
+      in_backward_->set_enabled(in_backward);
+    }
+    for (const auto& [block, on] : blocks) {
+      checkpoint_->set_enabled(block, on);
+    }
+    if (format) {
+      quantized_->set_state_format(*format);
+    }
+    throw;
+  }
 }
 
 MemoryPlan MemoryPlanner::price_states(std::int64_t budget) {
@@ -329,14 +359,13 @@ void MemoryPlanner::predict(MemoryPlan& plan, const Trials& t) const {
   }
 }
 
-void MemoryPlanner::choose(MemoryPlan& plan, const Batch& sample, std::int64_t batch) {
+void MemoryPlanner::choose(MemoryPlan& plan, const Batch& sample) {
   const double limit = static_cast<double>(plan.budget) * (1 - plan.margin);
   const PlanOption* best = detail::choose_plan(plan.options, options_.time_tolerance());
   if (best == nullptr) {
     const auto smallest = std::min_element(
         plan.options.begin(), plan.options.end(),
         [](const auto& a, const auto& b) { return a.predicted_peak < b.predicted_peak; });
-    configure(batch, false, false, false, c10::nullopt);  // the states' format as made
     FRUGAL_CHECK(false, "frugal: no plan fits the budget of ", format_bytes(plan.budget), " (",
                  format_bytes(static_cast<std::int64_t>(limit)),
                  " with the margin); the smallest predicted peak is ",

@@ -215,6 +215,7 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
     return torch::batch_norm(input, weight, bias, running_mean, running_var, batch_stats, factor,
                              options.eps(), at::globalContext().userEnabledCuDNN());
   }
+  agree_on_channels();
   const auto stats = global_statistics(input, *group_);
   if (is_training() && options.track_running_stats()) {
     torch::NoGradGuard no_grad;
@@ -225,6 +226,31 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
   const auto invstd = (stats.var + options.eps()).rsqrt();
   return SyncBatchNormFunction::apply(input, or_empty(weight), or_empty(bias), stats.mean, invstd,
                                       stats.count, group_);
+}
+
+void SyncBatchNormImpl::agree_on_channels() {
+  if (channels_agreed_) {
+    return;
+  }
+  const auto mine =
+      torch::full({1}, options.num_features(),
+                  torch::TensorOptions().dtype(torch::kLong).device(group_->device()));
+  std::vector<torch::Tensor> all;
+  for (int r = 0; r < group_->size(); ++r) {
+    all.push_back(torch::empty_like(mine));
+  }
+  group_->all_gather(all, mine);
+  std::string counts;
+  bool same = true;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    const auto n = all[r].item<std::int64_t>();
+    same = same && n == options.num_features();
+    counts += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + std::to_string(n);
+  }
+  FRUGAL_CHECK(same, "frugal: SyncBatchNorm of ", options.num_features(), " features on rank ",
+               group_->rank(), " is synchronized with layers of other sizes on the other ranks (",
+               counts, "); every rank must build the same model");
+  channels_agreed_ = true;
 }
 
 void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {

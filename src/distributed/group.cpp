@@ -2,15 +2,22 @@
 #include "frugal/distributed/group.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <fstream>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <vector>
 
 #include "backend.h"
 #include "compat.h"
@@ -43,25 +50,71 @@ int integer(const char* name, int low, int high, const int* fallback = nullptr) 
   return static_cast<int>(value);
 }
 
+// Each rank's process, as it told the others on joining: on a failed collective, a rank names
+// the ranks on its own host whose process is gone.
+struct Peers {
+  int self = 0;
+  std::vector<std::int64_t> pids, hosts;  // by rank; hosts as hashes of their names
+
+  // "rank 1 (process 4242 on this host) has exited; ", or "" where none is known to be gone.
+  // A peer's socket closes a moment before its process is gone: looked for during half a
+  // second (on the error's path only).
+  std::string gone() const {
+    std::string out;
+    for (int tries = 0; tries < 10 && out.empty(); ++tries) {
+      if (tries > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      for (std::size_t r = 0; r < pids.size(); ++r) {
+        if (static_cast<int>(r) != self && hosts[r] == hosts[static_cast<std::size_t>(self)] &&
+            !alive(static_cast<pid_t>(pids[r]))) {
+          out += "rank " + std::to_string(r) + " (process " + std::to_string(pids[r]) +
+                 " on this host) has exited; ";
+        }
+      }
+    }
+    return out;
+  }
+
+  // Whether the process runs: it exists and is not a zombie that no one has waited for yet.
+  static bool alive(pid_t pid) {
+    if (::kill(pid, 0) != 0) {
+      return errno != ESRCH;
+    }
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto end_of_name = line.rfind(')');
+    return end_of_name == std::string::npos || line.size() < end_of_name + 3 ||
+           line[end_of_name + 2] != 'Z';
+  }
+};
+
+// How this rank waits for a collective, and what its failure says.
+struct Waiting {
+  int rank = 0;
+  std::chrono::milliseconds timeout{0};
+  bool release = true;  // Gloo: wait for its worker to drop each work (NCCL's watchdog keeps them)
+  std::shared_ptr<const Peers> peers;  // null until the group has gathered them
+};
+
 // Waits for a collective; its failure says which rank saw it and the likely cause. Then,
 // with `release`, waits (briefly) until the backend's worker thread has dropped the work too:
 // Gloo's keeps it, and so its tensors and scratch, a moment after waking the waiter, and
 // the memory figures must not depend on that race.
 template <typename Ptr>
-void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds timeout,
-              bool release) {
+void wait_for(Ptr work, const char* what, const Waiting& w) {
   try {
     work->wait();
   } catch (const std::exception& e) {
-    FRUGAL_CHECK(false, "frugal: rank ", rank, "'s ", what,
-                 " failed: another rank stopped, or "
-                 "did not come within the group's timeout (",
-                 timeout.count(),
-                 " ms). The "
-                 "backend said: ",
-                 c10::GetExceptionString(e));
+    const auto gone = w.peers ? w.peers->gone() : std::string();
+    FRUGAL_CHECK(false, "frugal: rank ", w.rank, "'s ", what, " failed: ",
+                 gone.empty() ? "another rank stopped, or did not come within the group's timeout ("
+                              : gone + "the group's timeout is ",
+                 w.timeout.count(), " ms", gone.empty() ? ")" : "",
+                 ". The backend said: ", c10::GetExceptionString(e));
   }
-  if (!release) {
+  if (!w.release) {
     return;
   }
   using Target = typename Ptr::element_type;
@@ -75,12 +128,10 @@ void wait_for(Ptr work, const char* what, int rank, std::chrono::milliseconds ti
 
 // A collective in flight, waited for (and its failure reported) as wait_for does.
 template <typename Ptr>
-Work in_flight(Ptr work, const char* what, int rank, std::chrono::milliseconds timeout,
-               bool release) {
+Work in_flight(Ptr work, const char* what, const Waiting& w) {
   using Target = typename Ptr::element_type;
   c10::weak_intrusive_ptr<Target> weak(work);
-  return Work([work, what, rank, timeout,
-               release]() mutable { wait_for(std::move(work), what, rank, timeout, release); },
+  return Work([work, what, w]() mutable { wait_for(std::move(work), what, w); },
               [weak] {
                 const auto strong = weak.lock();
                 return !strong || strong->isCompleted();
@@ -129,9 +180,8 @@ void Work::wait() {
 
 struct Group::Impl {
   c10::intrusive_ptr<detail::BackendBase> pg;  // null in a group of one
-  std::chrono::milliseconds timeout{0};
+  Waiting waiting;
   torch::Device device = torch::kCPU;
-  bool release = true;  // Gloo: wait for its worker to drop each work (NCCL's watchdog keeps them)
   bool no_bfloat16 = false;  // Gloo before LibTorch 2.2 refuses bfloat16 ("Invalid scalar type")
 
   // A transfer's tensor as the backend takes it: bfloat16 where it is refused moves the
@@ -202,7 +252,8 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
       "frugal/attempt_" + std::to_string(env.restart_count), store);
 
   auto impl = std::make_unique<Impl>();
-  impl->timeout = options.timeout();
+  impl->waiting.rank = env.rank;
+  impl->waiting.timeout = options.timeout();
   if (options.backend() == Backend::Nccl) {
     FRUGAL_CHECK(torch::cuda::is_available(),
                  "frugal: the NCCL backend needs CUDA, which is not "
@@ -211,8 +262,10 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
     const int device = env.local_rank % static_cast<int>(torch::cuda::device_count());
     impl->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device));
     impl->pg = detail::make_nccl(store, env.rank, env.world_size, device, options.timeout());
-    impl->release = false;
-    return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
+    impl->waiting.release = false;
+    std::shared_ptr<Group> group(new Group(std::move(impl), env.rank, env.world_size));
+    group->learn_peers();
+    return group;
   }
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
   std::string interface = options.interface();
@@ -230,7 +283,31 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
   impl->pg =
       c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
   impl->no_bfloat16 = !FRUGAL_TORCH_AT_LEAST(2, 2);
-  return std::shared_ptr<Group>(new Group(std::move(impl), env.rank, env.world_size));
+  std::shared_ptr<Group> group(new Group(std::move(impl), env.rank, env.world_size));
+  group->learn_peers();
+  return group;
+}
+
+void Group::learn_peers() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const auto mine = torch::tensor({static_cast<std::int64_t>(::getpid()),
+                                   static_cast<std::int64_t>(std::hash<std::string>{}(host))},
+                                  torch::kLong)
+                        .to(impl_->device);
+  std::vector<torch::Tensor> all;
+  for (int r = 0; r < size_; ++r) {
+    all.push_back(torch::empty_like(mine));
+  }
+  all_gather(all, mine);
+  auto peers = std::make_shared<Peers>();
+  peers->self = rank_;
+  for (const auto& t : all) {
+    const auto values = t.cpu();
+    peers->pids.push_back(values[0].item<std::int64_t>());
+    peers->hosts.push_back(values[1].item<std::int64_t>());
+  }
+  impl_->waiting.peers = std::move(peers);
 }
 
 Work Group::all_reduce(torch::Tensor& tensor) {
@@ -240,8 +317,8 @@ Work Group::all_reduce(torch::Tensor& tensor) {
   if (impl_->no_bfloat16 && tensor.scalar_type() == torch::kBFloat16) {
     // Summed in float32 and rounded back once the sum is in.
     std::vector<torch::Tensor> wide{tensor.to(torch::kFloat)};
-    auto work = std::make_shared<Work>(
-        in_flight(impl_->pg->allreduce(wide), "all-reduce", rank_, impl_->timeout, impl_->release));
+    auto work =
+        std::make_shared<Work>(in_flight(impl_->pg->allreduce(wide), "all-reduce", impl_->waiting));
     return {[work, wide, tensor]() mutable {
               work->wait();
               tensor.copy_(wide.front());
@@ -249,8 +326,7 @@ Work Group::all_reduce(torch::Tensor& tensor) {
             [work] { return work->done(); }};
   }
   std::vector<torch::Tensor> tensors{tensor};
-  return in_flight(impl_->pg->allreduce(tensors), "all-reduce", rank_, impl_->timeout,
-                   impl_->release);
+  return in_flight(impl_->pg->allreduce(tensors), "all-reduce", impl_->waiting);
 }
 
 torch::ScalarType Group::summed_dtype(torch::ScalarType dtype) const {
@@ -266,8 +342,7 @@ void Group::broadcast(torch::Tensor& tensor, int root) {
   std::vector<torch::Tensor> tensors{impl_->as_sent(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  wait_for(impl_->pg->broadcast(tensors, options), "broadcast", rank_, impl_->timeout,
-           impl_->release);
+  wait_for(impl_->pg->broadcast(tensors, options), "broadcast", impl_->waiting);
 }
 
 void Group::all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in) {
@@ -286,13 +361,12 @@ Work Group::all_gather_async(std::vector<torch::Tensor>& out, const torch::Tenso
     outputs.front().push_back(impl_->as_sent(t));
   }
   std::vector<torch::Tensor> inputs{impl_->as_sent(in)};
-  return in_flight(impl_->pg->allgather(outputs, inputs), "all-gather", rank_, impl_->timeout,
-                   impl_->release);
+  return in_flight(impl_->pg->allgather(outputs, inputs), "all-gather", impl_->waiting);
 }
 
 void Group::barrier() {
   if (impl_->pg) {
-    wait_for(impl_->pg->barrier(), "barrier", rank_, impl_->timeout, impl_->release);
+    wait_for(impl_->pg->barrier(), "barrier", impl_->waiting);
   }
 }
 

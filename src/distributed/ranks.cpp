@@ -1,12 +1,16 @@
 #include "frugal/distributed/ranks.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
+#include <algorithm>
 #include <csignal>
 
 #include "frugal/distributed/shard.h"
 #include "frugal/error.h"
 #include "frugal/optim/sharded.h"
+#include "frugal/state/save_dir.h"
+#include "frugal/train/trainer.h"
 
 namespace frugal::distributed {
 namespace {
@@ -14,6 +18,67 @@ namespace {
 // A sharded optimizer's state differs by rank: every rank keeps its own saves then.
 bool sharded(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const optim::ShardedOptimizer*>(&optimizer) != nullptr;
+}
+
+// Every rank's list of numbers (of any length), by rank: two all-gathers, of the lengths and
+// of the lists padded to the longest.
+std::vector<std::vector<std::int64_t>> gather_lists(Group& group,
+                                                    const std::vector<std::int64_t>& mine) {
+  const auto gather = [&group](const torch::Tensor& in) {
+    std::vector<torch::Tensor> out;
+    for (int r = 0; r < group.size(); ++r) {
+      out.push_back(torch::empty_like(in));
+    }
+    group.all_gather(out, in);
+    return out;
+  };
+  const auto on_group = torch::TensorOptions().dtype(torch::kLong).device(group.device());
+  const auto lengths = gather(torch::full({1}, static_cast<std::int64_t>(mine.size()), on_group));
+  std::int64_t longest = 1;
+  for (const auto& n : lengths) {
+    longest = std::max(longest, n.item<std::int64_t>());
+  }
+  auto padded = torch::full({longest}, std::int64_t{-1}, torch::kLong);
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    padded[static_cast<std::int64_t>(i)] = mine[i];
+  }
+  std::vector<std::vector<std::int64_t>> lists;
+  const auto all = gather(padded.to(group.device()));
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    const auto values = all[r].cpu();
+    const auto n = lengths[r].item<std::int64_t>();
+    lists.emplace_back(values.data_ptr<std::int64_t>(), values.data_ptr<std::int64_t>() + n);
+  }
+  return lists;
+}
+
+// The largest step in every rank's list (each newest first), or -1.
+std::int64_t newest_common(const std::vector<std::vector<std::int64_t>>& held) {
+  for (const auto step : held.front()) {
+    if (std::all_of(held.begin(), held.end(), [step](const auto& h) {
+          return std::find(h.begin(), h.end(), step) != h.end();
+        })) {
+      return step;
+    }
+  }
+  return -1;
+}
+
+// "rank 0 holds steps 10, 5; rank 1 holds none".
+std::string describe(const std::vector<std::vector<std::int64_t>>& held) {
+  std::string out;
+  for (std::size_t r = 0; r < held.size(); ++r) {
+    out += (r ? "; rank " : "rank ") + std::to_string(r) + " holds ";
+    if (held[r].empty()) {
+      out += "no whole save";
+    } else {
+      out += held[r].size() == 1 ? "step " : "steps ";
+      for (std::size_t i = 0; i < held[r].size(); ++i) {
+        out += (i ? ", " : "") + std::to_string(held[r][i]);
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -39,12 +104,42 @@ bool GroupRanks::writes_saves(const torch::optim::Optimizer& optimizer) const {
   return group_->rank() == 0 || sharded(optimizer);
 }
 
-void GroupRanks::check_resumed(std::int64_t steps) const {
-  const auto mine = static_cast<double>(steps);
-  FRUGAL_CHECK(group_->sum(mine) == mine * group_->size(), "frugal: rank ", group_->rank(),
-               " resumed at step ", steps,
-               " but not every rank did; the ranks' saves differ "
-               "(remove the newer ones)");
+std::optional<UserState> GroupRanks::resume(
+    SaveDir& saves, Trainer& trainer, const std::function<void(const std::string&)>& warn) const {
+  const auto mine = saves.whole_steps(warn);
+  const auto held = gather_lists(*group_, mine);
+  const auto chosen = newest_common(held);
+  if (chosen < 0) {
+    FRUGAL_CHECK(std::all_of(held.begin(), held.end(), [](const auto& h) { return h.empty(); }),
+                 "frugal: the ranks hold no save of one step to resume from together (",
+                 saves.dir(), " on rank ", group_->rank(), "): ", describe(held));
+    return std::nullopt;
+  }
+  if (warn && chosen != mine.front()) {
+    warn(fmt::format("rank {} resumes from step {}, the newest that every rank holds whole ({})",
+                     group_->rank(), chosen, describe(held)));
+  }
+  std::optional<UserState> user;
+  std::string failure;
+  try {
+    user = saves.resume_at(trainer, chosen);
+  } catch (const std::exception& error) {
+    failure = error_message(error);
+  }
+  // Every rank learns which ones loaded it: none goes on alone.
+  const auto loaded = gather_lists(*group_, {failure.empty() ? trainer.steps() : -1});
+  std::string failed;
+  for (std::size_t r = 0; r < loaded.size(); ++r) {
+    if (loaded[r].front() != chosen) {
+      failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    }
+  }
+  FRUGAL_CHECK(failure.empty(), failure, " (rank ", group_->rank(), "; no rank goes on from step ",
+               chosen, ")");
+  FRUGAL_CHECK(failed.empty(), "frugal: rank(s) ", failed, " could not resume from step ", chosen,
+               ", which rank ", group_->rank(), " loaded from '", saves.resumed_from(),
+               "' (see their errors); no rank goes on");
+  return user;
 }
 
 int GroupRanks::agree_on_stop(int caught) const {

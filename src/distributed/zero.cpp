@@ -347,6 +347,7 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   if (options_.stage() == 3) {
     archive.write("zero/weights", shard_.detach());
   }
+  archive.write("zero/inner_type", c10::IValue(c10::demangle(typeid(*inner_).name())));
   torch::serialize::OutputArchive inner;
   inner_->save(inner);
   archive.write("zero/inner", inner);
@@ -368,6 +369,15 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
                  weights.scalar_type(), "; this rank's range is ", shard_size_, " of ",
                  shard_.scalar_type());
   }
+  // Another optimizer's state would fail inside LibTorch's load with an internal assertion.
+  c10::IValue saved_type;  // absent from the files of earlier releases
+  const auto inner_type = c10::demangle(typeid(*inner_).name());
+  FRUGAL_CHECK(!archive.try_read("zero/inner_type", saved_type) || !saved_type.isString() ||
+                   saved_type.toStringRef() == inner_type,
+               "frugal: the saved ZeRO state is of the optimizer ",
+               saved_type.isString() ? saved_type.toStringRef() : std::string(),
+               " over each shard; this ZeroOptimizer's function makes ", inner_type,
+               ": build it with the optimizer that saved the state");
   auto inner = state::read_archive(archive, "zero/inner");
   inner_->load(inner);
   if (weights.defined()) {

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <filesystem>
 #include <optional>
 
 #include "frugal/error.h"
@@ -109,10 +110,32 @@ const Ranks& ranks_of(const FitOptions& options) {
 constexpr const char* kEpoch = "fit/epoch";
 constexpr const char* kBatch = "fit/batch";
 
+// Refuses to start afresh in a save_dir that holds the saves of another layout: one folder a
+// rank (a sharded optimizer's, as ZeroOptimizer's), met by a run whose saves are in the
+// folder itself, or the other way round.
+void check_save_layout(const std::string& base, const SaveDir& saves) {
+  if (!saves.files().empty()) {
+    return;
+  }
+  const auto rank_zero = (std::filesystem::path(base) / "rank-0").string();
+  if (saves.dir() == base) {
+    FRUGAL_CHECK(SaveDir::files_in(rank_zero).empty(), "frugal: '", base,
+                 "' holds the saves of a sharded optimizer (one folder a rank: '", rank_zero,
+                 "', ...) and none of this run's, whose optimizer is not sharded; resume with the "
+                 "optimizer that saved them (ZeroOptimizer), or choose another save_dir");
+  } else {
+    FRUGAL_CHECK(SaveDir::files_in(base).empty(), "frugal: '", base,
+                 "' holds the saves of an optimizer that is not sharded and '", saves.dir(),
+                 "' none of this run's, whose optimizer is sharded (one folder a rank); resume "
+                 "with the optimizer that saved them, or choose another save_dir");
+  }
+}
+
 // Loads the newest loadable save, if any, and sets the position fit goes on from.
-void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
+void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options, const Ranks& ranks,
             const FitOptions::LogFn& log, FitResult& result) {
-  auto user = saves.resume(trainer, log);
+  check_save_layout(options.save_dir(), saves);
+  auto user = ranks.resume(saves, trainer, log);
   if (!user) {
     return;
   }
@@ -135,6 +158,11 @@ void resume(SaveDir& saves, Trainer& trainer, const FitOptions& options,
 }
 
 }  // namespace
+
+std::optional<UserState> Ranks::resume(SaveDir& saves, Trainer& trainer,
+                                       const std::function<void(const std::string&)>& warn) const {
+  return saves.resume(trainer, warn);
+}
 
 EvalReport Ranks::evaluate(Trainer& trainer, const Batch& data) const {
   return trainer.evaluate(data);
@@ -163,8 +191,7 @@ FitResult fit(Trainer& trainer, FitBatches& train, const FitOptions& options, co
     saves.emplace(ranks.save_dir(options.save_dir(), trainer.optimizer()), options.keep());
   }
   if (options.resume()) {
-    resume(*saves, trainer, options, log, result);
-    ranks.check_resumed(trainer.steps());
+    resume(*saves, trainer, options, ranks, log, result);
   }
   std::int64_t saved_step = -1;  // the step of the newest save file
   if (!result.resumed_from.empty()) {

@@ -181,6 +181,21 @@ void CheckpointPolicy::set_enabled(bool enabled) {
   }
 }
 
+bool CheckpointPolicy::enabled(const std::string& block) const {
+  for (const auto& w : wrappers_) {
+    if (w.first == block) {
+      return w.second->enabled();
+    }
+  }
+  for (const auto& c : by_call_) {
+    if (c->name == block) {
+      return c->choice->enabled.load();
+    }
+  }
+  FRUGAL_CHECK(false, "frugal: CheckpointPolicy did not choose a block named '", block,
+               "'; it chose ", chosen_names_.size(), " (wrapped() lists them)");
+}
+
 void CheckpointPolicy::set_enabled(const std::string& block, bool enabled) {
   for (auto& w : wrappers_) {
     if (w.first == block) {

@@ -29,6 +29,53 @@ GradScaler* scaler_of(const Loop& loop) {
   return scaler && scaler->is_enabled() ? scaler.get() : nullptr;
 }
 
+// Everything read from a file, checked against the loop before anything changes.
+struct LoopLoaded {
+  std::vector<detail::SavedModel> saved;
+  std::vector<std::pair<std::int64_t, std::int64_t>> counters;  // steps, skipped
+  std::int64_t iterations = 0;
+  std::map<std::string, double> scaler_state;
+  detail::SavedRng rng;
+  UserState user;
+};
+
+LoopLoaded read_loop_checked(Loop& loop, const std::string& path) {
+  LoopLoaded out;
+  auto archive = detail::open_state(path);
+  c10::IValue names_value;
+  FRUGAL_CHECK(archive.try_read("loop/models", names_value), "frugal: '", path,
+               "' was saved from a Trainer, not a frugal::Loop");
+  const auto names = names_value.toStringRef();
+  const auto mine = detail::join_lines(model_names(loop));
+  FRUGAL_CHECK(names == mine, detail::state_mismatch(
+                                  path, "this loop", "the list of models",
+                                  "[" + detail::join_lines(detail::split_lines(names), ", ") + "]",
+                                  "[" + detail::join_lines(model_names(loop), ", ") + "]"));
+  for (std::size_t i = 0; i < loop.models().size(); ++i) {
+    auto& m = *loop.models()[i];
+    out.saved.push_back(detail::read_model(archive, prefix_of(i), m.module(), m.optimizer(), path,
+                                           "this loop's model '" + m.name() + "'"));
+    out.counters.emplace_back(state::read_int(archive, prefix_of(i) + "steps"),
+                              state::read_int(archive, prefix_of(i) + "skipped"));
+  }
+  out.iterations = state::read_int(archive, "loop/iterations");
+  auto* scaler = scaler_of(loop);
+  const bool saved_scaler = state::read_int(archive, "loop/scaler") != 0;
+  FRUGAL_CHECK(saved_scaler == (scaler != nullptr),
+               detail::state_mismatch(path, "this loop", "a loss scaler",
+                                      saved_scaler ? "present" : "absent",
+                                      scaler != nullptr ? "present" : "absent"));
+  if (scaler != nullptr) {
+    for (const auto& item : scaler->state_dict()) {
+      out.scaler_state[item.first] = state::read_double(archive, "loop/scaler/" + item.first);
+    }
+  }
+  out.rng = detail::read_rng(archive, path);
+  out.user = detail::read_user(archive);
+
+  return out;
+}
+
 }  // namespace
 
 void save_training_state(Loop& loop, const std::string& path, const UserState& user) {
@@ -59,41 +106,9 @@ UserState load_training_state(Loop& loop, const std::string& path) {
   FRUGAL_CHECK(!loop.pending(),
                "frugal: cannot load a saved state into a Loop while a model "
                "has gradients waiting for its step");
-  auto archive = detail::open_state(path);
-  c10::IValue names_value;
-  FRUGAL_CHECK(archive.try_read("loop/models", names_value), "frugal: '", path,
-               "' was saved from a Trainer, not a frugal::Loop");
-  const auto names = names_value.toStringRef();
-  const auto mine = detail::join_lines(model_names(loop));
-  FRUGAL_CHECK(names == mine, detail::state_mismatch(
-                                  path, "this loop", "the list of models",
-                                  "[" + detail::join_lines(detail::split_lines(names), ", ") + "]",
-                                  "[" + detail::join_lines(model_names(loop), ", ") + "]"));
-  // Everything read and checked before anything changes.
-  std::vector<detail::SavedModel> saved;
-  std::vector<std::pair<std::int64_t, std::int64_t>> counters;
-  for (std::size_t i = 0; i < loop.models().size(); ++i) {
-    auto& m = *loop.models()[i];
-    saved.push_back(detail::read_model(archive, prefix_of(i), m.module(), m.optimizer(), path,
-                                       "this loop's model '" + m.name() + "'"));
-    counters.emplace_back(state::read_int(archive, prefix_of(i) + "steps"),
-                          state::read_int(archive, prefix_of(i) + "skipped"));
-  }
-  const auto iterations = state::read_int(archive, "loop/iterations");
+  auto loaded = detail::read_naming(path, [&] { return read_loop_checked(loop, path); });
+  auto& saved = loaded.saved;
   auto* scaler = scaler_of(loop);
-  const bool saved_scaler = state::read_int(archive, "loop/scaler") != 0;
-  FRUGAL_CHECK(saved_scaler == (scaler != nullptr),
-               detail::state_mismatch(path, "this loop", "a loss scaler",
-                                      saved_scaler ? "present" : "absent",
-                                      scaler != nullptr ? "present" : "absent"));
-  std::map<std::string, double> scaler_state;
-  if (scaler != nullptr) {
-    for (const auto& item : scaler->state_dict()) {
-      scaler_state[item.first] = state::read_double(archive, "loop/scaler/" + item.first);
-    }
-  }
-  const auto rng = detail::read_rng(archive, path);
-  auto user = detail::read_user(archive);
 
   // The fallible part: the optimizers' own loads, undone on failure.
   std::vector<std::string> old;
@@ -106,7 +121,7 @@ UserState load_training_state(Loop& loop, const std::string& path) {
       detail::load_optimizer(loop.models()[done]->optimizer(), saved[done].optimizer);
     }
     if (scaler != nullptr) {
-      scaler->load_state_dict(scaler_state);
+      scaler->load_state_dict(loaded.scaler_state);
     }
   } catch (const std::exception& error) {
     for (std::size_t i = 0; i < done; ++i) {
@@ -118,9 +133,9 @@ UserState load_training_state(Loop& loop, const std::string& path) {
   for (std::size_t i = 0; i < saved.size(); ++i) {
     detail::put_back_tensors(loop.models()[i]->module(), saved[i]);
   }
-  loop.restore_counters(iterations, counters);
-  detail::put_back_rng(rng);
-  return user;
+  loop.restore_counters(loaded.iterations, loaded.counters);
+  detail::put_back_rng(loaded.rng);
+  return loaded.user;
 }
 
 }  // namespace frugal

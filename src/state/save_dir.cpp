@@ -9,6 +9,7 @@
 
 #include "frugal/error.h"
 #include "frugal/train/trainer.h"
+#include "state_file.h"
 
 namespace frugal {
 namespace {
@@ -40,9 +41,12 @@ SaveDir::SaveDir(std::string dir, std::int64_t keep) : dir_(std::move(dir)), kee
                "': ", error ? error.message() : "a file of that name exists");
 }
 
-std::vector<std::string> SaveDir::files() const {
+std::vector<std::string> SaveDir::files() const { return files_in(dir_); }
+
+std::vector<std::string> SaveDir::files_in(const std::string& dir) {
   std::vector<std::pair<std::int64_t, std::string>> found;
-  for (const auto& entry : fs::directory_iterator(dir_)) {
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
     const auto step = step_of(entry.path().filename().string());
     if (step >= 0 && entry.is_regular_file()) {
       found.emplace_back(step, entry.path().string());
@@ -56,21 +60,48 @@ std::vector<std::string> SaveDir::files() const {
   return out;
 }
 
-std::string SaveDir::save(Trainer& trainer, const UserState& user) {
+std::vector<std::int64_t> SaveDir::whole_steps(
+    const std::function<void(const std::string&)>& warn) const {
+  std::vector<std::int64_t> steps;
+  for (const auto& file : files()) {
+    try {
+      detail::check_state_file(file);
+      steps.push_back(step_of(fs::path(file).filename().string()));
+    } catch (const std::exception& error) {
+      if (warn) {
+        warn(error_message(error) + "; passed over");
+      }
+    }
+  }
+  return steps;
+}
+
+std::string SaveDir::file_of(std::int64_t step) const {
   char name[40];
-  std::snprintf(name, sizeof(name), "step-%012" PRId64 ".frugal", trainer.steps());
-  const auto path = (fs::path(dir_) / name).string();
+  std::snprintf(name, sizeof(name), "step-%012" PRId64 ".frugal", step);
+  return (fs::path(dir_) / name).string();
+}
+
+UserState SaveDir::resume_at(Trainer& trainer, std::int64_t step) {
+  resumed_from_.clear();
+  const auto path = file_of(step);
+  auto user = load_training_state(trainer, path);
+  resumed_from_ = path;
+  return user;
+}
+
+std::string SaveDir::save(Trainer& trainer, const UserState& user) {
+  const auto path = file_of(trainer.steps());
   save_training_state(trainer, path, user);
   const auto saved = files();
   for (std::size_t i = static_cast<std::size_t>(keep_); i < saved.size(); ++i) {
     fs::remove(saved[i]);
   }
-  // Temporary files of saves that a crash interrupted.
+  // Temporary files of saves that a crash interrupted (not those another run is writing).
   for (const auto& entry : fs::directory_iterator(dir_)) {
     const auto file = entry.path().filename().string();
     if (file.rfind(".step-", 0) == 0 && file.find(".frugal.tmp-") != std::string::npos) {
-      std::error_code ignored;
-      fs::remove(entry.path(), ignored);
+      detail::remove_if_abandoned(entry.path().string());
     }
   }
   return path;

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "frugal/error.h"
 
@@ -67,12 +69,30 @@ std::string system_error(const char* what, const std::string& path) {
   return std::string(what) + " '" + path + "': " + std::strerror(errno);
 }
 
+// Whether `path` still names the file open as `fd`.
+bool is_at_path(int fd, const std::string& path) {
+  struct stat open_file {
+  }, named{};
+  return ::fstat(fd, &open_file) == 0 && ::stat(path.c_str(), &named) == 0 &&
+         open_file.st_dev == named.st_dev && open_file.st_ino == named.st_ino;
+}
+
 // Closes the descriptor and removes the temporary file unless released.
 class TempFile {
  public:
+  // Created and locked (flock) for as long as it lives: a save in another process that
+  // sweeps abandoned temporary files from the folder leaves a locked one alone.
   explicit TempFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    FRUGAL_CHECK(fd_ >= 0, "frugal: cannot create ", system_error("the file", path_));
+    for (;;) {
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      FRUGAL_CHECK(fd_ >= 0, "frugal: cannot create ", system_error("the file", path_));
+      FRUGAL_CHECK(::flock(fd_, LOCK_EX) == 0, "frugal: cannot lock ",
+                   system_error("the file", path_));
+      if (is_at_path(fd_, path_)) {
+        break;
+      }
+      ::close(fd_);  // swept away between its creation and the lock: made again
+    }
   }
   ~TempFile() {
     if (!released_) {
@@ -99,20 +119,22 @@ class TempFile {
       }
     }
   }
-  void sync_and_close() {
+  void sync() {
     FRUGAL_CHECK(::fsync(fd_) == 0, "frugal: cannot flush ", system_error("the file", path_));
-    const int fd = fd_;
-    fd_ = -1;
-    FRUGAL_CHECK(::close(fd) == 0, "frugal: cannot close ", system_error("the file", path_));
   }
-  void release() { released_ = true; }
+  /// Keeps the file (renamed by now) and closes it, which drops the lock.
+  void release() {
+    released_ = true;
+    ::close(fd_);
+    fd_ = -1;
+  }
   /// Closes and removes the file now.
   void discard() {
+    ::unlink(path_.c_str());
     if (fd_ >= 0) {
       ::close(fd_);
       fd_ = -1;
     }
-    ::unlink(path_.c_str());
     released_ = true;
   }
 
@@ -169,7 +191,7 @@ void write_state_file(const std::string& path,
   write(header.data(), header.size(), &at);
   if (failed.empty()) {
     try {
-      tmp.sync_and_close();  // a full disk may show here, on a file system that delays
+      tmp.sync();  // a full disk may show here, on a file system that delays
     } catch (const std::exception& e) {
       failed = error_message(e);
     }
@@ -195,55 +217,130 @@ void write_state_file(const std::string& path,
   FRUGAL_CHECK(synced == 0, "frugal: cannot flush ", system_error("the folder", dir));
 }
 
-std::string read_state_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  FRUGAL_CHECK(fd >= 0, "frugal: cannot open ", system_error("the saved state", path));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  auto read_exactly = [&](void* out, std::size_t size) {
+namespace {
+
+// What kind of file `mode` is, for the error that refuses one that is not regular.
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) {
+    return "a folder";
+  }
+  if (S_ISFIFO(mode)) {
+    return "a FIFO";
+  }
+  if (S_ISSOCK(mode)) {
+    return "a socket";
+  }
+  return S_ISCHR(mode) || S_ISBLK(mode) ? "a device" : "not a regular file";
+}
+
+// A saved state opened for reading, its header checked: the payload's length and CRC-32.
+class StateReader {
+ public:
+  explicit StateReader(const std::string& path) : path_(path) {
+    // Without O_NONBLOCK, opening a FIFO waits for a writer that may never come.
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    FRUGAL_CHECK(fd_ >= 0, "frugal: cannot open ", system_error("the saved state", path));
+    struct stat info {};
+    FRUGAL_CHECK(::fstat(fd_, &info) == 0, "frugal: cannot stat ", system_error("the file", path));
+    FRUGAL_CHECK(S_ISREG(info.st_mode), "frugal: '", path, "' is ", kind_of(info.st_mode),
+                 ", not a saved state");
+    const int flags = ::fcntl(fd_, F_GETFL);
+    FRUGAL_CHECK(flags >= 0 && ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) == 0,
+                 "frugal: cannot read ", system_error("the saved state", path));
+    std::array<unsigned char, kHeaderBytes> header{};
+    const std::size_t got = read(header.data(), header.size());
+    FRUGAL_CHECK(got >= sizeof(kMagic) && std::memcmp(header.data(), kMagic, sizeof(kMagic)) == 0,
+                 "frugal: '", path, "' is not a frugal training state (no FRUGALTS header)");
+    FRUGAL_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
+                 " bytes, shorter than its header (", kHeaderBytes, ")");
+    const auto version = static_cast<unsigned>(get_le(header.data() + 8, 4));
+    FRUGAL_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ",
+                 version, "; this frugal reads version ", kStateFormatVersion);
+    length_ = get_le(header.data() + 16, 8);
+    crc_ = static_cast<std::uint32_t>(get_le(header.data() + 24, 4));
+    const auto size = static_cast<std::uint64_t>(info.st_size);
+    FRUGAL_CHECK(size - kHeaderBytes >= length_, "frugal: '", path, "' is truncated: ", size,
+                 " bytes of ", kHeaderBytes + length_);
+    FRUGAL_CHECK(size - kHeaderBytes == length_, "frugal: '", path, "' has ",
+                 size - kHeaderBytes - length_, " bytes after its end (", kHeaderBytes + length_,
+                 " bytes)");
+  }
+  StateReader(const StateReader&) = delete;
+  StateReader& operator=(const StateReader&) = delete;
+  ~StateReader() { ::close(fd_); }
+
+  std::uint64_t length() const { return length_; }
+
+  // Reads up to `size` bytes, fewer only at the end of the file.
+  std::size_t read(void* out, std::size_t size) {
     auto* bytes = static_cast<char*>(out);
     std::size_t done = 0;
     while (done < size) {
-      const ssize_t n = ::read(fd, bytes + done, size - done);
+      const ssize_t n = ::read(fd_, bytes + done, size - done);
       if (n < 0 && errno == EINTR) {
         continue;
       }
-      FRUGAL_CHECK(n >= 0, "frugal: cannot read ", system_error("the saved state", path));
+      FRUGAL_CHECK(n >= 0, "frugal: cannot read ", system_error("the saved state", path_));
       if (n == 0) {
         break;
       }
       done += static_cast<std::size_t>(n);
     }
     return done;
-  };
-  std::array<unsigned char, kHeaderBytes> header{};
-  const std::size_t got = read_exactly(header.data(), header.size());
-  FRUGAL_CHECK(got >= sizeof(kMagic) && std::memcmp(header.data(), kMagic, sizeof(kMagic)) == 0,
-               "frugal: '", path, "' is not a frugal training state (no FRUGALTS header)");
-  FRUGAL_CHECK(got == kHeaderBytes, "frugal: '", path, "' is truncated: ", got,
-               " bytes, shorter than its header (", kHeaderBytes, ")");
-  const auto version = static_cast<unsigned>(get_le(header.data() + 8, 4));
-  FRUGAL_CHECK(version == kStateFormatVersion, "frugal: '", path, "' has format version ", version,
-               "; this frugal reads version ", kStateFormatVersion);
-  const std::uint64_t length = get_le(header.data() + 16, 8);
-  const auto expected_crc = static_cast<std::uint32_t>(get_le(header.data() + 24, 4));
-  struct stat info {};
-  FRUGAL_CHECK(::fstat(fd, &info) == 0, "frugal: cannot stat ", system_error("the file", path));
-  const auto size = static_cast<std::uint64_t>(info.st_size);
-  FRUGAL_CHECK(size - kHeaderBytes >= length, "frugal: '", path, "' is truncated: ", size,
-               " bytes of ", kHeaderBytes + length);
-  FRUGAL_CHECK(size - kHeaderBytes == length, "frugal: '", path, "' has ",
-               size - kHeaderBytes - length, " bytes after its end (", kHeaderBytes + length,
-               " bytes)");
-  std::string payload(length, '\0');
-  FRUGAL_CHECK(read_exactly(payload.data(), length) == length, "frugal: '", path,
-               "' is truncated while reading");
-  const std::uint32_t crc = crc_update(crc_update(0, nullptr, 0), payload.data(), length);
-  FRUGAL_CHECK(crc == expected_crc, "frugal: '", path, "' is damaged: its CRC-32 is ", crc,
-               ", the header says ", expected_crc);
+  }
+
+  // Reads the next `size` bytes of the payload into `out`, adding them to the checksum.
+  void read_payload(void* out, std::size_t size) {
+    FRUGAL_CHECK(read(out, size) == size, "frugal: '", path_, "' is truncated while reading");
+    crc_seen_ = crc_update(crc_seen_, out, size);
+  }
+
+  // After the whole payload was read: throws unless its checksum is the header's.
+  void check_crc() const {
+    FRUGAL_CHECK(crc_seen_ == crc_, "frugal: '", path_, "' is damaged: its CRC-32 is ", crc_seen_,
+                 ", the header says ", crc_);
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  std::uint64_t length_ = 0;
+  std::uint32_t crc_ = 0;
+  std::uint32_t crc_seen_ = crc_update(0, nullptr, 0);
+};
+
+}  // namespace
+
+bool remove_if_abandoned(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    return false;
+  }
+  const bool abandoned = ::flock(fd, LOCK_EX | LOCK_NB) == 0 && is_at_path(fd, path);
+  if (abandoned) {
+    ::unlink(path.c_str());  // under the lock: a writer that locks it next finds it gone
+  }
+  ::close(fd);
+  return abandoned;
+}
+
+std::string read_state_file(const std::string& path) {
+  StateReader reader(path);
+  std::string payload(reader.length(), '\0');
+  reader.read_payload(payload.data(), payload.size());
+  reader.check_crc();
   return payload;
+}
+
+void check_state_file(const std::string& path) {
+  StateReader reader(path);
+  std::vector<char> buffer(std::min<std::uint64_t>(reader.length(), 1 << 20));
+  for (std::uint64_t left = reader.length(); left > 0;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(left, buffer.size()));
+    reader.read_payload(buffer.data(), n);
+    left -= n;
+  }
+  reader.check_crc();
 }
 
 }  // namespace frugal::detail

@@ -350,6 +350,14 @@ void finish_state(OutputArchive& archive, const std::string& path, const UserSta
   write_state_file(path, [&](const ByteWriter& write) { archive.save_to(write); });
 }
 
+void rethrow_naming(const std::string& path, const std::exception& error) {
+  const auto message = error_message(error);
+  if (message.find("'" + path + "'") != std::string::npos) {
+    throw;
+  }
+  FRUGAL_CHECK(false, "frugal: '", path, "' cannot be read as a saved state: ", message);
+}
+
 InputArchive open_state(const std::string& path) {
   const auto payload = read_state_file(path);
   InputArchive archive;

@@ -73,4 +73,18 @@ void finish_state(torch::serialize::OutputArchive& archive, const std::string& p
 /// The archive of a state file, its header and layout checked.
 torch::serialize::InputArchive open_state(const std::string& path);
 
+/// Throws `error` again, or, where its message does not name `path` (LibTorch's own words
+/// about an archive it cannot read or a key it lacks), an error that does.
+[[noreturn]] void rethrow_naming(const std::string& path, const std::exception& error);
+/// What `read` returns (the reading and checking of a state file, before anything changes);
+/// its errors name `path`.
+template <typename Read>
+auto read_naming(const std::string& path, Read read) -> decltype(read()) {
+  try {
+    return read();
+  } catch (const std::exception& error) {
+    rethrow_naming(path, error);
+  }
+}
+
 }  // namespace frugal::detail

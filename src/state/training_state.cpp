@@ -113,8 +113,10 @@ UserState load_training_state(Trainer& trainer, const std::string& path) {
   FRUGAL_CHECK(!trainer.window_open(),
                "frugal: cannot load a saved state inside an "
                "accumulation window; load before the window's first batch");
-  auto archive = detail::open_state(path);
-  auto loaded = read_checked(trainer, archive, path);
+  auto loaded = detail::read_naming(path, [&] {
+    auto archive = detail::open_state(path);
+    return read_checked(trainer, archive, path);
+  });
 
   // The fallible part: the optimizer's and the policies' own loads, undone on failure.
   auto& optimizer = trainer.optimizer();

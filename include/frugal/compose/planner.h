@@ -155,7 +155,7 @@ class MemoryPlanner {
   MemoryPlan price_states(std::int64_t budget);
   Trials measure(const Batch& sample);
   void predict(MemoryPlan& plan, const Trials& trials) const;
-  void choose(MemoryPlan& plan, const Batch& sample, std::int64_t batch);
+  void choose(MemoryPlan& plan, const Batch& sample);
   // A format of the optimizer's states to configure: unset, as the optimizer was made.
   using Format = c10::optional<optim::StateFormat>;
   void configure(std::int64_t micro_batch, bool checkpoint, bool autocast, bool in_backward,

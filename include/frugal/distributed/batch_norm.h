@@ -46,7 +46,10 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   torch::Tensor forward(const torch::Tensor& input);
 
   /// The ranks whose batches it normalizes together (nullptr: this process alone).
-  void set_group(std::shared_ptr<Group> group) { group_ = std::move(group); }
+  void set_group(std::shared_ptr<Group> group) {
+    group_ = std::move(group);
+    channels_agreed_ = false;
+  }
   const std::shared_ptr<Group>& group() const { return group_; }
 
   /// As torch::nn::BatchNorm's: registers the parameters and buffers, at their initial values.
@@ -60,8 +63,12 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 
  private:
   void check_input(const torch::Tensor& input) const;
+  // Once a group: every rank's layer has as many channels as this one (else the statistics'
+  // all-reduce would fail inside the backend, with no word of which layer).
+  void agree_on_channels();
 
   std::shared_ptr<Group> group_;
+  bool channels_agreed_ = false;
 };
 TORCH_MODULE(SyncBatchNorm);
 

@@ -103,6 +103,9 @@ class Group {
  private:
   struct Impl;
   Group(std::unique_ptr<Impl> impl, int rank, int size);
+  // Gathers every rank's process id and host, which a failed collective's error uses to name
+  // a rank whose process is gone.
+  void learn_peers();
   std::unique_ptr<Impl> impl_;
   int rank_;
   int size_;

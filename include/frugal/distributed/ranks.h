@@ -14,7 +14,7 @@ namespace frugal::distributed {
 /// (distributed::evaluate), rank 0 writes the saves for all, except under a sharded
 /// optimizer (optim::ShardedOptimizer, as ZeroOptimizer), whose state differs by rank:
 /// each rank then saves in save_dir/rank-R. The ranks stop together after the step where
-/// any of them caught a signal, and check that they all resumed at the same step.
+/// any of them caught a signal, and resume together from the newest step they all hold.
 ///
 /// Example:
 ///   auto group =
@@ -29,7 +29,12 @@ class GroupRanks : public Ranks {
   std::string save_dir(const std::string& base,
                        const torch::optim::Optimizer& optimizer) const override;
   bool writes_saves(const torch::optim::Optimizer& optimizer) const override;
-  void check_resumed(std::int64_t steps) const override;
+  /// The newest step that every rank holds whole (a damaged or missing file on any rank
+  /// passes that step over), loaded on every rank; throws naming what each rank holds where
+  /// they hold saves but none of one step, and on every rank when one could not load it.
+  std::optional<UserState> resume(
+      SaveDir& saves, Trainer& trainer,
+      const std::function<void(const std::string&)>& warn) const override;
   int agree_on_stop(int caught) const override;
   EvalReport evaluate(Trainer& trainer, const Batch& data) const override;
 

@@ -5,6 +5,8 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 
 #include "frugal/train/batch.h"
@@ -12,7 +14,9 @@
 
 namespace frugal {
 
+class SaveDir;
 class Trainer;
+struct UserState;
 
 /// What fit asks of the processes it runs in: each one's share of a batch, where and
 /// whether it saves, agreeing on a stop and on a resume, and evaluation. This default is
@@ -35,8 +39,12 @@ class Ranks {
   }
   /// Whether this process writes its saves (false: another writes the same state).
   virtual bool writes_saves(const torch::optim::Optimizer& /*optimizer*/) const { return true; }
-  /// After a resume at `steps`: throws when the processes did not all resume there.
-  virtual void check_resumed(std::int64_t /*steps*/) const {}
+  /// Resumes `trainer` from `saves` (with fit's resume option): here the newest save that
+  /// loads (SaveDir::resume); under a group, the newest step that every process holds whole,
+  /// checked to have loaded on all. Empty when there is nothing to resume from; `warn` hears
+  /// of each save passed over.
+  virtual std::optional<UserState> resume(
+      SaveDir& saves, Trainer& trainer, const std::function<void(const std::string&)>& warn) const;
   /// The signal this process caught (0: none), agreed over the processes: all stop
   /// after the same step.
   virtual int agree_on_stop(int caught) const { return caught; }

@@ -66,6 +66,8 @@ class CheckpointPolicy : public Policy {
   /// Turns one chosen block's checkpointing off or on, by its qualified name as wrapped()
   /// lists it; an error naming it when the policy did not choose it.
   void set_enabled(const std::string& block, bool enabled);
+  /// Whether a chosen block is checkpointed now; an error naming it when not chosen.
+  bool enabled(const std::string& block) const;
   const std::vector<std::string>& wrapped() const { return chosen_names_; }
 
  private:

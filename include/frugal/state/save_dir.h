@@ -29,12 +29,22 @@ class SaveDir {
   std::string save(Trainer& trainer, const UserState& user = {});
   /// The saved files, newest (highest step) first.
   std::vector<std::string> files() const;
+  /// The same in any folder (none when it does not exist), without making one.
+  static std::vector<std::string> files_in(const std::string& dir);
+  /// The steps of the saved files that are whole (header, length and checksum checked,
+  /// without loading them), newest first; each other one is passed to `warn` with the reason.
+  std::vector<std::int64_t> whole_steps(
+      const std::function<void(const std::string&)>& warn = {}) const;
+  /// The file of step `step`.
+  std::string file_of(std::int64_t step) const;
   /// Loads the newest file that loads. Each newer one that fails is passed to `warn` with
   /// the reason; when none loads, the trainer is unchanged and the result empty (no files)
   /// or an error naming every file and why (files, none loadable).
   std::optional<UserState> resume(Trainer& trainer,
                                   const std::function<void(const std::string&)>& warn = {});
-  /// The file the last resume() loaded, or empty.
+  /// Loads the file of step `step`, all or nothing (see load_training_state).
+  UserState resume_at(Trainer& trainer, std::int64_t step);
+  /// The file the last resume() or resume_at() loaded, or empty.
   const std::string& resumed_from() const { return resumed_from_; }
   const std::string& dir() const { return dir_; }
 
