@@ -199,6 +199,20 @@ TEST(DataParallelResume, RanksWithNoCommonStepOrAnotherSaveLayoutAreRefusedByNam
   }
   EXPECT_TRUE(frugal::SaveDir::files_in(saves.string()).empty())
       << "a refused run wrote saves beside the rank folders";
+  // And the other way round: plain data parallelism's saves met by a run under ZeRO-3.
+  const auto plain_saves = dir / "plain-saves";
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"adam", plain_saves.string(), "12", out + "-a"}),
+            (std::vector<int>{0, 0}));
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", plain_saves.string(), "22", out + "-z"},
+                                    err + "-sharded-"),
+            (std::vector<int>{3, 3}));
+  for (int r = 0; r < 2; ++r) {
+    const auto text = read_text(err + "-sharded-" + std::to_string(r) + ".txt");
+    EXPECT_NE(text.find("holds the saves of an optimizer that is not sharded"), std::string::npos)
+        << text;
+    EXPECT_TRUE(
+        frugal::SaveDir::files_in((plain_saves / ("rank-" + std::to_string(r))).string()).empty());
+  }
   fs::remove_all(saves / "rank-1");
   fs::create_directory(saves / "rank-1");
   ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "22", out + "-second"},
