@@ -181,6 +181,20 @@ TEST(DataParallelResume, ZeroStageThreeRanksResumeFromTheNewestStepEveryRankHold
   expect_weights_equal(out, "straight", "second");
 }
 
+// Launches two dp-fit ranks (MODE, SAVES, up to 22 steps) that must both fail, each saying
+// `expected`; their standard errors go to ERR-<name>-<rank>.txt.
+void expect_both_ranks_refuse(const std::string& mode, const fs::path& saves,
+                              const std::string& err, const std::string& name,
+                              const std::string& expected) {
+  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {mode, saves.string(), "22", err + "-w"},
+                                    err + "-" + name + "-"),
+            (std::vector<int>{3, 3}));
+  for (int r = 0; r < 2; ++r) {
+    const auto text = read_text(err + "-" + name + "-" + std::to_string(r) + ".txt");
+    EXPECT_NE(text.find(expected), std::string::npos) << text;
+  }
+}
+
 // Saves no step of which every rank holds: refused on every rank, naming what each holds; and
 // the saves of a sharded optimizer are not silently ignored by a run without one.
 TEST(DataParallelResume, RanksWithNoCommonStepOrAnotherSaveLayoutAreRefusedByName) {
@@ -190,40 +204,23 @@ TEST(DataParallelResume, RanksWithNoCommonStepOrAnotherSaveLayoutAreRefusedByNam
   const auto err = (dir / "err").string();
   ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "12", out + "-first"}),
             (std::vector<int>{0, 0}));
-  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"adam", saves.string(), "22", out + "-plain"},
-                                    err + "-layout-"),
-            (std::vector<int>{3, 3}));
-  for (int r = 0; r < 2; ++r) {
-    const auto text = read_text(err + "-layout-" + std::to_string(r) + ".txt");
-    EXPECT_NE(text.find("holds the saves of a sharded optimizer"), std::string::npos) << text;
-  }
+  expect_both_ranks_refuse("adam", saves, err, "layout", "holds the saves of a sharded optimizer");
   EXPECT_TRUE(frugal::SaveDir::files_in(saves.string()).empty())
       << "a refused run wrote saves beside the rank folders";
   // And the other way round: plain data parallelism's saves met by a run under ZeRO-3.
   const auto plain_saves = dir / "plain-saves";
   ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"adam", plain_saves.string(), "12", out + "-a"}),
             (std::vector<int>{0, 0}));
-  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", plain_saves.string(), "22", out + "-z"},
-                                    err + "-sharded-"),
-            (std::vector<int>{3, 3}));
+  expect_both_ranks_refuse("zero3", plain_saves, err, "sharded",
+                           "holds the saves of an optimizer that is not sharded");
   for (int r = 0; r < 2; ++r) {
-    const auto text = read_text(err + "-sharded-" + std::to_string(r) + ".txt");
-    EXPECT_NE(text.find("holds the saves of an optimizer that is not sharded"), std::string::npos)
-        << text;
     EXPECT_TRUE(
         frugal::SaveDir::files_in((plain_saves / ("rank-" + std::to_string(r))).string()).empty());
   }
   fs::remove_all(saves / "rank-1");
   fs::create_directory(saves / "rank-1");
-  ASSERT_EQ(frugal::testing::launch("dp-fit", 2, {"zero3", saves.string(), "22", out + "-second"},
-                                    err + "-common-"),
-            (std::vector<int>{3, 3}));
-  for (int r = 0; r < 2; ++r) {
-    const auto text = read_text(err + "-common-" + std::to_string(r) + ".txt");
-    EXPECT_NE(text.find("rank 0 holds steps 12, 10, 5; rank 1 holds no whole save"),
-              std::string::npos)
-        << text;
-  }
+  expect_both_ranks_refuse("zero3", saves, err, "common",
+                           "rank 0 holds steps 12, 10, 5; rank 1 holds no whole save");
 }
 
 }  // namespace
