@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "frugal/error.h"
+#include "gather.h"
 
 namespace frugal::distributed {
 namespace {
@@ -232,18 +233,11 @@ void SyncBatchNormImpl::agree_on_channels() {
   if (channels_agreed_) {
     return;
   }
-  const auto mine =
-      torch::full({1}, options.num_features(),
-                  torch::TensorOptions().dtype(torch::kLong).device(group_->device()));
-  std::vector<torch::Tensor> all;
-  for (int r = 0; r < group_->size(); ++r) {
-    all.push_back(torch::empty_like(mine));
-  }
-  group_->all_gather(all, mine);
   std::string counts;
   bool same = true;
+  const auto all = detail::gather_numbers(*group_, {options.num_features()});
   for (std::size_t r = 0; r < all.size(); ++r) {
-    const auto n = all[r].item<std::int64_t>();
+    const auto n = all[r].front();
     same = same && n == options.num_features();
     counts += (r ? ", rank " : "rank ") + std::to_string(r) + ": " + std::to_string(n);
   }

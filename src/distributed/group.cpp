@@ -22,6 +22,7 @@
 #include "backend.h"
 #include "compat.h"
 #include "frugal/error.h"
+#include "gather.h"
 
 namespace frugal::distributed {
 namespace {
@@ -108,10 +109,12 @@ void wait_for(Ptr work, const char* what, const Waiting& w) {
     work->wait();
   } catch (const std::exception& e) {
     const auto gone = w.peers ? w.peers->gone() : std::string();
-    FRUGAL_CHECK(false, "frugal: rank ", w.rank, "'s ", what, " failed: ",
-                 gone.empty() ? "another rank stopped, or did not come within the group's timeout ("
-                              : gone + "the group's timeout is ",
-                 w.timeout.count(), " ms", gone.empty() ? ")" : "",
+    const auto timeout = std::to_string(w.timeout.count()) + " ms";
+    const auto cause =
+        gone.empty()
+            ? "another rank stopped, or did not come within the group's timeout (" + timeout + ")"
+            : gone + "the group's timeout is " + timeout;
+    FRUGAL_CHECK(false, "frugal: rank ", w.rank, "'s ", what, " failed: ", cause,
                  ". The backend said: ", c10::GetExceptionString(e));
   }
   if (!w.release) {
@@ -291,24 +294,36 @@ std::shared_ptr<Group> Group::join(const LaunchEnv& env, GroupOptions options) {
 void Group::learn_peers() {
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  const auto mine = torch::tensor({static_cast<std::int64_t>(::getpid()),
-                                   static_cast<std::int64_t>(std::hash<std::string>{}(host))},
-                                  torch::kLong)
-                        .to(impl_->device);
-  std::vector<torch::Tensor> all;
-  for (int r = 0; r < size_; ++r) {
-    all.push_back(torch::empty_like(mine));
-  }
-  all_gather(all, mine);
   auto peers = std::make_shared<Peers>();
   peers->self = rank_;
-  for (const auto& t : all) {
-    const auto values = t.cpu();
-    peers->pids.push_back(values[0].item<std::int64_t>());
-    peers->hosts.push_back(values[1].item<std::int64_t>());
+  for (const auto& values :
+       detail::gather_numbers(*this, {static_cast<std::int64_t>(::getpid()),
+                                      static_cast<std::int64_t>(std::hash<std::string>{}(host))})) {
+    peers->pids.push_back(values[0]);
+    peers->hosts.push_back(values[1]);
   }
   impl_->waiting.peers = std::move(peers);
 }
+
+namespace detail {
+
+std::vector<std::vector<std::int64_t>> gather_numbers(Group& group,
+                                                      const std::vector<std::int64_t>& values) {
+  const auto mine = torch::tensor(values, torch::kLong).to(group.device());
+  std::vector<torch::Tensor> all;
+  for (int r = 0; r < group.size(); ++r) {
+    all.push_back(torch::empty_like(mine));
+  }
+  group.all_gather(all, mine);
+  std::vector<std::vector<std::int64_t>> out;
+  for (const auto& t : all) {
+    const auto host = t.cpu();
+    out.emplace_back(host.data_ptr<std::int64_t>(), host.data_ptr<std::int64_t>() + host.numel());
+  }
+  return out;
+}
+
+}  // namespace detail
 
 Work Group::all_reduce(torch::Tensor& tensor) {
   if (!impl_->pg) {

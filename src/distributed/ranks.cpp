@@ -11,6 +11,7 @@
 #include "frugal/optim/sharded.h"
 #include "frugal/state/save_dir.h"
 #include "frugal/train/trainer.h"
+#include "gather.h"
 
 namespace frugal::distributed {
 namespace {
@@ -20,34 +21,19 @@ bool sharded(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const optim::ShardedOptimizer*>(&optimizer) != nullptr;
 }
 
-// Every rank's list of numbers (of any length), by rank: two all-gathers, of the lengths and
-// of the lists padded to the longest.
-std::vector<std::vector<std::int64_t>> gather_lists(Group& group,
-                                                    const std::vector<std::int64_t>& mine) {
-  const auto gather = [&group](const torch::Tensor& in) {
-    std::vector<torch::Tensor> out;
-    for (int r = 0; r < group.size(); ++r) {
-      out.push_back(torch::empty_like(in));
-    }
-    group.all_gather(out, in);
-    return out;
-  };
-  const auto on_group = torch::TensorOptions().dtype(torch::kLong).device(group.device());
-  const auto lengths = gather(torch::full({1}, static_cast<std::int64_t>(mine.size()), on_group));
+// Every rank's list of numbers (of any length), by rank: the lengths, then the lists padded
+// to the longest.
+std::vector<std::vector<std::int64_t>> gather_lists(Group& group, std::vector<std::int64_t> mine) {
+  const auto n = static_cast<std::int64_t>(mine.size());
+  const auto lengths = detail::gather_numbers(group, {n});
   std::int64_t longest = 1;
-  for (const auto& n : lengths) {
-    longest = std::max(longest, n.item<std::int64_t>());
+  for (const auto& length : lengths) {
+    longest = std::max(longest, length.front());
   }
-  auto padded = torch::full({longest}, std::int64_t{-1}, torch::kLong);
-  for (std::size_t i = 0; i < mine.size(); ++i) {
-    padded[static_cast<std::int64_t>(i)] = mine[i];
-  }
-  std::vector<std::vector<std::int64_t>> lists;
-  const auto all = gather(padded.to(group.device()));
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    const auto values = all[r].cpu();
-    const auto n = lengths[r].item<std::int64_t>();
-    lists.emplace_back(values.data_ptr<std::int64_t>(), values.data_ptr<std::int64_t>() + n);
+  mine.resize(static_cast<std::size_t>(longest), -1);
+  auto lists = detail::gather_numbers(group, mine);
+  for (std::size_t r = 0; r < lists.size(); ++r) {
+    lists[r].resize(static_cast<std::size_t>(lengths[r].front()));
   }
   return lists;
 }
@@ -127,7 +113,7 @@ std::optional<UserState> GroupRanks::resume(
     failure = error_message(error);
   }
   // Every rank learns which ones loaded it: none goes on alone.
-  const auto loaded = gather_lists(*group_, {failure.empty() ? trainer.steps() : -1});
+  const auto loaded = detail::gather_numbers(*group_, {failure.empty() ? trainer.steps() : -1});
   std::string failed;
   for (std::size_t r = 0; r < loaded.size(); ++r) {
     if (loaded[r].front() != chosen) {

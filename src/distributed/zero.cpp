@@ -2,11 +2,8 @@
 
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Type.h>
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
-
-#include <typeinfo>
 
 #include "compat.h"
 #include "frugal/error.h"
@@ -103,7 +100,7 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
                "frugal: ZeRO's step in backward updates one unit's range at a time and needs "
                "one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
                "AdamW8bit); the function returned ",
-               c10::demangle(typeid(*parts.inner).name()));
+               frugal::detail::optimizer_type(*parts.inner));
   return parts;
 }
 
@@ -347,7 +344,7 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   if (options_.stage() == 3) {
     archive.write("zero/weights", shard_.detach());
   }
-  archive.write("zero/inner_type", c10::IValue(c10::demangle(typeid(*inner_).name())));
+  archive.write("zero/inner_type", c10::IValue(frugal::detail::optimizer_type(*inner_)));
   torch::serialize::OutputArchive inner;
   inner_->save(inner);
   archive.write("zero/inner", inner);
@@ -371,7 +368,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   // Another optimizer's state would fail inside LibTorch's load with an internal assertion.
   c10::IValue saved_type;  // absent from the files of earlier releases
-  const auto inner_type = c10::demangle(typeid(*inner_).name());
+  const auto inner_type = frugal::detail::optimizer_type(*inner_);
   FRUGAL_CHECK(!archive.try_read("zero/inner_type", saved_type) || !saved_type.isString() ||
                    saved_type.toStringRef() == inner_type,
                "frugal: the saved ZeRO state is of the optimizer ",

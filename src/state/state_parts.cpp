@@ -119,10 +119,6 @@ std::vector<std::string> group_names(torch::optim::Optimizer& optimizer,
   return groups;
 }
 
-std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
-  return c10::demangle(typeid(optimizer).name());
-}
-
 torch::Tensor cpu_rng_state() {
   auto generator = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(generator.mutex());
@@ -153,6 +149,10 @@ std::int64_t cuda_devices() {
 }
 
 }  // namespace
+
+std::string optimizer_type(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
 
 void write_model(OutputArchive& archive, const std::string& prefix, torch::nn::Module& module,
                  torch::optim::Optimizer& optimizer) {

@@ -25,6 +25,9 @@ std::string state_mismatch(const std::string& path, const std::string& whose,
                            const std::string& what, const std::string& file,
                            const std::string& here);
 
+/// The optimizer's class, as saved files name it (e.g. "torch::optim::Adam").
+std::string optimizer_type(const torch::optim::Optimizer& optimizer);
+
 /// A model's parameters and buffers by name, its optimizer's type, param groups (by
 /// parameter name) and state, under `prefix` ("" for a Trainer's file).
 void write_model(torch::serialize::OutputArchive& archive, const std::string& prefix,
