@@ -23,6 +23,18 @@ namespace frugal::testing {
 constexpr std::int64_t cuda_block_bytes(std::int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
 /// A deterministic MLP (no dropout): the same seed gives the same weights.
+// Restores LibTorch's intra-op thread count when it goes.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : before_(torch::get_num_threads()) { torch::set_num_threads(n); }
+  ~ThreadCount() { torch::set_num_threads(before_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int before_;
+};
+
 inline torch::nn::Sequential make_mlp(std::int64_t in, std::int64_t hidden, std::int64_t out,
                                       std::uint64_t seed = 7) {
   torch::manual_seed(seed);

@@ -72,11 +72,47 @@ TEST_F(CachingAllocatorTest, FreedBlocksPastTheCacheLimitGoBackToTheSystem) {
   EXPECT_EQ(after.cached - before.cached, 3 << 20);
   EXPECT_EQ(after.returned - before.returned, 2);
   EXPECT_EQ(after.reserved, after.allocated + after.cached);
-  CountingAllocator::set_cache_limit(0);  // the default rule: max(32 MiB, live / 32)
-  EXPECT_EQ(CountingAllocator::stats().cache_limit,
-            std::max<std::int64_t>(32 << 20, CountingAllocator::stats().allocated / 32));
+  CountingAllocator::set_cache_limit(0);  // the rule: max(16 MiB, live / 32) + (peak - live)
+  const auto rule = CountingAllocator::stats();
+  EXPECT_EQ(rule.cache_limit, std::max(std::int64_t{16} << 20, rule.allocated / 32) +
+                                  (rule.peak - rule.allocated));
   frugal::testing::expect_error_contains([] { CountingAllocator::set_cache_limit(-1); },
                                          "cache limit must be >= 0 bytes, got -1");
+}
+
+TEST_F(CachingAllocatorTest, BlocksFreedBelowThePeakStayCachedAndReservedStaysUnderIt) {
+  frugal::empty_cache();
+  CountingAllocator::set_cache_limit(0);
+  CountingAllocator::reset_peak();
+  const auto before = CountingAllocator::stats();
+  // More 1 MiB blocks than the floor and the live/32 term would keep, as a backward frees.
+  const auto count = std::max<std::int64_t>(32, before.allocated / 32 >> 20) + 16;
+  {
+    std::vector<torch::Tensor> blocks;
+    for (std::int64_t i = 0; i < count; ++i) {
+      blocks.push_back(torch::empty({1 << 18}));
+    }
+  }
+  const auto freed = CountingAllocator::stats();
+  EXPECT_EQ(freed.returned, before.returned);
+  EXPECT_EQ(freed.cached - before.cached, count << 20);
+  EXPECT_LE(freed.reserved, freed.peak);
+  {
+    std::vector<torch::Tensor> blocks;  // the next step takes them all back
+    for (std::int64_t i = 0; i < count; ++i) {
+      blocks.push_back(torch::empty({1 << 18}));
+    }
+    EXPECT_EQ(CountingAllocator::stats().system_allocations, freed.system_allocations);
+  }
+  // A larger tensor than any before raises the peak: the cache gives back what is over its
+  // limit at once, so reserved stays within the allowance of the new peak.
+  const auto larger = torch::empty({(count + 8) << 18});
+  const auto after = CountingAllocator::stats();
+  EXPECT_EQ(after.peak, after.allocated);
+  EXPECT_LE(after.cached, std::max(std::int64_t{16} << 20, after.allocated / 32));
+  EXPECT_LE(after.reserved, after.peak + std::max(std::int64_t{16} << 20, after.allocated / 32));
+  EXPECT_GE(after.returned - freed.returned, (freed.cached - after.cached) >> 20);  // 1 MiB each
+  frugal::empty_cache();
 }
 
 TEST_F(CachingAllocatorTest, TheSizeClassesRoundingIsReported) {

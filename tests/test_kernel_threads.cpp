@@ -13,23 +13,12 @@
 
 #include "frugal/optim/adam.h"
 #include "frugal/optim/adam8bit.h"
+#include "helpers.h"
 
 namespace {
 
 namespace fo = frugal::optim;
 namespace to = torch::optim;
-
-// Restores LibTorch's intra-op thread count when it goes.
-class ThreadCount {
- public:
-  explicit ThreadCount(int n) : before_(torch::get_num_threads()) { torch::set_num_threads(n); }
-  ~ThreadCount() { torch::set_num_threads(before_); }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-  int before_;
-};
 
 using MakeOptimizer =
     std::function<std::unique_ptr<to::Optimizer>(const std::vector<torch::Tensor>&)>;
@@ -38,7 +27,7 @@ using MakeOptimizer =
 // kernel's grain is exceeded) at `threads` threads; the weights and every state tensor after.
 std::vector<torch::Tensor> three_steps(torch::ScalarType dtype, const MakeOptimizer& make,
                                        int threads) {
-  const ThreadCount count(threads);
+  const frugal::testing::ThreadCount count(threads);
   auto generator = torch::make_generator<torch::CPUGeneratorImpl>(11);
   auto weight = torch::randn({512, 600}, generator).to(dtype).requires_grad_();
   auto optimizer = make({weight});

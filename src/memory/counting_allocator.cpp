@@ -4,8 +4,10 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -58,16 +60,25 @@ struct Counters {
   std::atomic<std::int64_t> cap{0};
   std::atomic<std::int64_t> capacity{0};     // size classes of live blocks
   std::atomic<std::int64_t> cache_limit{0};  // 0: the default rule
-  std::atomic<std::int64_t> returned{0};     // freed blocks given back past the limit
+  std::atomic<std::int64_t> returned{0};     // blocks given back past the limit
 };
 
-// How many bytes of freed blocks the cache keeps: a fixed limit if one was set, else
-// max(32 MiB, 1/32 of the live bytes), so that a steady training loop reuses its
-// blocks while the cache cannot hold much more memory than the program uses.
-std::int64_t cache_limit_of(const Counters& c) {
+// How many bytes of freed blocks the cache keeps once `releasing` more bytes stop being
+// live: a fixed limit if one was set, else max(16 MiB, 1/32 of the live bytes) beyond the
+// distance from the live bytes to their peak. The distance lets a training step keep the
+// blocks its backward frees (the next step asks for the same sizes again); the allowance
+// beyond it covers blocks of other size classes that wait in the cache at the step's peak.
+// With trim_cache, reserved = allocated + cached stays within max(16 MiB, live / 32) of
+// the peak of allocated, as with a fixed limit of that size at the peak (docs/memory.md
+// has the resident memory this costs against LibTorch's allocator alone).
+std::int64_t cache_limit_of(const Counters& c, std::int64_t releasing = 0) {
   const auto fixed = c.cache_limit.load();
-  return fixed > 0 ? fixed
-                   : std::max<std::int64_t>(std::int64_t{32} << 20, c.allocated.load() / 32);
+  if (fixed > 0) {
+    return fixed;
+  }
+  const auto live = c.allocated.load() - releasing;
+  return std::max(std::int64_t{16} << 20, live / 32) +
+         std::max<std::int64_t>(0, c.peak.load() - live);
 }
 
 // Never destroyed: tensors that outlive main (LibTorch's static ones) are freed through
@@ -145,17 +156,22 @@ class Cache {
     shard.free[capacity].push_back(base);
   }
 
-  // Every free block, emptied out of the cache for the caller to release.
-  std::vector<std::pair<void*, std::int64_t>> drain() {
+  // Free blocks of at least `bytes` in all (every one for the default), taken out of the
+  // cache for the caller to release.
+  std::vector<std::pair<void*, std::int64_t>> drain(
+      std::int64_t bytes = std::numeric_limits<std::int64_t>::max()) {
     std::vector<std::pair<void*, std::int64_t>> out;
+    std::int64_t taken = 0;
     for (auto& shard : shards_) {
       std::lock_guard<std::mutex> lock(shard.mutex);
-      for (auto& [capacity, blocks] : shard.free) {
-        for (void* base : blocks) {
-          out.emplace_back(base, capacity);
+      for (auto it = shard.free.begin(); it != shard.free.end() && taken < bytes;) {
+        auto& blocks = it->second;
+        for (; !blocks.empty() && taken < bytes; blocks.pop_back()) {
+          out.emplace_back(blocks.back(), it->first);
+          taken += it->first;
         }
+        it = blocks.empty() ? shard.free.erase(it) : std::next(it);
       }
-      shard.free.clear();
     }
     return out;
   }
@@ -213,6 +229,7 @@ class Counting final : public compat::AllocatorBase {
         throw;
       }
       c.system.fetch_add(1);
+      trim_cache();
     }
     Tally* owner = ThreadTally::get();
     if (owner != nullptr) {
@@ -234,10 +251,23 @@ class Counting final : public compat::AllocatorBase {
   static void release(void* data);
 
   // Returns every cached block to the allocator below.
-  void release_cache() const {
-    for (const auto& [base, capacity] : cache.drain()) {
+  // Returns how many blocks went back to the system.
+  std::int64_t release_cache(std::int64_t bytes = std::numeric_limits<std::int64_t>::max()) const {
+    const auto blocks = cache.drain(bytes);
+    for (const auto& [base, capacity] : blocks) {
       counters().cached.fetch_sub(capacity);
       inner_free(base);
+    }
+    return static_cast<std::int64_t>(blocks.size());
+  }
+
+  // After a block came from the system: live bytes grew past what the cache kept blocks
+  // for, so the cache gives back what is now over its limit, and reserved stays bounded.
+  void trim_cache() const {
+    auto& c = counters();
+    const auto excess = c.cached.load() - cache_limit_of(c);
+    if (excess > 0) {
+      c.returned.fetch_add(release_cache(excess));
     }
   }
 };
@@ -262,7 +292,8 @@ void Counting::release(void* data) {
   c.capacity.fetch_sub(header.capacity);
   // Cached before it stops counting as allocated: reserved never dips below what is held.
   // Past the cache's limit the block goes back to the system instead.
-  const bool keep = c.cached.load() + header.capacity <= cache_limit_of(c);
+  const bool keep =
+      c.cached.load() + header.capacity <= cache_limit_of(c, header.requested);
   if (keep) {
     c.cached.fetch_add(header.capacity);
     counting().cache.put(base, header.capacity);

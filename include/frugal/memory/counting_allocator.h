@@ -26,7 +26,7 @@ struct CpuAllocatorStats {
   /// eighth of a block; `allocated` + `rounding` is what live tensors occupy).
   std::int64_t rounding = 0;
   std::int64_t cache_limit = 0;  ///< the most `cached` may hold now
-  std::int64_t returned = 0;     ///< freed blocks given back to the system past the limit
+  std::int64_t returned = 0;     ///< blocks given back to the system past the cache limit
 };
 
 /// One thread's share of the counting allocator: the bytes of live blocks that thread
@@ -49,9 +49,12 @@ struct CpuThreadStats {
 /// would otherwise map and unmap every step. `reserved` is allocated + cached;
 /// `empty_cache()` returns the cached blocks to the system. The cache is bounded, so a
 /// program linked with frugal holds about the memory it would hold without it: by default
-/// to max(32 MiB, 1/32 of the live bytes) (`set_cache_limit` sets another); a block
-/// freed past the limit goes back to the system. Free lists are sharded by size
-/// class, each shard with its own lock.
+/// to max(16 MiB, 1/32 of the live bytes) beyond the distance from the live bytes to their
+/// peak, so a step keeps the blocks its backward frees while reserved stays within
+/// max(16 MiB, live/32) of the peak (`set_cache_limit` sets a fixed limit); a block freed
+/// past the limit goes back to the system, and a block taken from the system first makes
+/// the cache give back what is over the limit. Free lists are sharded by size class, each
+/// shard with its own lock.
 ///
 /// With a cap, a request that would take allocated + cached past it first returns the
 /// cache to the system, as CUDA does at its memory limit; it throws `c10::OutOfMemoryError`
