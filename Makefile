@@ -8,7 +8,7 @@
 # Both install what is missing first (scripts/setup.sh) and reuse earlier build trees.
 
 BUILDS ?= torch2 debian sanitize
-DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2
+DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2 --memory-timeline build/torch2/demo-step2.html
 
 .PHONY: demo test bench-doc clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))
 

@@ -114,6 +114,24 @@ inline frugal::Batch counted_random_batch(int threads, std::int64_t batch, std::
 /// --threads, as the examples take it (main_flags.h).
 using examples::threads_flag;
 
+/// The flags of a benchmark of Fashion-MNIST training steps: rounds, steps a round, batch,
+/// the model (mlp or cnn) and the intra-op threads.
+struct StepFlags {
+  int rounds = 15, steps = 50, threads = 0;
+  std::int64_t batch = 64;
+  std::string model = "mlp";
+};
+
+inline void step_flags(CLI::App& app, StepFlags& f) {
+  app.add_option("--rounds", f.rounds)->capture_default_str();
+  app.add_option("--steps", f.steps, "Steps per round and variant")->capture_default_str();
+  app.add_option("--batch", f.batch)->capture_default_str();
+  app.add_option("--model", f.model, "mlp or cnn (the Fashion-MNIST models)")
+      ->check(CLI::IsMember({"mlp", "cnn"}))
+      ->capture_default_str();
+  threads_flag(app, f.threads, "Intra-op threads (0: LibTorch's choice)");
+}
+
 /// Prints a benchmark's JSON line (the last line of its output, what the benchmark pages are
 /// made from), with the intra-op threads it ran with.
 inline void print_json(nlohmann::json j) {

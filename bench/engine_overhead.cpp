@@ -2,11 +2,10 @@
 // data and seed, interleaved rounds in one process, each round starting one loop later.
 #include <fmt/format.h>
 #include <frugal/frugal.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-#include <sys/resource.h>
-
 #include <map>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -15,20 +14,15 @@
 #include "models.h"
 
 int main(int argc, char** argv) {
-  int rounds = 15, steps = 50, threads = 0;
-  std::int64_t batch = 64;
-  std::string model = "mlp";
+  bench::StepFlags flags;
   bool ledger = true;
   CLI::App app{"Step engine overhead against a hand-written loop"};
-  app.add_option("--rounds", rounds)->capture_default_str();
-  app.add_option("--steps", steps, "Steps per round and variant")->capture_default_str();
-  app.add_option("--batch", batch)->capture_default_str();
-  app.add_option("--model", model, "mlp or cnn (the Fashion-MNIST models)")
-      ->check(CLI::IsMember({"mlp", "cnn"}))
-      ->capture_default_str();
-  bench::threads_flag(app, threads, "Intra-op threads (0: LibTorch's choice)");
+  bench::step_flags(app, flags);
   app.add_option("--ledger", ledger, "Measure the ledger in every report")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const int rounds = flags.rounds, steps = flags.steps;
+  const std::int64_t batch = flags.batch;
+  const std::string model = flags.model;
   frugal::CountingAllocator::install();  // both variants run on the same allocator
   torch::manual_seed(0);
   const auto x = torch::rand({batch, 1, 28, 28});

@@ -19,7 +19,7 @@ as_root() {
 
 packages=(cmake ninja-build g++ make ccache python3 zlib1g-dev libfmt-dev libcli11-dev
           nlohmann-json3-dev libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev dataset-fashion-mnist
-          fortunes)
+          fortunes chromium)
 case "$which_builds" in
   torch2) ;;
   debian|sanitize|all) packages+=(libtorch-dev libopenblas0-pthread) ;;

@@ -13,6 +13,7 @@
 #include "compat.h"
 #include "frugal/autocast_guard.h"
 #include "frugal/error.h"
+#include "frugal/memory/memory_context.h"
 
 namespace frugal {
 namespace {
@@ -198,6 +199,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         AutocastGuard cpu(torch::kCPU, state->cpu_autocast.dtype, state->cpu_autocast.enabled);
         AutocastGuard cuda(torch::kCUDA, state->cuda_autocast.dtype, state->cuda_autocast.enabled);
         torch::AutoGradMode grad(true);
+        const PhaseScope phase(MemoryPhase::Recompute);
         observe(CheckpointPhase::RecomputeBegin, state->name);
         outputs = state->run(detached);
         observe(CheckpointPhase::RecomputeEnd, state->name, outputs);

@@ -9,6 +9,7 @@
   the step numbers with the losses of a run never stopped;
   two ranks under --distributed (started as torchrun starts them) report the losses of one
   process on the whole batch, and only rank 0 speaks;
+  --memory-timeline writes a step's page and says where, the step's figures the model's;
   bad command lines end with a clear message, a non-zero status and no stack trace.
 Usage: fashion_mnist_cli.py PATH/TO/fashion_mnist WORK_DIR
 """
@@ -55,6 +56,20 @@ full = train("full")
 micro = train("micro16", "--micro-batch", "16")
 check(same_losses(full, micro), "micro-batch 16 and the full batch of 64 give the same losses")
 check(same_losses(full, train("again"), 0.0), "the same seed gives the same losses")
+
+# The memory timeline of step 2: the page and the peak's parts; the step's figures are the
+# model's (the images are bytes, read on a thread of their own).
+page = os.path.join(WORK, "step2.html")
+done = subprocess.run([BINARY, *COMMON, "--max-steps", "3", "--threads", "1",
+                       "--memory-timeline", page], capture_output=True, text=True)
+check(done.returncode == 0 and os.path.getsize(page) > 1000
+      and f"memory timeline of step 2 written to {page}" in done.stdout
+      and "at the peak (" in done.stdout and "step 2: ledger weights" in done.stdout,
+      f"--memory-timeline writes step 2's page and names it ({done.stdout.strip()[-300:]})")
+allocated = [float(line.split("allocated ")[1].split(" MiB")[0])
+             for line in done.stdout.splitlines() if line.startswith("step 2: cpu")]
+check(len(allocated) == 1 and allocated[0] <= 60,
+      f"allocated between steps is the model's, at most 60 MiB ({allocated})")
 
 # frugal's Adam (the default) computes what LibTorch's does, without its temporaries; the
 # step in backward also without holding all gradients.
@@ -105,7 +120,11 @@ big_micro = train("big_micro", "--batch", "256", "--micro-batch", "32", steps=5)
 peak_full = max(r["peak_bytes"] for r in big)
 peak_micro = max(r["peak_bytes"] for r in big_micro)
 check(peak_micro < peak_full, f"micro-batch 32 of 256 peaks lower ({peak_micro} < {peak_full})")
-capped = train("capped", "--batch", "256", "--memory-cap", str((peak_full + peak_micro) // 2), steps=5)
+# The peaks are the training thread's; the cap is the process's, which also holds the images
+# (read on a thread of their own): they are added.
+images = big[0]["process_allocated_bytes"] - big[0]["allocated_bytes"]
+capped = train("capped", "--batch", "256", "--memory-cap",
+               str((peak_full + peak_micro) // 2 + images), steps=5)
 check(capped[0]["oom_retries"] > 0, f"the capped run retried its first step ({capped[0]['oom_retries']} retries, micro-batch {capped[0]['micro_batch']})")
 check(same_losses(capped, big_micro), "the capped run's losses match the micro-batched run's")
 
@@ -218,6 +237,7 @@ for args, needle in [(["--data-dir", WORK], "cannot open"),
                      (["--threads", "100000"], "100000"),
                      (["--memory-cap", "2000000", "--max-steps", "1"], "out of memory"),
                      (["--bogus"], "--bogus"),
+                     (["--memory-timeline", "t.png"], "not 't.png'"),
                      (["--device", "tpu"], "--device tpu: not a device"),
                      (["--device", "meta"], "--device meta: only cpu and cuda"),
                      (["--device", "cuda:7", "--max-steps", "1"],

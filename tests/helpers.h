@@ -35,6 +35,20 @@ class ThreadCount {
   int before_;
 };
 
+/// Deep and narrow: 256 inputs, `layers` Tanh + Linear(16, 16), 10 outputs. At batch 64
+/// its activations outweigh its weights and gradients together: the micro-batch decides
+/// the peak.
+inline torch::nn::Sequential deep_narrow(int layers) {
+  torch::manual_seed(8);
+  torch::nn::Sequential seq(torch::nn::Linear(256, 16));
+  for (int i = 0; i < layers; ++i) {
+    seq->push_back(torch::nn::Tanh());
+    seq->push_back(torch::nn::Linear(16, 16));
+  }
+  seq->push_back(torch::nn::Linear(16, 10));
+  return seq;
+}
+
 inline torch::nn::Sequential make_mlp(std::int64_t in, std::int64_t hidden, std::int64_t out,
                                       std::uint64_t seed = 7) {
   torch::manual_seed(seed);

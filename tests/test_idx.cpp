@@ -110,6 +110,12 @@ TEST_F(Idx, LoadsAnMnistDirectory) {
   EXPECT_EQ(batch.targets.dtype(), torch::kLong);
   EXPECT_FLOAT_EQ(batch.inputs.flatten()[250].item<float>(), 250.0f / 255.0f);
   EXPECT_EQ(batch.targets[2].item<std::int64_t>(), 2);
+  // As bytes: a quarter of the memory, and the same floats once a batch is converted.
+  const auto bytes = frugal::data::load_mnist_dir(dir.string(), frugal::data::Split::Test,
+                                                  frugal::data::Pixels::Bytes);
+  EXPECT_EQ(bytes.inputs.dtype(), torch::kByte);
+  EXPECT_EQ(bytes.inputs.nbytes() * 4, batch.inputs.nbytes());
+  EXPECT_TRUE(torch::equal(frugal::data::to_unit_floats(bytes.inputs), batch.inputs));
 }
 
 std::string write_plain(const fs::path& path, const std::vector<unsigned char>& bytes) {

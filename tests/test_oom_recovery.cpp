@@ -26,18 +26,7 @@ std::vector<frugal::Batch> batches_of(std::int64_t n, int count, std::uint64_t s
   return out;
 }
 
-// Deep and narrow: at batch 64 its activations outweigh its weights and gradients
-// together, so the micro-batch decides the peak.
-torch::nn::Sequential model() {
-  torch::manual_seed(8);
-  torch::nn::Sequential seq(torch::nn::Linear(256, 16));
-  for (int i = 0; i < 32; ++i) {
-    seq->push_back(torch::nn::Tanh());
-    seq->push_back(torch::nn::Linear(16, 16));
-  }
-  seq->push_back(torch::nn::Linear(16, 10));
-  return seq;
-}
+torch::nn::Sequential model() { return frugal::testing::deep_narrow(32); }
 
 struct Run {
   std::vector<torch::Tensor> weights;

@@ -12,6 +12,7 @@
 
 #include "device.h"
 #include "main_flags.h"
+#include "memory_timeline_flags.h"
 #include "models.h"
 
 namespace {
@@ -30,6 +31,7 @@ struct Args {
   std::int64_t log_every = 50;
   int threads = 0;
   std::string device = "cpu";
+  examples::TimelineFlags timeline;
 };
 
 // 784 -> 64 -> 10: an eighth of the teacher's first layer.
@@ -91,10 +93,13 @@ int run(const Args& args) {
                     (t * t);
     return args.alpha * kd + (1 - args.alpha) * F::cross_entropy(logits, micro.targets);
   };
+  examples::IterationTimeline timeline("distill", args.timeline);
   for (std::int64_t i = 1; i <= args.steps; ++i) {
+    timeline.begin(i, {{student.get(), &student_adam, "student"}});
     const double loss = loop.accumulate(batch_at(i - 1).to(device), s, distill_loss);
     loop.step(s);
     const auto report = loop.end();
+    timeline.end(i);
     if (i % args.log_every == 0 || i == args.steps) {
       fmt::print("step {} loss {:.17g} allocated {} peak {}\n", i, loss, report.memory.allocated,
                  report.peak);
@@ -126,6 +131,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", args.seed, "random seed");
   app.add_option("--log-every", args.log_every, "print every N steps")->check(CLI::PositiveNumber);
+  examples::memory_timeline_flags(app, args.timeline);
   examples::threads_flag(app, args.threads);
   app.add_option("--device", args.device, "cpu, cuda or cuda:N")->capture_default_str();
   return examples::parse_and_run(app, argc, argv, [&args] { return run(args); });

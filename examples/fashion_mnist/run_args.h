@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "main_flags.h"
+#include "memory_timeline_flags.h"
 
 namespace fashion {
 
@@ -50,6 +51,7 @@ struct Args {
   std::int64_t warmup_steps = 0;
   bool distributed = false;
   int zero = 0;
+  examples::TimelineFlags timeline;
 };
 
 // frugal's optimizer (in place), or LibTorch's own of the same name for comparison.

@@ -19,6 +19,7 @@
 
 #include "device.h"
 #include "main_flags.h"
+#include "memory_timeline_flags.h"
 
 namespace {
 
@@ -42,6 +43,7 @@ struct Args {
   std::int64_t log_every = 20;
   int threads = 0;
   std::string device = "cpu";
+  examples::TimelineFlags timeline;
 };
 
 // torch::nn::BatchNorm bit for bit in one process; under --distributed, given the group, it
@@ -190,7 +192,10 @@ int run(const Args& args) {
   }
   std::int64_t generator_forwards = 0;
   const auto n = images.size(0) / args.batch;
+  examples::IterationTimeline timeline("gan", args.timeline);
   for (std::int64_t i = first; i <= args.iterations; ++i) {
+    timeline.begin(i, {{d.ptr().get(), d_opt.get(), "discriminator"},
+                       {g.ptr().get(), g_opt.get(), "generator"}});
     // Every rank draws the whole batch's noise (one random stream for all) and keeps its share.
     const auto real =
         images.narrow(0, ((i - 1) % n) * args.batch, args.batch).narrow(0, rank * share, share);
@@ -246,6 +251,7 @@ int run(const Args& args) {
         *report << r.to_json() << "\n";
       }
     }
+    timeline.end(i);
     if (rank == 0 && (i % args.log_every == 0 || i == args.iterations)) {
       fmt::print("{}\n", format_line(line));
     }
@@ -302,6 +308,7 @@ int main(int argc, char** argv) {
   app.add_flag("--distributed", args.distributed,
                "data parallel over the ranks torchrun started (each its share of a batch)");
   app.add_option("--report", args.report, "write one JSON line per iteration here");
+  examples::memory_timeline_flags(app, args.timeline);
   app.add_option("--save", args.save,
                  "save the whole state (both models, optimizers, scaler, "
                  "generators) here at the end");

@@ -8,9 +8,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "memory_timeline_flags.h"
 #include "residual_mlp.h"
 
 namespace {
@@ -20,6 +22,7 @@ struct Args {
   std::string device = "cpu";
   int threads = 0;
   bool json = false;
+  examples::TimelineFlags timeline;  // one file a row: the row's name before the extension
 };
 
 // One way of training: which policies are on.
@@ -79,6 +82,16 @@ Row train(const Args& a, const Setup& s, const frugal::Batch& data, torch::Devic
   }
   if (s.autocast) {
     frugal::use_mixed_precision(trainer, torch::kBFloat16);
+  }
+  if (!a.timeline.file.empty()) {
+    const auto dot = a.timeline.file.rfind('.');
+    auto name = s.name;
+    for (auto& c : name) {
+      c = std::isalnum(static_cast<unsigned char>(c)) ? c : '-';
+    }
+    trainer.add_policy(std::make_shared<frugal::MemoryTimeline>(
+        a.timeline.file.substr(0, dot) + "." + name + a.timeline.file.substr(dot),
+        std::min(a.timeline.step, a.steps)));
   }
   std::vector<torch::Tensor> kept;
   if (s.keep_losses) {
@@ -150,6 +163,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", a.steps, "Steps per policy")->check(CLI::Range(1, 1000))->capture_default_str();
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   app.add_option("--threads", a.threads, "Intra-op threads (0: LibTorch's choice)")->check(CLI::Range(0, 1024));
+  examples::memory_timeline_flags(app, a.timeline);
   app.add_flag("--json", a.json, "Print the table as JSON");
   CLI11_PARSE(app, argc, argv);
   try {

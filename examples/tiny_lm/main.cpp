@@ -18,6 +18,7 @@
 
 #include "corpus.h"
 #include "device.h"
+#include "memory_timeline_flags.h"
 #include "model.h"
 
 namespace {
@@ -51,6 +52,7 @@ struct Args {
   double beta1 = 0.9;
   bool factored = false;
   std::string weights = "float32";
+  examples::TimelineFlags timeline;
 };
 
 // frugal's AdamW, on float32 states or 8-bit ones (factored or not); bfloat16 weights take
@@ -146,6 +148,7 @@ int main(int argc, char** argv) {
                  "allocator's fraction)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--report", a.report, "Write a JSON-lines report here");
+  examples::memory_timeline_flags(app, a.timeline);
   app.add_flag("--quiet", a.quiet, "Print only the result line");
   CLI11_PARSE(app, argc, argv);
   if (a.factored && a.optimizer == "adamw") {
@@ -213,6 +216,11 @@ int main(int argc, char** argv) {
     if (a.autocast == "bf16") {
       frugal::use_mixed_precision(*trainer, torch::kBFloat16);
     }
+    std::shared_ptr<frugal::MemoryTimeline> timeline;
+    if (!a.timeline.file.empty()) {
+      timeline = std::make_shared<frugal::MemoryTimeline>(a.timeline.file, a.timeline.step);
+      trainer->add_policy(timeline);
+    }
     trainer->add_policy(std::make_shared<frugal::OomRecovery>());
     trainer->add_policy(std::make_shared<frugal::LrSchedule>(
         frugal::LrScheduleOptions()
@@ -262,6 +270,10 @@ int main(int argc, char** argv) {
       }
       at += a.batch;
       last_loss = trainer->step(tiny_lm::make_batch(seqs, which)).loss;
+      if (timeline && trainer->steps() == a.timeline.step && !a.quiet) {
+        examples::print_timeline("tiny_lm", *timeline->recorder(), a.timeline.file,
+                                 a.timeline.step);
+      }
       const bool last = trainer->steps() == a.max_steps;
       if (last || (a.eval_every > 0 && trainer->steps() % a.eval_every == 0)) {
         eval = trainer->evaluate(test);

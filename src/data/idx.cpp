@@ -131,7 +131,11 @@ torch::Tensor read_idx(const std::string& path) {
   return flat.reshape(shape);
 }
 
-Batch load_mnist_dir(const std::string& dir, Split split) {
+torch::Tensor to_unit_floats(const torch::Tensor& images) {
+  return images.scalar_type() == torch::kByte ? images.to(torch::kFloat).div_(255.0) : images;
+}
+
+Batch load_mnist_dir(const std::string& dir, Split split, Pixels pixels) {
   const std::string prefix = dir + (split == Split::Train ? "/train" : "/t10k");
   const std::string images_path = prefix + "-images-idx3-ubyte.gz";
   const std::string labels_path = prefix + "-labels-idx1-ubyte.gz";
@@ -151,7 +155,8 @@ Batch load_mnist_dir(const std::string& dir, Split split) {
                  " at index ", at, " (", bad.size(0), " labels out of range); classes are 0 to 9");
   }
   Batch batch;
-  batch.inputs = images.unsqueeze(1).to(torch::kFloat).div_(255.0);
+  batch.inputs = pixels == Pixels::Bytes ? images.unsqueeze(1).contiguous()
+                                         : to_unit_floats(images.unsqueeze(1));
   batch.targets = labels.to(torch::kLong);
   return batch;
 }

@@ -1,5 +1,6 @@
 #include "gradient_window.h"
 
+#include "frugal/memory/memory_context.h"
 #include <torch/torch.h>
 
 namespace frugal::detail {
@@ -82,6 +83,7 @@ void GradientWindow::put_back(std::vector<torch::Tensor> taken, bool add) {
 
 void GradientWindow::zero() {
   torch::NoGradGuard no_grad;
+  const PhaseScope phase(MemoryPhase::Zeroing);
   for (auto& group : optimizer_.param_groups()) {
     for (auto& p : group.params()) {
       auto& grad = p.mutable_grad();

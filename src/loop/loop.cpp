@@ -14,6 +14,7 @@
 #include "../engine/partial_step.h"
 #include "../engine/step_guard.h"
 #include "frugal/error.h"
+#include "frugal/memory/memory_context.h"
 #include "frugal/policy/grad_scaler.h"
 #include "frugal/train/sink.h"
 #include "parts.h"
@@ -130,6 +131,7 @@ void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& mod
     parts.open = true;
   }
   {
+    const PhaseScope phase(MemoryPhase::Backward);
     detail::ArmedScope arm(sync ? parts.sync.get() : nullptr, aside, 1.0);
     torch::autograd::backward({root}, {}, retain_graph, /*create_graph=*/false, parts.trainable);
   }
@@ -239,6 +241,7 @@ bool Loop::step(LoopModel& model) {
                    : !detail::NonFiniteGuard(options_.skip_non_finite(), options_.check_gradients())
                           .skips(non_finite, optimizer);
       if (go) {
+        const PhaseScope phase(MemoryPhase::OptimizerStep);
         optimizer.step();
       }
     } catch (const std::exception& error) {

@@ -5,15 +5,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "allocation_observer.h"
 #include "compat.h"
+#include "free_lists.h"
 #include "frugal/error.h"
 #include "frugal/memory/format.h"
 
@@ -49,11 +49,11 @@ std::int64_t size_class(std::int64_t n) {
 struct Counters {
   std::atomic<std::int64_t> allocated{0};  // requested bytes of live blocks
   std::atomic<std::int64_t> peak{0};
-  std::atomic<std::int64_t> cached{0};     // capacity of free blocks kept for reuse
+  std::atomic<std::int64_t> cached{0};  // capacity of free blocks kept for reuse
   std::atomic<std::int64_t> reserved_peak{0};
   std::atomic<std::int64_t> live{0};
   std::atomic<std::int64_t> total{0};
-  std::atomic<std::int64_t> system{0};     // blocks ever taken from the allocator below
+  std::atomic<std::int64_t> system{0};  // blocks ever taken from the allocator below
   std::atomic<std::int64_t> hits{0};
   std::atomic<std::int64_t> ooms{0};
   std::atomic<std::int64_t> last_refused{0};
@@ -134,64 +134,11 @@ class ThreadTally {
 };
 thread_local bool ThreadTally::gone_ = false;
 
-// Free blocks by size class, in shards with a lock each: threads that allocate different
-// sizes do not wait for one another.
-class Cache {
- public:
-  void* take(std::int64_t capacity) {
-    auto& shard = shard_of(capacity);
-    std::lock_guard<std::mutex> lock(shard.mutex);
-    const auto it = shard.free.find(capacity);
-    if (it == shard.free.end() || it->second.empty()) {
-      return nullptr;
-    }
-    void* base = it->second.back();
-    it->second.pop_back();
-    return base;
-  }
-
-  void put(void* base, std::int64_t capacity) {
-    auto& shard = shard_of(capacity);
-    std::lock_guard<std::mutex> lock(shard.mutex);
-    shard.free[capacity].push_back(base);
-  }
-
-  // Free blocks of at least `bytes` in all (every one for the default), taken out of the
-  // cache for the caller to release.
-  std::vector<std::pair<void*, std::int64_t>> drain(
-      std::int64_t bytes = std::numeric_limits<std::int64_t>::max()) {
-    std::vector<std::pair<void*, std::int64_t>> out;
-    std::int64_t taken = 0;
-    for (auto& shard : shards_) {
-      std::lock_guard<std::mutex> lock(shard.mutex);
-      for (auto it = shard.free.begin(); it != shard.free.end() && taken < bytes;) {
-        auto& blocks = it->second;
-        for (; !blocks.empty() && taken < bytes; blocks.pop_back()) {
-          out.emplace_back(blocks.back(), it->first);
-          taken += it->first;
-        }
-        it = blocks.empty() ? shard.free.erase(it) : std::next(it);
-      }
-    }
-    return out;
-  }
-
- private:
-  struct Shard {
-    std::mutex mutex;
-    std::unordered_map<std::int64_t, std::vector<void*>> free;
-  };
-  Shard& shard_of(std::int64_t capacity) {
-    return shards_[static_cast<std::size_t>(capacity / 512) % shards_.size()];
-  }
-  std::array<Shard, 16> shards_;
-};
-
 class Counting final : public compat::AllocatorBase {
  public:
   c10::Allocator* inner = nullptr;
   c10::DeleterFnPtr inner_free = nullptr;
-  mutable Cache cache;
+  mutable detail::FreeLists cache;
 
   c10::DataPtr allocate_bytes(std::size_t n) const override {
     const c10::Device cpu(c10::DeviceType::CPU);
@@ -210,11 +157,13 @@ class Counting final : public compat::AllocatorBase {
         c.allocated.fetch_sub(bytes);
         c.ooms.fetch_add(1);
         c.last_refused.store(bytes);
-        TORCH_CHECK_WITH(OutOfMemoryError, false,
-                         fmt::format("frugal: out of memory: CPU allocation of {} refused: "
-                                     "the cap is {} and {} are already allocated",
-                                     format_bytes(bytes), format_bytes(cap),
-                                     format_bytes(now - bytes)));
+        detail::tell_observer(
+            [&](detail::AllocationObserver& o) { o.on_refused(bytes, now - bytes, cap); });
+        TORCH_CHECK_WITH(
+            OutOfMemoryError, false,
+            fmt::format("frugal: out of memory: CPU allocation of {} refused: "
+                        "the cap is {} and {} are already allocated",
+                        format_bytes(bytes), format_bytes(cap), format_bytes(now - bytes)));
       }
     }
     void* base = cache.take(capacity);
@@ -243,6 +192,8 @@ class Counting final : public compat::AllocatorBase {
     c.live.fetch_add(1);
     c.total.fetch_add(1);
     void* data = static_cast<char*>(base) + kHeader;
+    detail::tell_observer(
+        [&](detail::AllocationObserver& o) { o.on_alloc(data, bytes, capacity, now); });
     return {data, data, &release, cpu};
   }
 
@@ -292,8 +243,7 @@ void Counting::release(void* data) {
   c.capacity.fetch_sub(header.capacity);
   // Cached before it stops counting as allocated: reserved never dips below what is held.
   // Past the cache's limit the block goes back to the system instead.
-  const bool keep =
-      c.cached.load() + header.capacity <= cache_limit_of(c, header.requested);
+  const bool keep = c.cached.load() + header.capacity <= cache_limit_of(c, header.requested);
   if (keep) {
     c.cached.fetch_add(header.capacity);
     counting().cache.put(base, header.capacity);
@@ -305,6 +255,9 @@ void Counting::release(void* data) {
   }
   raise(c.reserved_peak, now + c.cached.load());
   c.live.fetch_sub(1);
+  detail::tell_observer([&](detail::AllocationObserver& o) {
+    o.on_free(data, header.requested, header.capacity, now);
+  });
   if (header.owner != nullptr) {
     header.owner->allocated.fetch_sub(header.requested, std::memory_order_relaxed);
     header.owner->release();
@@ -413,4 +366,16 @@ ScopedCpuCap::ScopedCpuCap(std::int64_t bytes) : previous_(CountingAllocator::ca
 
 ScopedCpuCap::~ScopedCpuCap() { CountingAllocator::set_cap(previous_); }
 
+namespace detail {
+
+std::int64_t counted_bytes(const c10::DataPtr& ptr) {
+  if (ptr.get() == nullptr || ptr.get_deleter() != &Counting::release) {
+    return -1;
+  }
+  return static_cast<const Header*>(
+             static_cast<const void*>(static_cast<const char*>(ptr.get()) - kHeader))
+      ->requested;
+}
+
+}  // namespace detail
 }  // namespace frugal

@@ -63,36 +63,21 @@ Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>
                      const torch::optim::Optimizer* optimizer) {
   StorageCounter counter(now.device);
   Ledger ledger;
-  for (const auto& p : parameters) {
-    ledger.weights += counter.add(p);
-  }
-  for (const auto& b : buffers) {
-    ledger.weights += counter.add(b);
-  }
-  const auto* parts = dynamic_cast<const LedgerParts*>(optimizer);
-  if (parts != nullptr) {
-    for (const auto& t : parts->ledger_weights()) {
-      ledger.weights += counter.add(t);
-    }
-  }
-  for (const auto& p : parameters) {
-    ledger.gradients += counter.add(p.grad());
-  }
-  if (optimizer != nullptr) {
-    for (const auto& entry : optimizer->state()) {
-      detail::for_each_state_tensor(*entry.second, [&](const torch::Tensor& t) {
-        ledger.optimizer += counter.add(t);
-      });
-    }
-    if (parts != nullptr) {
-      for (const auto& t : parts->ledger_gradients()) {
-        ledger.gradients += counter.add(t);
-      }
-      for (const auto& t : parts->ledger_optimizer_state()) {
-        ledger.optimizer += counter.add(t);
-      }
-    }
-  }
+  detail::for_each_ledger_tensor(parameters, buffers, optimizer,
+                                 [&](const torch::Tensor& t, detail::LedgerPart part) {
+                                   const auto bytes = counter.add(t);
+                                   switch (part) {
+                                     case detail::LedgerPart::Weights:
+                                       ledger.weights += bytes;
+                                       break;
+                                     case detail::LedgerPart::Gradients:
+                                       ledger.gradients += bytes;
+                                       break;
+                                     case detail::LedgerPart::OptimizerState:
+                                       ledger.optimizer += bytes;
+                                       break;
+                                   }
+                                 });
   ledger.allocated = now.process_allocated;
   ledger.other = ledger.allocated - ledger.weights - ledger.gradients - ledger.optimizer;
   return ledger;
@@ -101,6 +86,44 @@ Ledger measure_parts(const MemorySnapshot& now, const std::vector<torch::Tensor>
 }  // namespace
 
 namespace detail {
+
+void for_each_ledger_tensor(const std::vector<torch::Tensor>& parameters,
+                            const std::vector<torch::Tensor>& buffers,
+                            const torch::optim::Optimizer* optimizer,
+                            c10::function_ref<void(const torch::Tensor&, LedgerPart)> fn) {
+  // Weights first, then gradients, then state: a storage counts in the first that holds it.
+  for (const auto& p : parameters) {
+    fn(p, LedgerPart::Weights);
+  }
+  for (const auto& b : buffers) {
+    fn(b, LedgerPart::Weights);
+  }
+  const auto* parts = dynamic_cast<const LedgerParts*>(optimizer);
+  if (parts != nullptr) {
+    for (const auto& t : parts->ledger_weights()) {
+      fn(t, LedgerPart::Weights);
+    }
+  }
+  for (const auto& p : parameters) {
+    fn(p.grad(), LedgerPart::Gradients);
+  }
+  if (parts != nullptr) {
+    for (const auto& t : parts->ledger_gradients()) {
+      fn(t, LedgerPart::Gradients);
+    }
+  }
+  if (optimizer != nullptr) {
+    for (const auto& entry : optimizer->state()) {
+      for_each_state_tensor(*entry.second,
+                            [&](const torch::Tensor& t) { fn(t, LedgerPart::OptimizerState); });
+    }
+  }
+  if (parts != nullptr) {
+    for (const auto& t : parts->ledger_optimizer_state()) {
+      fn(t, LedgerPart::OptimizerState);
+    }
+  }
+}
 
 ModuleTensors::ModuleTensors(const torch::nn::Module& module) : module_(module) { refresh(); }
 

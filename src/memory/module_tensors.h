@@ -2,6 +2,7 @@
 #pragma once
 
 #include <c10/core/TensorImpl.h>
+#include <c10/util/FunctionRef.h>
 #include <c10/util/ScopeExit.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/nn/module.h>
@@ -51,6 +52,16 @@ class ModuleTensors {
   std::vector<Weak> buffers_;
   std::vector<torch::Tensor> held_parameters_, held_buffers_;  // with_tensors' lists
 };
+
+/// The ledger's parts.
+enum class LedgerPart { Weights, Gradients, OptimizerState };
+
+/// Calls `fn` on every tensor the ledger reads, with the part it counts in, in the ledger's
+/// order: a storage belongs to the first part that holds it (undefined tensors included).
+void for_each_ledger_tensor(const std::vector<torch::Tensor>& parameters,
+                            const std::vector<torch::Tensor>& buffers,
+                            const torch::optim::Optimizer* optimizer,
+                            c10::function_ref<void(const torch::Tensor&, LedgerPart)> fn);
 
 /// measure_ledger over the tensors of `module` as `tensors` holds them, on the device of
 /// `now` and against its process-wide allocated bytes (a snapshot the caller took already).

@@ -8,6 +8,7 @@
 
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
+#include "frugal/memory/memory_context.h"
 #include "frugal/optim/sharded.h"
 #include "frugal/train/sink.h"
 #include "frugal/train/trainer.h"
@@ -141,6 +142,7 @@ EvalReport Trainer::Impl::evaluate_chunks(PolicyPort& port, const Batch& data,
   // The policies' evaluation scopes (autocast), ended in reverse order however it ends.
   const detail::PolicySet::Evaluation scopes(policies, port);
 
+  const PhaseScope phase(MemoryPhase::Evaluation);
   ScopedPeak peak(state.probe);
   double loss_sum = 0;
   std::int64_t correct = 0;

@@ -8,6 +8,7 @@
 
 #include "../engine/step_guard.h"
 #include "frugal/error.h"
+#include "frugal/memory/memory_context.h"
 
 namespace frugal::detail {
 
@@ -45,6 +46,7 @@ void OptimizerPhase::run(StepContext& ctx, std::int64_t window_count, bool ends_
         ctx.report.non_finite = true;
       }
       if (!ctx.skip_optimizer_step) {
+        const PhaseScope phase(MemoryPhase::OptimizerStep);
         state_.optimizer.step();
       }
     } catch (const std::exception& error) {

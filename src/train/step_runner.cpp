@@ -8,6 +8,7 @@
 
 #include "forward_scope.h"
 #include "frugal/error.h"
+#include "frugal/memory/memory_context.h"
 
 namespace frugal::detail {
 
@@ -151,6 +152,7 @@ void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>*
     {
       ScopedPeak forward_peak(state_.probe);
       {
+        const PhaseScope phase(MemoryPhase::Forward);
         ForwardScope scope(policies_.all(), ctx);
         ctx.loss = weigh(loss_of(ctx.micro), split.counts[i], split.total, log);
       }  // AfterForward hooks see ctx.loss
@@ -210,6 +212,7 @@ void StepRunner::backward(StepContext& ctx, bool completes_step, std::vector<tor
                           double ready_scale) {
   policies_.run(&Policy::before_backward, ctx);
   {
+    const PhaseScope phase(MemoryPhase::Backward);
     ScopedPeak backward_peak(state_.probe);
     auto* ready = completes_step ? state_.grad_ready.get() : nullptr;
     if (ready != nullptr) {

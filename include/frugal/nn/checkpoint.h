@@ -11,6 +11,7 @@
 
 #include "frugal/checkpoint.h"
 #include "frugal/nn/module_pointer.h"
+#include "frugal/memory/memory_context.h"
 #include "frugal/nn/unit_hook.h"
 
 namespace frugal::nn {
@@ -58,10 +59,14 @@ auto call_checkpointed(const std::shared_ptr<Block>& ptr, const Args&... args) {
     chosen = checkpoint_choice(*ptr);
   }
   if (chosen == nullptr) {
+    frugal::detail::UnitScope unit(ptr.get());
     return ptr->forward(args...);
   }
   return checkpoint(
-      [ptr](const auto&... a) { return ptr->forward(a...); },
+      [ptr](const auto&... a) {
+        frugal::detail::UnitScope unit(ptr.get());  // the recompute in backward runs inside the unit too
+        return ptr->forward(a...);
+      },
       CheckpointOptions(*chosen).params(ptr->parameters()).buffers(training_buffers(*ptr)),
       args...);
 }

@@ -1,0 +1,83 @@
+// --memory-timeline FILE and --memory-timeline-step N: every example can write the memory
+// timeline of one of its steps (.html, .pickle for PyTorch's memory viewer, or .json).
+#pragma once
+
+#include <fmt/format.h>
+#include <frugal/memory/recorder.h>
+#include <frugal/policy/memory_timeline.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace examples {
+
+struct TimelineFlags {
+  std::string file;
+  std::int64_t step = 2;  // the second: the optimizer's state exists by then
+};
+
+inline void memory_timeline_flags(CLI::App& app, TimelineFlags& flags) {
+  app.add_option("--memory-timeline", flags.file,
+                 "Write the memory timeline of one step: .html (a page), .pickle (PyTorch's "
+                 "memory viewer) or .json")
+      ->check([](const std::string& path) {
+        try {
+          frugal::MemoryRecorder::check_path(path);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
+  app.add_option("--memory-timeline-step", flags.step, "The step it records (from 1)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+}
+
+/// Says where the timeline went and what held the memory at its peak.
+inline void print_timeline(const std::string& program, const frugal::MemoryRecorder& recorder,
+                           const std::string& file, std::int64_t step) {
+  fmt::print("{}: memory timeline of step {} written to {}\n{}: {}\n", program, step, file, program,
+             recorder.peak().summary(6));
+}
+
+/// For a frugal::Loop: records iteration `flags.step` (from 1) of the models it is given,
+/// writes the file and says so when that iteration ends.
+class IterationTimeline {
+ public:
+  struct Watched {
+    const torch::nn::Module* module;
+    const torch::optim::Optimizer* optimizer;
+    std::string name;
+  };
+  IterationTimeline(std::string program, TimelineFlags flags)
+      : program_(std::move(program)), flags_(std::move(flags)) {}
+
+  void begin(std::int64_t iteration, const std::vector<Watched>& watched) {
+    if (flags_.file.empty() || iteration != flags_.step) {
+      return;
+    }
+    recorder_ = std::make_unique<frugal::MemoryRecorder>();
+    for (const auto& w : watched) {
+      recorder_->watch(*w.module, w.optimizer, w.name);
+    }
+  }
+  void end(std::int64_t iteration) {
+    if (recorder_ == nullptr || iteration != flags_.step) {
+      return;
+    }
+    recorder_->stop();
+    recorder_->write(flags_.file);
+    print_timeline(program_, *recorder_, flags_.file, iteration);
+  }
+
+ private:
+  std::string program_;
+  TimelineFlags flags_;
+  std::unique_ptr<frugal::MemoryRecorder> recorder_;
+};
+
+}  // namespace examples

@@ -1,0 +1,59 @@
+// What the calling thread is doing, for a MemoryRecorder: the phase of the step and the
+// unit (module) it runs. Marking costs a thread-local write when nothing records.
+#pragma once
+
+#include <cstdint>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace frugal {
+
+/// What the thread was doing when a block was allocated.
+enum class MemoryPhase : std::uint8_t {
+  Other,
+  Forward,
+  Backward,
+  Recompute,  ///< a checkpointed block's forward run again in backward
+  OptimizerStep,
+  Evaluation,
+  Zeroing,
+};
+const char* to_string(MemoryPhase phase);
+
+/// Marks what the calling thread does until the scope ends (the Trainer, the Loop and the
+/// checkpoint mark theirs); nests, restoring the phase before it. Costs a thread-local
+/// write when nothing records.
+class PhaseScope {
+ public:
+  explicit PhaseScope(MemoryPhase phase);
+  ~PhaseScope();
+  PhaseScope(const PhaseScope&) = delete;
+  PhaseScope& operator=(const PhaseScope&) = delete;
+
+ private:
+  MemoryPhase before_;
+};
+
+/// The phase the calling thread is in.
+MemoryPhase current_phase();
+
+namespace detail {
+
+/// Marks the module the calling thread runs (frugal::nn::call marks each unit's forward and
+/// recompute); nests.
+class UnitScope {
+ public:
+  explicit UnitScope(const torch::nn::Module* module);
+  ~UnitScope();
+  UnitScope(const UnitScope&) = delete;
+  UnitScope& operator=(const UnitScope&) = delete;
+
+ private:
+  const torch::nn::Module* before_;
+};
+
+}  // namespace detail
+
+}  // namespace frugal

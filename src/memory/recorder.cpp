@@ -1,0 +1,333 @@
+#include "frugal/memory/recorder.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <thread>
+#include <unordered_set>
+
+#include "frugal/error.h"
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/format.h"
+#include "module_tensors.h"
+#include "recorder_impl.h"
+
+namespace frugal {
+namespace {
+
+MemoryCategory category_of(MemoryPhase phase) {
+  switch (phase) {
+    case MemoryPhase::Forward:
+    case MemoryPhase::Backward:
+    case MemoryPhase::Recompute:
+    case MemoryPhase::Evaluation:
+      return MemoryCategory::Activations;
+    default:
+      return MemoryCategory::Other;
+  }
+}
+
+}  // namespace
+
+MemoryRecorderOptions& MemoryRecorderOptions::capacity(std::int64_t events) {
+  FRUGAL_CHECK(events > 0, "frugal: a memory recorder keeps at least 1 event, got ", events);
+  capacity_ = events;
+  return *this;
+}
+
+MemoryRecorderOptions& MemoryRecorderOptions::oom_file(std::string path) {
+  if (!path.empty()) {
+    detail::check_recording_kind(path);
+  }
+  oom_file_ = std::move(path);
+  return *this;
+}
+
+MemoryRecorder::Impl::Impl(MemoryRecorderOptions options) : options_(std::move(options)) {}
+
+detail::MemoryEvent& MemoryRecorder::Impl::push(detail::EventAction action, const void* data,
+                                                std::int64_t bytes, std::int64_t allocated) {
+  const auto capacity = options_.capacity();
+  if (size_ < capacity) {
+    ring_.emplace_back();
+    ++size_;
+  } else {
+    ++dropped_;
+  }
+  auto& e = ring_[static_cast<std::size_t>(next_seq_ % capacity)];
+  e = detail::MemoryEvent{};
+  e.seq = next_seq_++;
+  e.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                  std::chrono::steady_clock::now() - start_)
+                  .count();
+  e.action = action;
+  e.at = current_phase();
+  e.address = reinterpret_cast<std::uintptr_t>(data);
+  e.bytes = bytes;
+  e.allocated = allocated;
+  if (action != detail::EventAction::Free) {  // a free takes its block's
+    e.phase = e.at;
+    e.category = category_of(e.at);
+    e.unit = unit_index(detail::current_unit());
+  }
+  return e;
+}
+
+std::int32_t MemoryRecorder::Impl::unit_index(const torch::nn::Module* module) {
+  if (module == nullptr) {
+    return -1;
+  }
+  const auto it = unit_of_.find(module);
+  if (it != unit_of_.end()) {
+    return it->second;
+  }
+  units_.push_back(module->name());
+  return unit_of_[module] = static_cast<std::int32_t>(units_.size() - 1);
+}
+
+void MemoryRecorder::Impl::on_alloc(const void* data, std::int64_t requested,
+                                    std::int64_t /*capacity*/, std::int64_t allocated) {
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto& e = push(detail::EventAction::Alloc, data, requested, allocated);
+  live_[e.address] = detail::LiveBlock{requested, e.seq, e.unit, e.phase, e.category};
+  end_bytes_ = allocated;
+  if (allocated > peak_bytes_) {
+    peak_bytes_ = allocated;
+    peak_seq_ = e.seq;
+  }
+}
+
+void MemoryRecorder::Impl::on_free(const void* data, std::int64_t requested,
+                                   std::int64_t /*capacity*/, std::int64_t allocated) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& e = push(detail::EventAction::Free, data, requested, allocated);
+  const auto it = live_.find(e.address);
+  if (it == live_.end()) {
+    e.known = false;  // alive before the recording and never identified
+    unattributed_ -= requested;
+  } else {
+    e.phase = it->second.phase;
+    e.category = it->second.category;
+    e.unit = it->second.unit;
+    live_.erase(it);
+  }
+  end_bytes_ = allocated;
+}
+
+void MemoryRecorder::Impl::on_refused(std::int64_t requested, std::int64_t allocated,
+                                      std::int64_t cap) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    push(detail::EventAction::Refused, nullptr, requested, allocated).cap = cap;
+  }
+  if (!options_.oom_file().empty()) {
+    // The moment users most need it: written now, before a recovery frees what was alive.
+    try {
+      detail::write_recording(recording(), options_.oom_file());
+    } catch (const std::exception& error) {
+      fmt::print(stderr,
+                 "frugal: the memory recording at the refused allocation was not written: {}\n",
+                 error.what());
+    }
+  }
+}
+
+void MemoryRecorder::Impl::start() {
+  CountingAllocator::install();
+  std::lock_guard<std::mutex> lock(mutex);
+  detail::set_allocation_observer(this);  // one at a time: an error if one records already
+  start_ = std::chrono::steady_clock::now();
+  start_bytes_ = end_bytes_ = peak_bytes_ = unattributed_ = CountingAllocator::stats().allocated;
+  recording_ = true;
+}
+
+void MemoryRecorder::Impl::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!recording_) {
+      return;
+    }
+    classify_locked();
+    recording_ = false;
+  }
+  detail::set_allocation_observer(nullptr);  // waits for calls in flight
+}
+
+void MemoryRecorder::Impl::watch(const torch::nn::Module& module,
+                                 const torch::optim::Optimizer* optimizer,
+                                 const std::string& prefix) {
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& item : module.named_modules(prefix)) {
+    const auto* m = item.value().get();
+    const auto name = item.key().empty() ? m->name() : item.key();
+    const auto it = unit_of_.find(m);
+    if (it == unit_of_.end()) {
+      units_.push_back(name);
+      unit_of_[m] = static_cast<std::int32_t>(units_.size() - 1);
+    } else {
+      units_[static_cast<std::size_t>(it->second)] = name;
+    }
+  }
+  watched_.push_back({&module, optimizer});
+  classify_locked();
+}
+
+void MemoryRecorder::Impl::classify() {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (recording_) {
+    classify_locked();
+  }
+}
+
+void MemoryRecorder::Impl::classify_locked() {
+  std::unordered_set<std::uintptr_t> seen;
+  auto to_category = [](detail::LedgerPart part) {
+    switch (part) {
+      case detail::LedgerPart::Weights:
+        return MemoryCategory::Weights;
+      case detail::LedgerPart::Gradients:
+        return MemoryCategory::Gradients;
+      default:
+        return MemoryCategory::OptimizerState;
+    }
+  };
+  for (const auto& w : watched_) {
+    detail::for_each_ledger_tensor(
+        w.module->parameters(), w.module->buffers(), w.optimizer,
+        [&](const torch::Tensor& t, detail::LedgerPart part) {
+          if (!t.defined() || !t.has_storage() || !t.device().is_cpu()) {
+            return;
+          }
+          const auto& ptr = t.storage().data_ptr();
+          const auto address = reinterpret_cast<std::uintptr_t>(ptr.get());
+          if (address == 0 || !seen.insert(address).second) {
+            return;  // a storage belongs to the first part that holds it
+          }
+          const auto category = to_category(part);
+          auto it = live_.find(address);
+          if (it == live_.end()) {
+            const auto bytes = detail::counted_bytes(ptr);
+            if (bytes < 0) {
+              return;  // not the counting allocator's
+            }
+            unattributed_ -= bytes;  // alive since before the recording: identified now
+            live_[address] = detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, category};
+            return;
+          }
+          it->second.category = category;
+          const auto seq = it->second.seq;
+          if (seq >= 0 && seq >= next_seq_ - size_) {
+            ring_[static_cast<std::size_t>(seq % options_.capacity())].category = category;
+          }
+        });
+  }
+}
+
+MemoryPeak MemoryRecorder::Impl::peak_locked() const {
+  // The blocks alive at the peak: those alive now, with the events since the peak undone.
+  FRUGAL_CHECK(next_seq_ - peak_seq_ - 1 <= size_, "frugal: the memory recorder's ring (",
+               options_.capacity(), " events) dropped events after the peak; raise its capacity");
+  auto live = live_;
+  auto unattributed = unattributed_;
+  for (auto seq = next_seq_ - 1; seq > peak_seq_; --seq) {
+    const auto& e = ring_[static_cast<std::size_t>(seq % options_.capacity())];
+    if (e.action == detail::EventAction::Alloc) {
+      live.erase(e.address);
+    } else if (e.action == detail::EventAction::Free) {
+      if (e.known) {
+        live[e.address] = detail::LiveBlock{e.bytes, -2, e.unit, e.phase, e.category};
+      } else {
+        unattributed += e.bytes;
+      }
+    }
+  }
+  MemoryPeak peak;
+  peak.event = peak_seq_;
+  if (peak_seq_ >= 0) {
+    peak.phase = ring_[static_cast<std::size_t>(peak_seq_ % options_.capacity())].phase;
+  }
+  std::map<std::pair<MemoryCategory, std::int32_t>, MemoryPeak::Group> groups;
+  auto add = [&](MemoryCategory category, std::int32_t unit, std::int64_t bytes) {
+    auto& g = groups[{category, unit}];
+    g.category = category;
+    g.module = unit < 0 ? "" : units_[static_cast<std::size_t>(unit)];
+    g.bytes += bytes;
+    g.blocks += 1;
+    peak.bytes += bytes;
+  };
+  for (const auto& [address, block] : live) {
+    add(block.category, block.unit, block.bytes);
+  }
+  if (unattributed != 0) {
+    add(MemoryCategory::Other, -2, unattributed);
+    groups[{MemoryCategory::Other, -2}].module = "(alive before the recording)";
+  }
+  for (auto& [key, group] : groups) {
+    peak.groups.push_back(std::move(group));
+  }
+  std::stable_sort(peak.groups.begin(), peak.groups.end(),
+                   [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  return peak;
+}
+
+MemoryPeak MemoryRecorder::Impl::peak() const {
+  std::lock_guard<std::mutex> lock(mutex);
+  return peak_locked();
+}
+
+detail::Recording MemoryRecorder::Impl::recording() const {
+  std::lock_guard<std::mutex> lock(mutex);
+  detail::Recording r;
+  r.events.reserve(static_cast<std::size_t>(size_));
+  for (auto seq = next_seq_ - size_; seq < next_seq_; ++seq) {
+    r.events.push_back(ring_[static_cast<std::size_t>(seq % options_.capacity())]);
+  }
+  r.dropped = dropped_;
+  r.units = units_;
+  r.live = live_;
+  r.unattributed = unattributed_;
+  r.start_bytes = start_bytes_;
+  r.end_bytes = end_bytes_;
+  if (next_seq_ - peak_seq_ - 1 <= size_) {
+    r.peak = peak_locked();
+  }
+  return r;
+}
+
+MemoryRecorder::MemoryRecorder(MemoryRecorderOptions options)
+    : impl_(std::make_shared<Impl>(options)) {
+  impl_->start();
+}
+
+MemoryRecorder::~MemoryRecorder() {
+  try {
+    impl_->stop();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw
+  }
+}
+
+void MemoryRecorder::watch(const torch::nn::Module& module,
+                           const torch::optim::Optimizer* optimizer, const std::string& prefix) {
+  impl_->watch(module, optimizer, prefix);
+}
+
+void MemoryRecorder::stop() { impl_->stop(); }
+
+template <typename T>
+T MemoryRecorder::Impl::read(const T& field) const {
+  std::lock_guard<std::mutex> lock(mutex);
+  return field;
+}
+
+bool MemoryRecorder::recording() const { return impl_->read(impl_->recording_); }
+std::int64_t MemoryRecorder::events() const { return impl_->read(impl_->size_); }
+std::int64_t MemoryRecorder::dropped() const { return impl_->read(impl_->dropped_); }
+std::int64_t MemoryRecorder::start_bytes() const { return impl_->read(impl_->start_bytes_); }
+std::int64_t MemoryRecorder::peak_bytes() const { return impl_->read(impl_->peak_bytes_); }
+
+MemoryPeak MemoryRecorder::peak() const { return impl_->peak(); }
+
+}  // namespace frugal

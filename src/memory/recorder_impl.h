@@ -1,0 +1,132 @@
+// What a MemoryRecorder holds, shared by the recording and the writers of its files.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <ostream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "allocation_observer.h"
+#include "frugal/memory/recorder.h"
+
+namespace frugal {
+
+namespace detail {
+
+enum class EventAction : std::uint8_t { Alloc, Free, Refused };
+
+/// One allocation, free or refusal, with the context of the block's allocation.
+struct MemoryEvent {
+  std::int64_t seq = 0;      // the event's number since the recording began
+  std::int64_t time_us = 0;  // since the recording began
+  std::uintptr_t address = 0;
+  std::int64_t bytes = 0;      // requested bytes (a refusal: the request)
+  std::int64_t allocated = 0;  // the process's allocated bytes after the event
+  std::int64_t cap = 0;        // a refusal: the cap
+  std::int32_t unit = -1;      // index into the unit names; -1: outside every unit
+  EventAction action = EventAction::Alloc;
+  MemoryPhase phase = MemoryPhase::Other;  // the block's allocation's
+  MemoryPhase at = MemoryPhase::Other;     // the thread's when the event happened
+  MemoryCategory category = MemoryCategory::Other;
+  bool known = true;  // a free of a block the recording knew (not one alive before it, unseen)
+};
+
+/// A block alive now that the recording knows: allocated while it ran (seq >= 0) or alive
+/// before it and found among the watched tensors (seq -1).
+struct LiveBlock {
+  std::int64_t bytes = 0;
+  std::int64_t seq = -1;
+  std::int32_t unit = -1;
+  MemoryPhase phase = MemoryPhase::Other;
+  MemoryCategory category = MemoryCategory::Other;
+};
+
+/// The recording as the writers read it: taken under the recorder's lock.
+struct Recording {
+  std::vector<MemoryEvent> events;  // oldest first
+  std::int64_t dropped = 0;
+  std::vector<std::string> units;
+  std::unordered_map<std::uintptr_t, LiveBlock> live;  // at the end
+  std::int64_t unattributed = 0;  // bytes alive before the recording and never identified
+  std::int64_t start_bytes = 0;
+  std::int64_t end_bytes = 0;
+  MemoryPeak peak;
+};
+
+/// The recording written as PyTorch's snapshot dictionary, pickled (protocol 2).
+void write_snapshot(const Recording& recording, std::ostream& out);
+/// The module the calling thread runs (UnitScope), or null.
+const torch::nn::Module* current_unit();
+/// An error naming `path` unless it ends in .pickle, .pkl, .html or .json.
+void check_recording_kind(const std::string& path);
+/// The recording in the format of `kind` (one of those extensions), or of the file's.
+void write_recording(const Recording& recording, std::ostream& out, const std::string& kind);
+void write_recording(const Recording& recording, const std::string& path);
+
+/// The recording's events and peak as JSON.
+void write_events_json(const Recording& recording, std::ostream& out);
+/// The recording as a self-contained HTML page: stacked areas by category over the events.
+void write_timeline_html(const Recording& recording, std::ostream& out);
+
+}  // namespace detail
+
+class MemoryRecorder::Impl final : public detail::AllocationObserver {
+ public:
+  explicit Impl(MemoryRecorderOptions options);
+
+  void on_alloc(const void* data, std::int64_t requested, std::int64_t capacity,
+                std::int64_t allocated) override;
+  void on_free(const void* data, std::int64_t requested, std::int64_t capacity,
+               std::int64_t allocated) override;
+  void on_refused(std::int64_t requested, std::int64_t allocated, std::int64_t cap) override;
+  void on_phase_boundary() override { classify(); }
+
+  void start();
+  void stop();
+  void watch(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+             const std::string& prefix);
+  /// Sets the category of the watched tensors' blocks (at each phase boundary).
+  void classify();
+  detail::Recording recording() const;
+  MemoryPeak peak() const;
+
+  /// A field read under the lock.
+  template <typename T>
+  T read(const T& field) const;
+
+  mutable std::mutex mutex;
+  bool recording_ = false;
+  std::int64_t start_bytes_ = 0;
+  std::int64_t peak_bytes_ = 0;
+  std::int64_t dropped_ = 0;
+  std::int64_t size_ = 0;  // events kept
+
+ private:
+  // The next event, with the calling thread's phase, unit and the category they give.
+  detail::MemoryEvent& push(detail::EventAction action, const void* data, std::int64_t bytes,
+                            std::int64_t allocated);
+  std::int32_t unit_index(const torch::nn::Module* module);
+  void classify_locked();
+  MemoryPeak peak_locked() const;
+
+  struct Watched {
+    const torch::nn::Module* module;
+    const torch::optim::Optimizer* optimizer;
+  };
+  MemoryRecorderOptions options_;
+  std::chrono::steady_clock::time_point start_;
+  std::vector<detail::MemoryEvent> ring_;
+  std::int64_t next_seq_ = 0;
+  std::int64_t peak_seq_ = -1;
+  std::unordered_map<std::uintptr_t, detail::LiveBlock> live_;
+  std::int64_t unattributed_ = 0;
+  std::int64_t end_bytes_ = 0;
+  std::vector<std::string> units_;
+  std::unordered_map<const torch::nn::Module*, std::int32_t> unit_of_;
+  std::vector<Watched> watched_;
+};
+
+}  // namespace frugal

@@ -1,0 +1,116 @@
+// A recording as a self-contained HTML page: the bytes of each category stacked over the
+// events, each event's block on hover, the peak and any refused allocation marked.
+#include "timeline.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "frugal/memory/format.h"
+#include "recorder_impl.h"
+
+namespace frugal::detail {
+namespace {
+
+constexpr std::size_t kCategories = 5;
+constexpr std::size_t kMostPoints = 4000;  // a page a browser draws at once
+
+std::size_t index_of(MemoryCategory c) { return static_cast<std::size_t>(c); }
+
+}  // namespace
+
+std::vector<TimelinePoint> timeline_points(const Recording& r) {
+  // The bytes of each category before the first event kept: the blocks alive at the end
+  // with every kept event undone, and the bytes alive before the recording unidentified.
+  std::array<std::int64_t, kCategories> totals{};
+  for (const auto& [address, block] : r.live) {
+    totals[index_of(block.category)] += block.bytes;
+  }
+  totals[index_of(MemoryCategory::Other)] += r.unattributed;
+  for (auto it = r.events.rbegin(); it != r.events.rend(); ++it) {
+    if (it->action == EventAction::Alloc) {
+      totals[index_of(it->category)] -= it->bytes;
+    } else if (it->action == EventAction::Free) {
+      totals[index_of(it->known ? it->category : MemoryCategory::Other)] += it->bytes;
+    }
+  }
+  std::vector<TimelinePoint> points;
+  points.reserve(r.events.size());
+  for (std::size_t i = 0; i < r.events.size(); ++i) {
+    const auto& e = r.events[i];
+    if (e.action == EventAction::Alloc) {
+      totals[index_of(e.category)] += e.bytes;
+    } else if (e.action == EventAction::Free) {
+      totals[index_of(e.known ? e.category : MemoryCategory::Other)] -= e.bytes;
+    }
+    points.push_back({i, totals});
+  }
+  return points;
+}
+
+std::vector<TimelinePoint> thin(const std::vector<TimelinePoint>& points, std::size_t most) {
+  // Each run of points keeps its highest total: the peak always survives.
+  if (points.size() <= most) {
+    return points;
+  }
+  std::vector<TimelinePoint> kept;
+  const double run = static_cast<double>(points.size()) / static_cast<double>(most);
+  std::size_t begin = 0;
+  for (std::size_t k = 0; k < most && begin < points.size(); ++k) {
+    const auto end =
+        std::min(points.size(), static_cast<std::size_t>(static_cast<double>(k + 1) * run));
+    std::size_t best = begin;
+    for (std::size_t i = begin; i < end; ++i) {
+      if (points[i].total() > points[best].total()) {
+        best = i;
+      }
+    }
+    kept.push_back(points[best]);
+    begin = std::max(end, begin + 1);
+  }
+  return kept;
+}
+
+void write_timeline_html(const Recording& r, std::ostream& out) {
+  const auto points = thin(timeline_points(r), kMostPoints);
+  auto categories = nlohmann::json::array();
+  for (std::size_t c = 0; c < kCategories; ++c) {
+    categories.push_back(to_string(static_cast<MemoryCategory>(c)));
+  }
+  auto rows = nlohmann::json::array();
+  for (const auto& p : points) {
+    const auto& e = r.events[p.event];
+    const char* action = e.action == EventAction::Alloc  ? "alloc"
+                         : e.action == EventAction::Free ? "free"
+                                                         : "refused";
+    rows.push_back({e.seq, e.time_us, p.bytes, action, e.bytes, to_string(e.category),
+                    e.unit < 0 ? "" : r.units[static_cast<std::size_t>(e.unit)],
+                    to_string(e.phase)});
+  }
+  auto refused = nlohmann::json::array();
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    if (r.events[points[i].event].action == EventAction::Refused) {
+      refused.push_back(i);
+    }
+  }
+  const nlohmann::json data = {
+      {"categories", categories},
+      {"points", rows},
+      {"refused", refused},
+      {"peak", r.peak.bytes},
+      {"summary", r.peak.event >= 0 || !r.events.empty() ? r.peak.summary()
+                                                         : std::string("nothing was recorded")},
+      {"events", r.events.size()},
+      {"dropped", r.dropped}};
+  // "</" cannot end the script early: JSON allows "<\/".
+  std::string json = data.dump();
+  for (std::size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3)) {
+    json.replace(at, 2, "<\\/");
+  }
+  out << timeline_page_head() << "<script>const DATA = " << json << ";\n"
+      << timeline_page_script() << "</script>\n</body>\n</html>\n";
+}
+
+}  // namespace frugal::detail

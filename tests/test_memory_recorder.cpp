@@ -1,0 +1,257 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/ledger.h"
+#include "frugal/memory/memory_cap.h"
+#include "frugal/memory/probe.h"
+#include "frugal/memory/recorder.h"
+#include "frugal/nn/checkpoint.h"
+#include "frugal/policy/checkpoint_policy.h"
+#include "frugal/train/trainer.h"
+#include "helpers.h"
+
+namespace {
+
+using frugal::MemoryCategory;
+using frugal::MemoryPhase;
+
+// Three units (Linear then ReLU) reached through frugal::nn::call, then a head.
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    for (int i = 0; i < 3; ++i) {
+      blocks->push_back(torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::ReLU()));
+    }
+    register_module("blocks", blocks);
+    head = register_module("head", torch::nn::Linear(64, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < blocks->size(); ++i) {
+      x = frugal::nn::call(blocks->ptr<torch::nn::SequentialImpl>(i), x);
+    }
+    return head(x);
+  }
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Stack);
+
+torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
+frugal::Batch batch_of(std::int64_t n) {
+  torch::manual_seed(3);
+  return {torch::randn({n, 64}), torch::randint(0, 10, {n})};
+}
+
+// What the recorder holds, as its JSON file says it.
+nlohmann::json recorded(const frugal::MemoryRecorder& recorder) {
+  std::stringstream out;
+  recorder.write_to(out, ".json");
+  return nlohmann::json::parse(out.str());
+}
+
+std::int64_t group_bytes(const frugal::MemoryPeak& peak, MemoryCategory category,
+                         const std::string& module = "*") {
+  std::int64_t sum = 0;
+  for (const auto& g : peak.groups) {
+    if (g.category == category && (module == "*" || g.module == module)) {
+      sum += g.bytes;
+    }
+  }
+  return sum;
+}
+
+TEST(MemoryRecorder, CountsEachBlockExactlyAndItsPeak) {
+  frugal::MemoryProbe probe;
+  frugal::MemoryRecorder recorder;
+  probe.reset_peak();
+  {
+    auto a = torch::empty({1000}, torch::kFloat);  // 4000 bytes
+    auto b = torch::empty({250}, torch::kDouble);  // 2000 bytes
+  }
+  recorder.stop();
+  EXPECT_EQ(recorder.events(), 4);
+  EXPECT_EQ(recorder.dropped(), 0);
+  EXPECT_EQ(recorder.peak_bytes() - recorder.start_bytes(), 6000);
+  const auto peak = recorder.peak();
+  EXPECT_EQ(peak.bytes, recorder.peak_bytes());
+  EXPECT_EQ(peak.bytes, probe.peak());
+  // Nothing is allocated once it stops.
+  { auto c = torch::empty({100}); }
+  EXPECT_EQ(recorder.events(), 4);
+}
+
+TEST(MemoryRecorder, OneAtATime) {
+  frugal::MemoryRecorder first;
+  frugal::testing::expect_error_contains([] { frugal::MemoryRecorder second; },
+                                         "a memory recorder is recording already");
+  first.stop();
+  frugal::MemoryRecorder after;  // the first one stopped: a new one may start
+  EXPECT_TRUE(after.recording());
+}
+
+TEST(MemoryRecorder, APeakOfATrainerStepIsTheProbesPeakSplitByCategoryAndUnit) {
+  Stack model;
+  torch::optim::Adam adam(model->parameters(), 1e-3);
+  frugal::Trainer trainer(model, adam, cross_entropy);
+  const auto batch = batch_of(256);
+  trainer.step(batch);  // Adam's state exists from here on
+  frugal::MemoryProbe probe;
+  const auto ledger = frugal::measure_ledger(probe, *model, &adam);
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model, &adam);
+  probe.reset_peak();
+  trainer.step(batch);
+  recorder.stop();
+  const auto peak = recorder.peak();
+  EXPECT_EQ(peak.bytes, probe.peak());
+  std::int64_t sum = 0;
+  for (const auto& g : peak.groups) {
+    sum += g.bytes;
+  }
+  EXPECT_EQ(sum, peak.bytes);
+  // Weights and optimizer state are the ledger's to the byte; the batch of 256 x 64
+  // activations of each unit are the unit's.
+  EXPECT_EQ(group_bytes(peak, MemoryCategory::Weights), ledger.weights);
+  EXPECT_EQ(group_bytes(peak, MemoryCategory::OptimizerState), ledger.optimizer);
+  EXPECT_GE(group_bytes(peak, MemoryCategory::Activations, "blocks.1"), 256 * 64 * 4);
+  EXPECT_EQ(
+      peak.groups.front().bytes,
+      std::max_element(peak.groups.begin(), peak.groups.end(), [](const auto& a, const auto& b) {
+        return a.bytes < b.bytes;
+      })->bytes);
+  const auto text = peak.summary();
+  EXPECT_NE(text.find("at the peak ("), std::string::npos) << text;
+  EXPECT_NE(text.find("activations of blocks."), std::string::npos) << text;
+}
+
+TEST(MemoryRecorder, GradientsAreNamedAtTheEndOfBackwardAndFreedByZeroing) {
+  Stack model;
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, cross_entropy);
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model, &sgd);
+  trainer.step(batch_of(32));
+  recorder.stop();
+  const auto events = recorded(recorder).at("events");
+  std::int64_t grads_allocated = 0, grads_freed = 0, zeroing_freed = 0;
+  for (const auto& e : events) {
+    if (e.at("category") != "gradients") {
+      continue;
+    }
+    (e.at("action") == "alloc" ? grads_allocated : grads_freed) +=
+        e.at("bytes").get<std::int64_t>();
+    if (e.at("action") == "free" && e.at("at") == "zeroing") {
+      zeroing_freed += e.at("bytes").get<std::int64_t>();
+    }
+  }
+  std::int64_t param_bytes = 0;
+  for (const auto& p : model->parameters()) {
+    param_bytes += p.numel() * 4;
+  }
+  EXPECT_EQ(grads_allocated, param_bytes);
+  EXPECT_EQ(grads_freed, param_bytes);
+  EXPECT_EQ(zeroing_freed, param_bytes);  // set_to_none frees them when the step zeroes
+}
+
+TEST(MemoryRecorder, ACheckpointedUnitRecomputesInsideItsUnit) {
+  Stack model;
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  frugal::Trainer trainer(model, sgd, cross_entropy);
+  trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+      frugal::CheckpointSelect().types({"torch::nn::SequentialImpl"})));
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model, &sgd);
+  trainer.step(batch_of(32));
+  recorder.stop();
+  const auto recording = recorded(recorder);
+  std::set<std::string> recomputed;
+  for (const auto& e : recording.at("events")) {
+    if (e.at("action") == "alloc" && e.at("phase") == "recompute") {
+      recomputed.insert(e.at("unit").get<std::string>());
+    }
+  }
+  EXPECT_EQ(recomputed, (std::set<std::string>{"blocks.0", "blocks.1", "blocks.2"}));
+}
+
+TEST(MemoryRecorder, ARefusedAllocationIsAnEventAtThePointItFailed) {
+  frugal::MemoryRecorder recorder;
+  const auto allocated = frugal::CountingAllocator::stats().allocated;
+  {
+    frugal::ScopedMemoryCap cap(torch::kCPU, allocated + (1 << 20));
+    EXPECT_THROW(torch::empty({1 << 20}), c10::OutOfMemoryError);  // 4 MiB past a 1 MiB room
+  }
+  recorder.stop();
+  const auto events = recorded(recorder).at("events");
+  ASSERT_FALSE(events.empty());
+  const auto& last = events.back();
+  EXPECT_EQ(last.at("action"), "refused");
+  EXPECT_EQ(last.at("bytes"), 4 << 20);
+}
+
+TEST(MemoryRecorder, TheRingKeepsTheNewestEventsAndCountsTheRest) {
+  frugal::MemoryRecorder recorder(frugal::MemoryRecorderOptions().capacity(10));
+  for (int i = 0; i < 20; ++i) {
+    auto t = torch::empty({100});
+  }
+  recorder.stop();
+  EXPECT_EQ(recorder.events(), 10);
+  EXPECT_EQ(recorder.dropped(), 30);
+  frugal::testing::expect_error_contains([] { frugal::MemoryRecorderOptions().capacity(0); },
+                                         "keeps at least 1 event, got 0");
+}
+
+TEST(MemoryRecorder, AFileOfAnotherKindIsRefusedNamingIt) {
+  frugal::MemoryRecorder recorder;
+  recorder.stop();
+  frugal::testing::expect_error_contains([&] { recorder.write("timeline.txt"); },
+                                         "not 'timeline.txt'");
+}
+
+}  // namespace
+
+// Writes one recorded step (an out-of-memory refusal at its end) as the three files, for
+// tests/memory_recorder_viewers.py to open with PyTorch's memory tools and a browser: in
+// $FRUGAL_RECORDER_DIR when set, else in a folder of its own.
+TEST(MemoryRecorderFiles, AStepForTheViewers) {
+  const char* where = std::getenv("FRUGAL_RECORDER_DIR");
+  const std::filesystem::path dir =
+      where != nullptr ? std::filesystem::path(where)
+                       : std::filesystem::temp_directory_path() / "frugal_recorder_files";
+  std::filesystem::create_directories(dir);
+  Stack model;
+  torch::optim::Adam adam(model->parameters(), 1e-3);
+  frugal::Trainer trainer(model, adam, cross_entropy);
+  const auto batch = batch_of(128);
+  trainer.step(batch);
+  frugal::MemoryProbe probe;
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model, &adam);
+  probe.reset_peak();
+  trainer.step(batch);
+  const auto step_peak = probe.peak();
+  {
+    frugal::ScopedMemoryCap cap(torch::kCPU, probe.allocated() + (1 << 16));
+    EXPECT_THROW(torch::empty({1 << 16}), c10::OutOfMemoryError);  // 256 KiB past 64 KiB
+  }
+  recorder.stop();
+  EXPECT_EQ(recorder.peak().bytes, step_peak);
+  for (const auto* name : {"step.pickle", "step.html", "step.json"}) {
+    recorder.write((dir / name).string());
+    EXPECT_GT(std::filesystem::file_size(dir / name), 1000u) << name;
+  }
+  std::ifstream pickle(dir / "step.pickle", std::ios::binary);
+  EXPECT_EQ(pickle.get(), 0x80);  // pickle's PROTO opcode, protocol 2
+  EXPECT_EQ(pickle.get(), 2);
+  std::ofstream(dir / "expected.json")
+      << nlohmann::json{{"peak_bytes", step_peak}, {"refused_bytes", 4 << 16}}.dump();
+}
