@@ -18,6 +18,7 @@
 #include "device.h"
 #include "main_flags.h"
 #include "models.h"
+#include "progress.h"
 #include "run_args.h"
 
 namespace {
@@ -25,30 +26,6 @@ namespace {
 using fashion::Args;
 using fashion::lr_schedule;
 using fashion::make_optimizer;
-
-// A one-line progress bar, redrawn in place on a terminal.
-class Progress {
- public:
-  Progress(bool enabled, std::int64_t total) : enabled_(enabled), total_(total) {}
-  void update(std::int64_t done, double steps_per_s, double loss, std::int64_t allocated,
-              std::int64_t peak) {
-    if (!enabled_) {
-      return;
-    }
-    constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * done / std::max<std::int64_t>(total_, 1));
-    fmt::print(stderr, "\r[{:<{}}] {}/{} {:.1f} steps/s loss {:.4f} mem {} peak {}  ",
-               std::string(filled, '#'), kWidth, done, total_, steps_per_s, loss,
-               frugal::format_bytes(allocated), frugal::format_bytes(peak));
-    if (done == total_) {
-      fmt::print(stderr, "\n");
-    }
-  }
-
- private:
-  bool enabled_;
-  std::int64_t total_;
-};
 
 int run(Args args) {
   // Under torchrun every rank trains its share of each --batch; rank 0 speaks for the run.
@@ -193,7 +170,7 @@ int run(Args args) {
   std::int64_t peak = 0;
   frugal::EvalReport eval;
   frugal::RunningMean loss;  // of the epoch, carried over a resume
-  std::optional<Progress> progress;
+  std::optional<fashion::Progress> progress;
   auto epoch_start = std::chrono::steady_clock::now();
   std::int64_t epoch_begin_batch = 0;  // not 0 when a resumed run goes on inside an epoch
   fit_options.on_epoch_begin([&](const frugal::FitPosition& at) {

@@ -57,7 +57,7 @@ detail::MemoryEvent& MemoryRecorder::Impl::push(detail::EventAction action, cons
   } else {
     ++dropped_;
   }
-  auto& e = ring_[static_cast<std::size_t>(next_seq_ % capacity)];
+  auto& e = event(next_seq_);
   e = detail::MemoryEvent{};
   e.seq = next_seq_++;
   e.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
@@ -219,8 +219,8 @@ void MemoryRecorder::Impl::classify_locked() {
           }
           it->second.category = category;
           const auto seq = it->second.seq;
-          if (seq >= 0 && seq >= next_seq_ - size_) {
-            ring_[static_cast<std::size_t>(seq % options_.capacity())].category = category;
+          if (kept(seq)) {
+            event(seq).category = category;
           }
         });
   }
@@ -228,12 +228,12 @@ void MemoryRecorder::Impl::classify_locked() {
 
 MemoryPeak MemoryRecorder::Impl::peak_locked() const {
   // The blocks alive at the peak: those alive now, with the events since the peak undone.
-  FRUGAL_CHECK(next_seq_ - peak_seq_ - 1 <= size_, "frugal: the memory recorder's ring (",
+  FRUGAL_CHECK(peak_kept(), "frugal: the memory recorder's ring (",
                options_.capacity(), " events) dropped events after the peak; raise its capacity");
   auto live = live_;
   auto unattributed = unattributed_;
   for (auto seq = next_seq_ - 1; seq > peak_seq_; --seq) {
-    const auto& e = ring_[static_cast<std::size_t>(seq % options_.capacity())];
+    const auto& e = event(seq);
     if (e.action == detail::EventAction::Alloc) {
       live.erase(e.address);
     } else if (e.action == detail::EventAction::Free) {
@@ -247,7 +247,7 @@ MemoryPeak MemoryRecorder::Impl::peak_locked() const {
   MemoryPeak peak;
   peak.event = peak_seq_;
   if (peak_seq_ >= 0) {
-    peak.phase = ring_[static_cast<std::size_t>(peak_seq_ % options_.capacity())].phase;
+    peak.phase = event(peak_seq_).phase;
   }
   std::map<std::pair<MemoryCategory, std::int32_t>, MemoryPeak::Group> groups;
   auto add = [&](MemoryCategory category, std::int32_t unit, std::int64_t bytes) {
@@ -283,7 +283,7 @@ detail::Recording MemoryRecorder::Impl::recording() const {
   detail::Recording r;
   r.events.reserve(static_cast<std::size_t>(size_));
   for (auto seq = next_seq_ - size_; seq < next_seq_; ++seq) {
-    r.events.push_back(ring_[static_cast<std::size_t>(seq % options_.capacity())]);
+    r.events.push_back(event(seq));
   }
   r.dropped = dropped_;
   r.units = units_;
@@ -291,7 +291,7 @@ detail::Recording MemoryRecorder::Impl::recording() const {
   r.unattributed = unattributed_;
   r.start_bytes = start_bytes_;
   r.end_bytes = end_bytes_;
-  if (next_seq_ - peak_seq_ - 1 <= size_) {
+  if (peak_kept()) {
     r.peak = peak_locked();
   }
   return r;

@@ -109,6 +109,16 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   detail::MemoryEvent& push(detail::EventAction action, const void* data, std::int64_t bytes,
                             std::int64_t allocated);
   std::int32_t unit_index(const torch::nn::Module* module);
+  // Event `seq`'s slot in the ring; whether it still holds event `seq` (seq >= 0).
+  detail::MemoryEvent& event(std::int64_t seq) {
+    return ring_[static_cast<std::size_t>(seq % options_.capacity())];
+  }
+  const detail::MemoryEvent& event(std::int64_t seq) const {
+    return ring_[static_cast<std::size_t>(seq % options_.capacity())];
+  }
+  bool kept(std::int64_t seq) const { return seq >= 0 && seq >= next_seq_ - size_; }
+  // Whether every event after the peak is still in the ring (the peak can be rebuilt).
+  bool peak_kept() const { return next_seq_ - peak_seq_ - 1 <= size_; }
   void classify_locked();
   MemoryPeak peak_locked() const;
 
