@@ -228,8 +228,8 @@ void MemoryRecorder::Impl::classify_locked() {
 
 MemoryPeak MemoryRecorder::Impl::peak_locked() const {
   // The blocks alive at the peak: those alive now, with the events since the peak undone.
-  FRUGAL_CHECK(peak_kept(), "frugal: the memory recorder's ring (",
-               options_.capacity(), " events) dropped events after the peak; raise its capacity");
+  FRUGAL_CHECK(peak_kept(), "frugal: the memory recorder's ring (", options_.capacity(),
+               " events) dropped events after the peak; raise its capacity");
   auto live = live_;
   auto unattributed = unattributed_;
   for (auto seq = next_seq_ - 1; seq > peak_seq_; --seq) {
