@@ -169,6 +169,14 @@ void cuda_set_memory_fraction(double fraction, int device);
 double cuda_memory_fraction(int device);
 std::int64_t cuda_total_memory(int device);
 void cuda_empty_cache();
+/// From now on the CUDA caching allocator's allocations, completed frees and refusals reach
+/// the allocation observer, if any (detail::AllocationObserver::on_device), through the
+/// allocator's trace hook (the one its memory history records from; LibTorch 2.1 and
+/// later). Attached once a process; later calls do nothing.
+void cuda_attach_trace();
+/// The bytes the caching allocator holds for a request of `nbytes`: 512 at least, rounded up
+/// to a multiple of 512 (the default rounding).
+std::int64_t cuda_block_bytes(std::int64_t nbytes);
 #endif
 
 /// The "no backtrace" argument of c10::Error's base constructor (a lazy backtrace from 2.2

@@ -7,6 +7,8 @@
 #include <mutex>
 
 #include "compat.h"
+#include "frugal/error.h"
+#include "memory/allocation_observer.h"
 
 namespace frugal::compat {
 
@@ -67,5 +69,48 @@ std::int64_t cuda_total_memory(int device) {
 }
 
 void cuda_empty_cache() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+std::int64_t cuda_block_bytes(std::int64_t nbytes) {
+  constexpr std::int64_t kMinBlock = 512;
+  return nbytes < kMinBlock ? kMinBlock : (nbytes + kMinBlock - 1) / kMinBlock * kMinBlock;
+}
+
+#if FRUGAL_TORCH_AT_LEAST(2, 1)
+void cuda_attach_trace() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    using c10::cuda::CUDACachingAllocator::TraceEntry;
+    c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([](const TraceEntry& entry) {
+      detail::DeviceEvent e;
+      switch (entry.action_) {
+        case TraceEntry::ALLOC:
+          e.kind = detail::DeviceEvent::Kind::Alloc;
+          e.address = static_cast<std::uintptr_t>(entry.addr_);
+          break;
+        case TraceEntry::FREE_COMPLETED:  // a free delayed by another stream's use counts here
+          e.kind = detail::DeviceEvent::Kind::Free;
+          e.address = static_cast<std::uintptr_t>(entry.addr_);
+          break;
+        case TraceEntry::OOM:  // addr_ is the device's free bytes
+          e.kind = detail::DeviceEvent::Kind::Refused;
+          e.device_free = static_cast<std::int64_t>(entry.addr_);
+          break;
+        default:
+          return;  // segments, snapshots: the reserved bytes, not the allocated
+      }
+      e.device = static_cast<int>(entry.device_);
+      e.bytes = static_cast<std::int64_t>(entry.size_);
+      detail::tell_observer([&e](detail::AllocationObserver& o) { o.on_device(e); });
+    });
+  });
+}
+#else
+void cuda_attach_trace() {
+  FRUGAL_CHECK(false,
+               "frugal: recording CUDA memory needs LibTorch 2.1 or later (the caching "
+               "allocator's trace hook); this is ",
+               TORCH_VERSION);
+}
+#endif
 
 }  // namespace frugal::compat

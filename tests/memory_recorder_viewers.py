@@ -75,9 +75,20 @@ for name in ["weights", "gradients", "optimizer state", "activations", "other"]:
 check(drawn == held, f"areas drawn {drawn}, categories recorded {held}")
 check(len(re.findall(r'class="legend-item"', dom)) == len(held), "a legend entry an area")
 check('class="peak"' in dom and 'class="oom"' in dom, "the peak and the refusal are marked")
-shot = os.path.join(work, "step.png")
+shot = os.path.join(work, "page.png")
 subprocess.run([chromium, *flags, f"--screenshot={shot}", page], check=True,
                capture_output=True, timeout=120)
 check(os.path.getsize(shot) > 10000, f"a screenshot of {os.path.getsize(shot)} bytes")
+
+# 3. frugal's own PNG of the timeline, decoded by the browser: the image and its size.
+show = os.path.join(work, "show_png.html")
+with open(show, "w") as f:
+    f.write('<img id="t" src="step.png" onload="document.title = this.naturalWidth + \'x\' + '
+            'this.naturalHeight" onerror="document.title = \'broken\'">')
+dom = subprocess.run([chromium, *flags, "--dump-dom", "file://" + os.path.abspath(show)],
+                     check=True, capture_output=True, text=True, timeout=120).stdout
+title = re.search(r"<title>([^<]*)</title>", dom)
+check(title is not None and title.group(1) == "960x460",
+      f"the browser decodes the timeline's PNG: {title.group(1) if title else dom[:200]}")
 
 sys.exit(1 if failures else 0)

@@ -210,6 +210,56 @@ TEST(MemoryRecorder, TheRingKeepsTheNewestEventsAndCountsTheRest) {
                                          "keeps at least 1 event, got 0");
 }
 
+// The CUDA path: the caching allocator's blocks, through its trace hook, with the same
+// context as on the CPU; the peak is the allocator's own.
+TEST(CudaMemoryRecorder, AStepOnTheGpuIsTheAllocatorsPeakSplitByCategoryAndUnit) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  Stack model;
+  model->to(cuda);
+  torch::optim::Adam adam(model->parameters(), 1e-3);
+  frugal::Trainer trainer(model, adam, cross_entropy, frugal::TrainerOptions().device(cuda));
+  const auto batch = batch_of(256);
+  trainer.step(batch);  // Adam's state and cuBLAS's workspace exist from here on
+  frugal::MemoryProbe probe(cuda);
+  frugal::MemoryRecorder recorder(frugal::MemoryRecorderOptions().device(cuda));
+  recorder.watch(*model, &adam);
+  probe.reset_peak();
+  trainer.step(batch);
+  torch::cuda::synchronize();
+  const auto step_peak = probe.peak();
+  recorder.stop();
+  const auto peak = recorder.peak();
+  EXPECT_EQ(recorder.peak_bytes(), step_peak);
+  EXPECT_EQ(peak.bytes, step_peak);
+  std::int64_t weights =
+      0;  // each in a block of the allocator's: 512 bytes at least, rounded to 512
+  for (const auto& p : model->parameters()) {
+    weights +=
+        std::max<std::int64_t>(512, (static_cast<std::int64_t>(p.nbytes()) + 511) / 512 * 512);
+  }
+  EXPECT_EQ(group_bytes(peak, MemoryCategory::Weights), weights);
+  EXPECT_GT(group_bytes(peak, MemoryCategory::OptimizerState), 0);
+  EXPECT_GT(group_bytes(peak, MemoryCategory::Activations, "blocks.1"), 0);
+  std::stringstream pickle;
+  recorder.write_to(pickle, ".pickle");
+  EXPECT_NE(pickle.str().find("CUDA caching allocator"), std::string::npos);
+}
+
+TEST(MemoryRecorder, ADeviceItCannotRecordIsRefusedAndNothingRecords) {
+  frugal::testing::expect_error_contains(
+      [] { frugal::MemoryRecorderOptions().device(torch::Device(torch::kMeta)); }, "not meta");
+  if (!torch::cuda::is_available()) {
+    frugal::testing::expect_error_contains(
+        [] { frugal::MemoryRecorder(frugal::MemoryRecorderOptions().device(torch::kCUDA)); },
+        "a memory recorder of cuda");
+  }
+  frugal::MemoryRecorder recorder;  // the refused one left no observer behind
+  auto t = torch::empty({100});
+  recorder.stop();
+  EXPECT_EQ(recorder.events(), 1);
+}
+
 TEST(MemoryRecorder, AFileOfAnotherKindIsRefusedNamingIt) {
   frugal::MemoryRecorder recorder;
   recorder.stop();
@@ -219,7 +269,7 @@ TEST(MemoryRecorder, AFileOfAnotherKindIsRefusedNamingIt) {
 
 }  // namespace
 
-// Writes one recorded step (an out-of-memory refusal at its end) as the three files, for
+// Writes one recorded step (an out-of-memory refusal at its end) as the four files, for
 // tests/memory_recorder_viewers.py to open with PyTorch's memory tools and a browser: in
 // $FRUGAL_RECORDER_DIR when set, else in a folder of its own.
 TEST(MemoryRecorderFiles, AStepForTheViewers) {
@@ -245,7 +295,7 @@ TEST(MemoryRecorderFiles, AStepForTheViewers) {
   }
   recorder.stop();
   EXPECT_EQ(recorder.peak().bytes, step_peak);
-  for (const auto* name : {"step.pickle", "step.html", "step.json"}) {
+  for (const auto* name : {"step.pickle", "step.html", "step.png", "step.json"}) {
     recorder.write((dir / name).string());
     EXPECT_GT(std::filesystem::file_size(dir / name), 1000u) << name;
   }

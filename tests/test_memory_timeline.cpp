@@ -8,6 +8,7 @@
 #include <string>
 #include <tuple>
 
+#include "frugal/loop/loop.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/memory_cap.h"
 #include "frugal/memory/probe.h"
@@ -111,12 +112,72 @@ TEST(MemoryTimeline, AnAllocationRefusedWhileRecordingIsWrittenBeforeTheRecovery
   fs::remove_all(dir);
 }
 
+TEST(MemoryTimeline, ALoopRecordsItsChosenIterationAndTheUsersForward) {
+  const auto dir = fresh_dir("timeline_loop");
+  const auto path = (dir / "iteration.json").string();
+  auto net = deep();
+  torch::optim::SGD sgd(net->parameters(), 0.05);
+  frugal::Loop loop(frugal::LoopOptions().memory_timeline(frugal::MemoryTimelineSpan(path, 2)));
+  auto& model = loop.prepare(net, sgd, "net");  // watched once its iteration begins
+  const auto b = batch();
+  auto iteration = [&] {
+    loop.backward(ce(net->forward(b.inputs), b.targets), model);  // the user's own forward
+    loop.step(model);
+    return loop.end();
+  };
+  iteration();
+  // Iteration 2 is recorded from the end of iteration 1: its forward comes before any verb.
+  const auto* recorder = loop.memory_timeline()->recorder();
+  ASSERT_NE(recorder, nullptr);
+  EXPECT_TRUE(recorder->recording());
+  EXPECT_EQ(recorder->events(), 0);
+  iteration();
+  EXPECT_FALSE(recorder->recording());
+  EXPECT_EQ(loop.memory_timeline()->written(), path);
+  const auto events = recorder->events();
+  iteration();  // not recorded
+  EXPECT_EQ(recorder->events(), events);
+  EXPECT_EQ(frugal::current_phase(), frugal::MemoryPhase::Other);  // put back after the span
+  const auto recording = nlohmann::json::parse(read(path));
+  std::map<std::string, std::int64_t> allocated;  // bytes by the phase they were made in
+  std::map<std::string, std::int64_t> freed;
+  for (const auto& e : recording.at("events")) {
+    auto& into = e.at("action") == "alloc" ? allocated : freed;
+    into[e.at("phase").get<std::string>() + "/" + e.at("category").get<std::string>()] +=
+        e.at("bytes").get<std::int64_t>();
+  }
+  // The forward's activations, made between the Loop's verbs, are freed by its backward.
+  EXPECT_GT(allocated["forward/activations"], 0);
+  EXPECT_EQ(freed["forward/activations"], allocated["forward/activations"]);
+  EXPECT_EQ(allocated["other/other"], 0);
+  // The gradients were made in backward and freed when the step released them.
+  EXPECT_EQ(freed["backward/gradients"], allocated["backward/gradients"]);
+  EXPECT_GT(allocated["backward/gradients"], 0);
+  // The Loop watched its model: its weights are known as weights at the peak.
+  std::int64_t weights = 0;
+  for (const auto& p : net->parameters()) {
+    weights += static_cast<std::int64_t>(p.nbytes());
+  }
+  std::int64_t weights_at_peak = 0;
+  for (const auto& g : recording.at("peak").at("groups")) {
+    weights_at_peak += g.at("category") == "weights" ? g.at("bytes").get<std::int64_t>() : 0;
+  }
+  EXPECT_EQ(weights_at_peak, weights);
+  frugal::testing::expect_error_contains(
+      [] {
+        frugal::Loop(
+            frugal::LoopOptions().memory_timeline(frugal::MemoryTimelineSpan("x.html", 0)));
+      },
+      "records 0 to 0");
+  fs::remove_all(dir);
+}
+
 TEST(MemoryTimeline, ABadRangeOrFileIsRefusedWhenMade) {
   frugal::testing::expect_error_contains([] { frugal::MemoryTimeline("t.html", 0); },
-                                         "steps 0 to 0: the first must be >= 1");
+                                         "records 0 to 0: the first must be >= 1");
   frugal::testing::expect_error_contains([] { frugal::MemoryTimeline("t.html", 3, 2); },
-                                         "steps 3 to 2");
-  frugal::testing::expect_error_contains([] { frugal::MemoryTimeline("t.png", 1); }, "not 't.png'");
+                                         "records 3 to 2");
+  frugal::testing::expect_error_contains([] { frugal::MemoryTimeline("t.svg", 1); }, "not 't.svg'");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <frugal/memory/recorder.h>
+#include <frugal/memory/timeline_window.h>
 #include <frugal/policy/memory_timeline.h>
 
 #include <CLI/CLI.hpp>
@@ -22,8 +23,8 @@ struct TimelineFlags {
 
 inline void memory_timeline_flags(CLI::App& app, TimelineFlags& flags) {
   app.add_option("--memory-timeline", flags.file,
-                 "Write the memory timeline of one step: .html (a page), .pickle (PyTorch's "
-                 "memory viewer) or .json")
+                 "Write the memory timeline of one step: .html (a page), .png (its picture), "
+                 ".pickle (PyTorch's memory viewer) or .json")
       ->check([](const std::string& path) {
         try {
           frugal::MemoryRecorder::check_path(path);
@@ -44,8 +45,16 @@ inline void print_timeline(const std::string& program, const frugal::MemoryRecor
              recorder.peak().summary(6));
 }
 
-/// For a frugal::Loop: records iteration `flags.step` (from 1) of the models it is given,
-/// writes the file and says so when that iteration ends.
+/// LoopOptions::memory_timeline for the flags: none without a file.
+inline c10::optional<frugal::MemoryTimelineSpan> timeline_span(const TimelineFlags& flags) {
+  if (flags.file.empty()) {
+    return c10::nullopt;
+  }
+  return frugal::MemoryTimelineSpan(flags.file, flags.step);
+}
+
+/// For a loop the example writes itself: records iteration `flags.step` (from 1) of the
+/// models it is given, writes the file and says so when that iteration ends.
 class IterationTimeline {
  public:
   struct Watched {
@@ -53,31 +62,32 @@ class IterationTimeline {
     const torch::optim::Optimizer* optimizer;
     std::string name;
   };
-  IterationTimeline(std::string program, TimelineFlags flags)
-      : program_(std::move(program)), flags_(std::move(flags)) {}
-
-  void begin(std::int64_t iteration, const std::vector<Watched>& watched) {
-    if (flags_.file.empty() || iteration != flags_.step) {
-      return;
-    }
-    recorder_ = std::make_unique<frugal::MemoryRecorder>();
-    for (const auto& w : watched) {
-      recorder_->watch(*w.module, w.optimizer, w.name);
+  IterationTimeline(std::string program, const TimelineFlags& flags)
+      : program_(std::move(program)) {
+    if (const auto span = timeline_span(flags)) {
+      window_ = std::make_unique<frugal::MemoryTimelineWindow>(*span);
     }
   }
-  void end(std::int64_t iteration) {
-    if (recorder_ == nullptr || iteration != flags_.step) {
+
+  void begin(const std::vector<Watched>& watched) {
+    if (window_ == nullptr) {
       return;
     }
-    recorder_->stop();
-    recorder_->write(flags_.file);
-    print_timeline(program_, *recorder_, flags_.file, iteration);
+    if (auto* recorder = window_->begin()) {
+      for (const auto& w : watched) {
+        recorder->watch(*w.module, w.optimizer, w.name);
+      }
+    }
+  }
+  void end() {
+    if (window_ != nullptr && window_->end()) {
+      print_timeline(program_, *window_->recorder(), window_->written(), window_->span().first);
+    }
   }
 
  private:
   std::string program_;
-  TimelineFlags flags_;
-  std::unique_ptr<frugal::MemoryRecorder> recorder_;
+  std::unique_ptr<frugal::MemoryTimelineWindow> window_;
 };
 
 }  // namespace examples

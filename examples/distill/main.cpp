@@ -77,8 +77,12 @@ int run(const Args& args) {
   auto student = make_student();
   student->to(device);
   torch::optim::Adam student_adam(student->parameters(), 2e-3);
-  frugal::Loop loop(frugal::LoopOptions().device(device).micro_batch(
-      args.micro_batch > 0 ? c10::optional<std::int64_t>(args.micro_batch) : c10::nullopt));
+  frugal::Loop loop(frugal::LoopOptions()
+                        .device(device)
+                        .micro_batch(args.micro_batch > 0
+                                         ? c10::optional<std::int64_t>(args.micro_batch)
+                                         : c10::nullopt)
+                        .memory_timeline(examples::timeline_span(args.timeline)));
   auto& s = loop.prepare(student, student_adam, "student");
   const double t = args.temperature;
   auto distill_loss = [&](const frugal::Batch& micro) {
@@ -93,13 +97,13 @@ int run(const Args& args) {
                     (t * t);
     return args.alpha * kd + (1 - args.alpha) * F::cross_entropy(logits, micro.targets);
   };
-  examples::IterationTimeline timeline("distill", args.timeline);
   for (std::int64_t i = 1; i <= args.steps; ++i) {
-    timeline.begin(i, {{student.get(), &student_adam, "student"}});
     const double loss = loop.accumulate(batch_at(i - 1).to(device), s, distill_loss);
     loop.step(s);
     const auto report = loop.end();
-    timeline.end(i);
+    if (const auto* timeline = loop.memory_timeline(); timeline && i == timeline->span().last) {
+      examples::print_timeline("distill", *timeline->recorder(), timeline->written(), i);
+    }
     if (i % args.log_every == 0 || i == args.steps) {
       fmt::print("step {} loss {:.17g} allocated {} peak {}\n", i, loss, report.memory.allocated,
                  report.peak);

@@ -194,8 +194,8 @@ int run(const Args& args) {
   const auto n = images.size(0) / args.batch;
   examples::IterationTimeline timeline("gan", args.timeline);
   for (std::int64_t i = first; i <= args.iterations; ++i) {
-    timeline.begin(i, {{d.ptr().get(), d_opt.get(), "discriminator"},
-                       {g.ptr().get(), g_opt.get(), "generator"}});
+    timeline.begin(
+        {{d.ptr().get(), d_opt.get(), "discriminator"}, {g.ptr().get(), g_opt.get(), "generator"}});
     // Every rank draws the whole batch's noise (one random stream for all) and keeps its share.
     const auto real =
         images.narrow(0, ((i - 1) % n) * args.batch, args.batch).narrow(0, rank * share, share);
@@ -251,7 +251,7 @@ int run(const Args& args) {
         *report << r.to_json() << "\n";
       }
     }
-    timeline.end(i);
+    timeline.end();
     if (rank == 0 && (i % args.log_every == 0 || i == args.iterations)) {
       fmt::print("{}\n", format_line(line));
     }

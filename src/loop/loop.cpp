@@ -37,7 +37,23 @@ Loop::Loop(LoopOptions options)
   FRUGAL_CHECK(!options_.micro_batch() || *options_.micro_batch() >= 1,
                "frugal: LoopOptions micro_batch must be >= 1, got ", *options_.micro_batch());
   micro_batch_ = options_.micro_batch().value_or(0);
+  if (options_.memory_timeline()) {
+    timeline_ = std::make_unique<MemoryTimelineWindow>(*options_.memory_timeline());
+    begin_timeline();
+  }
   probe_.reset_peak();
+}
+
+void Loop::begin_timeline() {
+  if (timeline_->end()) {
+    between_verbs_.reset();
+  }
+  if (auto* recorder = timeline_->begin()) {
+    for (const auto& m : models_) {
+      recorder->watch(m->module(), &m->optimizer(), m->name());
+    }
+    between_verbs_ = std::make_unique<PhaseScope>(MemoryPhase::Forward);
+  }
 }
 
 Loop::~Loop() = default;
@@ -72,7 +88,12 @@ LoopModel& Loop::prepare_module(std::shared_ptr<torch::nn::Module> module,
     parts.reducer->begin();
   }
   models_.push_back(std::move(added));
-  return *models_.back();
+  auto& model = *models_.back();
+  if (timeline_ != nullptr && timeline_->recorder() != nullptr &&
+      timeline_->recorder()->recording()) {
+    timeline_->recorder()->watch(model.module(), &model.optimizer(), model.name());
+  }
+  return model;
 }
 
 void Loop::check_own(const LoopModel& model, const char* verb) const {
@@ -165,7 +186,10 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
                                    split.micros.front().size());
       double logged = 0;
       for (std::size_t i = 0; i < split.micros.size(); ++i) {
-        const auto loss = micro_loss(split.micros[i]);
+        const auto loss = [&] {
+          const PhaseScope forward(MemoryPhase::Forward);
+          return micro_loss(split.micros[i]);
+        }();
         FRUGAL_CHECK(loss.defined() && loss.numel() == 1, "frugal: Loop::accumulate into '",
                      model.name(), "': the micro-batch loss must be a scalar");
         const double share = parts.window.share(split.counts[i]);
@@ -354,6 +378,9 @@ LoopReport Loop::end() {
   probe_.reset_peak();
   for (const auto& sink : sinks_) {
     sink->write(report);
+  }
+  if (timeline_ != nullptr) {
+    begin_timeline();  // writes the file after the span's last iteration
   }
   if (options_.leak_guard()) {
     if (!leak_) {

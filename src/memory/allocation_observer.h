@@ -8,6 +8,15 @@
 
 namespace frugal::detail {
 
+/// What the CUDA caching allocator's trace says of one block (compat::cuda_attach_trace).
+struct DeviceEvent {
+  enum class Kind : std::uint8_t { Alloc, Free, Refused } kind = Kind::Alloc;
+  int device = 0;
+  std::uintptr_t address = 0;
+  std::int64_t bytes = 0;  // the block's (rounded as the allocator rounds); a refusal: the request
+  std::int64_t device_free = 0;  // a refusal: the device's free bytes
+};
+
 /// Called on the allocating or freeing thread, after the counters moved: `allocated` is
 /// the process's allocated bytes just after the event, the figure its peak is taken from.
 class AllocationObserver {
@@ -19,6 +28,9 @@ class AllocationObserver {
                        std::int64_t allocated) = 0;
   /// A request the cap refused (the allocation throws c10::OutOfMemoryError next).
   virtual void on_refused(std::int64_t requested, std::int64_t allocated, std::int64_t cap) = 0;
+  /// A block of the CUDA caching allocator (any device): called under the allocator's lock,
+  /// so it calls no LibTorch function.
+  virtual void on_device(const DeviceEvent& event) = 0;
   /// A phase of the calling thread begins or ends (PhaseScope).
   virtual void on_phase_boundary() = 0;
 };

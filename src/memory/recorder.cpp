@@ -9,6 +9,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "../compat.h"
 #include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
@@ -16,21 +17,6 @@
 #include "recorder_impl.h"
 
 namespace frugal {
-namespace {
-
-MemoryCategory category_of(MemoryPhase phase) {
-  switch (phase) {
-    case MemoryPhase::Forward:
-    case MemoryPhase::Backward:
-    case MemoryPhase::Recompute:
-    case MemoryPhase::Evaluation:
-      return MemoryCategory::Activations;
-    default:
-      return MemoryCategory::Other;
-  }
-}
-
-}  // namespace
 
 MemoryRecorderOptions& MemoryRecorderOptions::capacity(std::int64_t events) {
   FRUGAL_CHECK(events > 0, "frugal: a memory recorder keeps at least 1 event, got ", events);
@@ -46,114 +32,16 @@ MemoryRecorderOptions& MemoryRecorderOptions::oom_file(std::string path) {
   return *this;
 }
 
-MemoryRecorder::Impl::Impl(MemoryRecorderOptions options) : options_(std::move(options)) {}
-
-detail::MemoryEvent& MemoryRecorder::Impl::push(detail::EventAction action, const void* data,
-                                                std::int64_t bytes, std::int64_t allocated) {
-  const auto capacity = options_.capacity();
-  if (size_ < capacity) {
-    ring_.emplace_back();
-    ++size_;
-  } else {
-    ++dropped_;
-  }
-  auto& e = event(next_seq_);
-  e = detail::MemoryEvent{};
-  e.seq = next_seq_++;
-  e.time_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                  std::chrono::steady_clock::now() - start_)
-                  .count();
-  e.action = action;
-  e.at = current_phase();
-  e.address = reinterpret_cast<std::uintptr_t>(data);
-  e.bytes = bytes;
-  e.allocated = allocated;
-  if (action != detail::EventAction::Free) {  // a free takes its block's
-    e.phase = e.at;
-    e.category = category_of(e.at);
-    e.unit = unit_index(detail::current_unit());
-  }
-  return e;
+MemoryRecorderOptions& MemoryRecorderOptions::device(torch::Device device) {
+  FRUGAL_CHECK(device.is_cpu() || device.is_cuda(),
+               "frugal: a memory recorder records the CPU or a CUDA device, not ", device);
+  device_ = device;
+  return *this;
 }
 
-std::int32_t MemoryRecorder::Impl::unit_index(const torch::nn::Module* module) {
-  if (module == nullptr) {
-    return -1;
-  }
-  const auto it = unit_of_.find(module);
-  if (it != unit_of_.end()) {
-    return it->second;
-  }
-  units_.push_back(module->name());
-  return unit_of_[module] = static_cast<std::int32_t>(units_.size() - 1);
-}
-
-void MemoryRecorder::Impl::on_alloc(const void* data, std::int64_t requested,
-                                    std::int64_t /*capacity*/, std::int64_t allocated) {
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto& e = push(detail::EventAction::Alloc, data, requested, allocated);
-  live_[e.address] = detail::LiveBlock{requested, e.seq, e.unit, e.phase, e.category};
-  end_bytes_ = allocated;
-  if (allocated > peak_bytes_) {
-    peak_bytes_ = allocated;
-    peak_seq_ = e.seq;
-  }
-}
-
-void MemoryRecorder::Impl::on_free(const void* data, std::int64_t requested,
-                                   std::int64_t /*capacity*/, std::int64_t allocated) {
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& e = push(detail::EventAction::Free, data, requested, allocated);
-  const auto it = live_.find(e.address);
-  if (it == live_.end()) {
-    e.known = false;  // alive before the recording and never identified
-    unattributed_ -= requested;
-  } else {
-    e.phase = it->second.phase;
-    e.category = it->second.category;
-    e.unit = it->second.unit;
-    live_.erase(it);
-  }
-  end_bytes_ = allocated;
-}
-
-void MemoryRecorder::Impl::on_refused(std::int64_t requested, std::int64_t allocated,
-                                      std::int64_t cap) {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    push(detail::EventAction::Refused, nullptr, requested, allocated).cap = cap;
-  }
-  if (!options_.oom_file().empty()) {
-    // The moment users most need it: written now, before a recovery frees what was alive.
-    try {
-      detail::write_recording(recording(), options_.oom_file());
-    } catch (const std::exception& error) {
-      fmt::print(stderr,
-                 "frugal: the memory recording at the refused allocation was not written: {}\n",
-                 error.what());
-    }
-  }
-}
-
-void MemoryRecorder::Impl::start() {
-  CountingAllocator::install();
-  std::lock_guard<std::mutex> lock(mutex);
-  detail::set_allocation_observer(this);  // one at a time: an error if one records already
-  start_ = std::chrono::steady_clock::now();
-  start_bytes_ = end_bytes_ = peak_bytes_ = unattributed_ = CountingAllocator::stats().allocated;
-  recording_ = true;
-}
-
-void MemoryRecorder::Impl::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!recording_) {
-      return;
-    }
-    classify_locked();
-    recording_ = false;
-  }
-  detail::set_allocation_observer(nullptr);  // waits for calls in flight
+MemoryRecorder::Impl::Impl(MemoryRecorderOptions options) : options_(std::move(options)) {
+  const auto device = options_.device();
+  device_ = device.is_cuda() ? (device.has_index() ? device.index() : 0) : -1;
 }
 
 void MemoryRecorder::Impl::watch(const torch::nn::Module& module,
@@ -198,7 +86,9 @@ void MemoryRecorder::Impl::classify_locked() {
     detail::for_each_ledger_tensor(
         w.module->parameters(), w.module->buffers(), w.optimizer,
         [&](const torch::Tensor& t, detail::LedgerPart part) {
-          if (!t.defined() || !t.has_storage() || !t.device().is_cpu()) {
+          if (!t.defined() || !t.has_storage() ||
+              (device_ < 0 ? !t.device().is_cpu()
+                           : !t.device().is_cuda() || t.device().index() != device_)) {
             return;
           }
           const auto& ptr = t.storage().data_ptr();
@@ -209,9 +99,9 @@ void MemoryRecorder::Impl::classify_locked() {
           const auto category = to_category(part);
           auto it = live_.find(address);
           if (it == live_.end()) {
-            const auto bytes = detail::counted_bytes(ptr);
+            const auto bytes = block_bytes(t);
             if (bytes < 0) {
-              return;  // not the counting allocator's
+              return;  // not the recorded allocator's
             }
             unattributed_ -= bytes;  // alive since before the recording: identified now
             live_[address] = detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, category};
@@ -224,6 +114,17 @@ void MemoryRecorder::Impl::classify_locked() {
           }
         });
   }
+}
+
+std::int64_t MemoryRecorder::Impl::block_bytes(const torch::Tensor& t) const {
+  if (device_ < 0) {
+    return detail::counted_bytes(t.storage().data_ptr());
+  }
+#ifdef FRUGAL_WITH_CUDA
+  return compat::cuda_block_bytes(static_cast<std::int64_t>(t.storage().nbytes()));
+#else
+  return -1;
+#endif
 }
 
 MemoryPeak MemoryRecorder::Impl::peak_locked() const {
@@ -291,6 +192,7 @@ detail::Recording MemoryRecorder::Impl::recording() const {
   r.unattributed = unattributed_;
   r.start_bytes = start_bytes_;
   r.end_bytes = end_bytes_;
+  r.device = device_;
   if (peak_kept()) {
     r.peak = peak_locked();
   }
@@ -315,12 +217,6 @@ void MemoryRecorder::watch(const torch::nn::Module& module,
 }
 
 void MemoryRecorder::stop() { impl_->stop(); }
-
-template <typename T>
-T MemoryRecorder::Impl::read(const T& field) const {
-  std::lock_guard<std::mutex> lock(mutex);
-  return field;
-}
 
 bool MemoryRecorder::recording() const { return impl_->read(impl_->recording_); }
 std::int64_t MemoryRecorder::events() const { return impl_->read(impl_->size_); }

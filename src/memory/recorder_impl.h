@@ -54,13 +54,14 @@ struct Recording {
   std::int64_t start_bytes = 0;
   std::int64_t end_bytes = 0;
   MemoryPeak peak;
+  int device = -1;  // the CUDA device recorded; -1: the CPU
 };
 
 /// The recording written as PyTorch's snapshot dictionary, pickled (protocol 2).
 void write_snapshot(const Recording& recording, std::ostream& out);
 /// The module the calling thread runs (UnitScope), or null.
 const torch::nn::Module* current_unit();
-/// An error naming `path` unless it ends in .pickle, .pkl, .html or .json.
+/// An error naming `path` unless it ends in .pickle, .pkl, .html, .png or .json.
 void check_recording_kind(const std::string& path);
 /// The recording in the format of `kind` (one of those extensions), or of the file's.
 void write_recording(const Recording& recording, std::ostream& out, const std::string& kind);
@@ -70,6 +71,8 @@ void write_recording(const Recording& recording, const std::string& path);
 void write_events_json(const Recording& recording, std::ostream& out);
 /// The recording as a self-contained HTML page: stacked areas by category over the events.
 void write_timeline_html(const Recording& recording, std::ostream& out);
+/// The same timeline drawn as a PNG (960 x 460 pixels).
+void write_timeline_png(const Recording& recording, std::ostream& out);
 
 }  // namespace detail
 
@@ -82,6 +85,7 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   void on_free(const void* data, std::int64_t requested, std::int64_t capacity,
                std::int64_t allocated) override;
   void on_refused(std::int64_t requested, std::int64_t allocated, std::int64_t cap) override;
+  void on_device(const detail::DeviceEvent& event) override;
   void on_phase_boundary() override { classify(); }
 
   void start();
@@ -109,6 +113,13 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   detail::MemoryEvent& push(detail::EventAction action, const void* data, std::int64_t bytes,
                             std::int64_t allocated);
   std::int32_t unit_index(const torch::nn::Module* module);
+  // An allocation, a free and a refusal of the device recorded, under the lock.
+  void alloc_locked(const void* data, std::int64_t bytes, std::int64_t allocated);
+  void free_locked(const void* data, std::int64_t bytes, std::int64_t allocated);
+  void refused(std::int64_t requested, std::int64_t allocated, std::int64_t cap);
+  // The bytes of a watched tensor's block alive since before the recording, or -1 when the
+  // recorded allocator did not make it.
+  std::int64_t block_bytes(const torch::Tensor& tensor) const;
   // Event `seq`'s slot in the ring; whether it still holds event `seq` (seq >= 0).
   detail::MemoryEvent& event(std::int64_t seq) {
     return ring_[static_cast<std::size_t>(seq % options_.capacity())];
@@ -127,6 +138,8 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
     const torch::optim::Optimizer* optimizer;
   };
   MemoryRecorderOptions options_;
+  int device_ = -1;                    // the CUDA device recorded; -1: the CPU
+  std::int64_t device_allocated_ = 0;  // its allocated bytes, counted from its trace
   std::chrono::steady_clock::time_point start_;
   std::vector<detail::MemoryEvent> ring_;
   std::int64_t next_seq_ = 0;
@@ -138,5 +151,11 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   std::unordered_map<const torch::nn::Module*, std::int32_t> unit_of_;
   std::vector<Watched> watched_;
 };
+
+template <typename T>
+T MemoryRecorder::Impl::read(const T& field) const {
+  std::lock_guard<std::mutex> lock(mutex);
+  return field;
+}
 
 }  // namespace frugal

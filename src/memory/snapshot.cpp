@@ -134,15 +134,17 @@ nlohmann::json frames(const Recording& r, MemoryCategory category, std::int32_t 
   return list;
 }
 
-nlohmann::json segment(std::uintptr_t address, std::int64_t bytes, nlohmann::json block_frames) {
-  // One segment a block: the counting allocator takes each block from the system alone.
+nlohmann::json segment(int device, std::uintptr_t address, std::int64_t bytes,
+                       nlohmann::json block_frames) {
+  // One segment a block: the counting allocator takes each block from the system alone (a
+  // CUDA recording draws its blocks so too: the trace says nothing of segments' other blocks).
   // Sizes are requested bytes, as the trace's, so the viewer's totals are allocated bytes.
   nlohmann::json block = {{"address", address},
                           {"size", bytes},
                           {"requested_size", bytes},
                           {"state", "active_allocated"},
                           {"frames", std::move(block_frames)}};
-  return {{"device", 0},
+  return {{"device", device},
           {"address", address},
           {"total_size", bytes},
           {"allocated_size", bytes},
@@ -164,25 +166,27 @@ std::string extension(const std::string& path) {
 }
 
 void check_kind(const std::string& kind, const std::string& path) {
-  FRUGAL_CHECK(kind == ".pickle" || kind == ".pkl" || kind == ".html" || kind == ".json",
-               "frugal: a memory recording is written as .pickle, .pkl, .html or .json, not '",
-               path, "'");
+  FRUGAL_CHECK(
+      kind == ".pickle" || kind == ".pkl" || kind == ".html" || kind == ".png" || kind == ".json",
+      "frugal: a memory recording is written as .pickle, .pkl, .html, .png or .json, not '", path,
+      "'");
 }
 
 }  // namespace
 
 void write_snapshot(const Recording& r, std::ostream& out) {
+  const int device = std::max(0, r.device);  // the CPU's trace is drawn as device 0's
   auto segments = nlohmann::json::array();
   for (const auto& [address, block] : r.live) {
     segments.push_back(
-        segment(address, block.bytes, frames(r, block.category, block.unit, block.phase)));
+        segment(device, address, block.bytes, frames(r, block.category, block.unit, block.phase)));
   }
   if (r.unattributed > 0) {
     // The bytes alive before the recording that no watched tensor holds, as one block at
     // an address no block has (0): the viewer's totals stay the allocated bytes.
     auto unknown = frames(r, MemoryCategory::Other, -1, MemoryPhase::Other);
     unknown.front()["name"] = "alive before the recording";
-    segments.push_back(segment(0, r.unattributed, std::move(unknown)));
+    segments.push_back(segment(device, 0, r.unattributed, std::move(unknown)));
   }
   auto trace = nlohmann::json::array();
   for (const auto& e : r.events) {
@@ -205,11 +209,19 @@ void write_snapshot(const Recording& r, std::ostream& out) {
       trace.push_back(std::move(entry));
     }
   }
+  auto traces = nlohmann::json::array();  // one list a device, up to the one recorded
+  for (int d = 0; d < device; ++d) {
+    traces.push_back(nlohmann::json::array());
+  }
+  traces.push_back(std::move(trace));
   const nlohmann::json snapshot = {
       {"segments", std::move(segments)},
-      {"device_traces", nlohmann::json::array({std::move(trace)})},
+      {"device_traces", std::move(traces)},
       {"allocator_settings",
-       nlohmann::json::object({{"allocator", "frugal CountingAllocator (CPU)"}})},
+       nlohmann::json::object(
+           {{"allocator", r.device < 0 ? std::string("frugal CountingAllocator (CPU)")
+                                       : fmt::format("CUDA caching allocator, device {}, its trace",
+                                                     r.device)}})},
       {"frugal",
        {{"start_bytes", r.start_bytes},
         {"end_bytes", r.end_bytes},
@@ -261,6 +273,8 @@ void write_recording(const Recording& recording, std::ostream& out, const std::s
   check_kind(kind, kind);
   if (kind == ".html") {
     write_timeline_html(recording, out);
+  } else if (kind == ".png") {
+    write_timeline_png(recording, out);
   } else if (kind == ".json") {
     write_events_json(recording, out);
   } else {

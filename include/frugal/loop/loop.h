@@ -18,7 +18,9 @@
 
 #include "frugal/memory/leak_check.h"
 #include "frugal/memory/ledger.h"
+#include "frugal/memory/memory_context.h"
 #include "frugal/memory/probe.h"
+#include "frugal/memory/timeline_window.h"
 #include "frugal/nn/module_pointer.h"
 #include "frugal/train/batch.h"
 #include "frugal/train/options.h"
@@ -78,6 +80,11 @@ struct LoopOptions {
   /// Check at every Loop::end of an iteration in which a model stepped that the allocated
   /// bytes came back to the baseline (LeakCheck; LeakError names the growth). Unset: no check.
   TORCH_ARG(c10::optional<LeakGuardOptions>, leak_guard) = c10::nullopt;
+  /// Records iterations `first` to `last` with a MemoryRecorder watching every prepared model
+  /// and optimizer, and writes the span's file when the last iteration ends (Loop::end).
+  /// Between the Loop's verbs the thread's phase is then `forward`: what the user's code
+  /// allocates there (its forward passes) is counted as activations.
+  TORCH_ARG(c10::optional<MemoryTimelineSpan>, memory_timeline) = c10::nullopt;
 };
 
 /// A model and its optimizer, as Loop::prepare registered them.
@@ -235,6 +242,9 @@ class Loop {
   std::int64_t micro_batch() const { return micro_batch_; }
   const LoopOptions& options() const { return options_; }
   const MemoryProbe& probe() const { return probe_; }
+  /// The memory timeline of LoopOptions::memory_timeline (null without one): its recorder
+  /// and the file it wrote.
+  const MemoryTimelineWindow* memory_timeline() const { return timeline_.get(); }
   std::int64_t iterations() const { return iterations_; }
   const std::vector<std::unique_ptr<LoopModel>>& models() const { return models_; }
 
@@ -263,6 +273,10 @@ class Loop {
   bool scaled_ = false;  // the scaler scaled a loss this iteration
   c10::optional<LeakCheck> leak_;
   std::vector<std::shared_ptr<ReportSink>> sinks_;
+  // Begins the next iteration of LoopOptions::memory_timeline.
+  void begin_timeline();
+  std::unique_ptr<MemoryTimelineWindow> timeline_;
+  std::unique_ptr<PhaseScope> between_verbs_;  // forward, while the timeline records
 };
 
 }  // namespace frugal

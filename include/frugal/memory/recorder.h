@@ -4,6 +4,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
@@ -32,13 +33,18 @@ struct MemoryRecorderOptions {
   MemoryRecorderOptions& capacity(std::int64_t events);
   std::int64_t capacity() const { return capacity_; }
   /// Where a refused allocation (out of memory under a cap) writes the recording at once,
-  /// before the error reaches any recovery: .pickle/.pkl, .html or .json ("": nowhere).
+  /// before the error reaches any recovery: .pickle/.pkl, .html, .png or .json ("": nowhere).
   MemoryRecorderOptions& oom_file(std::string path);
   const std::string& oom_file() const { return oom_file_; }
+  /// The memory recorded: the CPU's (the counting allocator's, exact) or a CUDA device's
+  /// (the caching allocator's blocks, through its trace hook; LibTorch 2.1 or later).
+  MemoryRecorderOptions& device(torch::Device device);
+  torch::Device device() const { return device_; }
 
  private:
   std::int64_t capacity_ = 1 << 18;
   std::string oom_file_;
+  torch::Device device_ = torch::kCPU;
 };
 
 /// The blocks alive at the peak of a recording, grouped by category and module.
@@ -59,8 +65,9 @@ struct MemoryPeak {
   std::string summary(std::size_t top = 8) const;
 };
 
-/// Records every allocation and free of the counting CPU allocator while it lives (one
-/// recorder at a time), with the thread's phase, the unit it ran and the block's category.
+/// Records every allocation and free of the counting CPU allocator (or of a CUDA device's
+/// caching allocator, MemoryRecorderOptions::device) while it lives (one recorder at a
+/// time), with the thread's phase, the unit it ran and the block's category.
 /// The category of a block is decided when it is allocated (its phase) and corrected at
 /// each phase boundary for the tensors of the watched modules and optimizers (weights,
 /// gradients, optimizer state); blocks alive before the recording are known by those
@@ -99,7 +106,8 @@ class MemoryRecorder {
 
   /// Writes by the extension: `.pickle`/`.pkl` a snapshot in the format of PyTorch's
   /// `torch.cuda.memory._snapshot()` (open it at pytorch.org/memory_viz or with
-  /// torch.cuda._memory_viz), `.html` a self-contained timeline, `.json` the events.
+  /// torch.cuda._memory_viz), `.html` a self-contained timeline, `.png` its picture, `.json`
+  /// the events.
   void write(const std::string& path) const;
   /// An error naming `path` unless `write` can write it (by its extension).
   static void check_path(const std::string& path);

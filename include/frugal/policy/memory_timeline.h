@@ -6,16 +6,17 @@
 #include <string>
 
 #include "frugal/memory/recorder.h"
+#include "frugal/memory/timeline_window.h"
 #include "frugal/train/policy.h"
 
 namespace frugal {
 
 /// Records the trainer's steps `first` to `last` (1-based calls of `step`; `last` 0: only
 /// `first`) with a MemoryRecorder watching its model and optimizer, and writes `path` when
-/// the last of them ends: `.html` a timeline, `.pickle`/`.pkl` PyTorch's snapshot, `.json`
-/// the events. An allocation refused while recording (out of memory under a cap) writes
-/// `<path without extension>.oom.pickle` at once, before OomRecovery or the error's caller
-/// sees it.
+/// the last of them ends: `.html` a timeline, `.png` its picture, `.pickle`/`.pkl` PyTorch's
+/// snapshot, `.json` the events. An allocation refused while recording (out of memory under
+/// a cap) writes `<path without extension>.oom.pickle` at once, before OomRecovery or the
+/// error's caller sees it.
 ///
 /// Example:
 ///   trainer.add_policy(std::make_shared<frugal::MemoryTimeline>("step3.html", 3));
@@ -29,20 +30,14 @@ class MemoryTimeline : public Policy {
 
   /// The recording, once it began (null before); it keeps what it recorded after the last
   /// step, for its peak.
-  const MemoryRecorder* recorder() const { return recorder_.get(); }
+  const MemoryRecorder* recorder() const { return window_.recorder(); }
   /// The file written, or "" before the last recorded step ended.
-  const std::string& written() const { return written_; }
+  const std::string& written() const { return window_.written(); }
   /// Where a refused allocation's snapshot goes.
-  const std::string& oom_path() const { return oom_path_; }
+  const std::string& oom_path() const { return window_.oom_path(); }
 
  private:
-  std::string path_;
-  std::string oom_path_;
-  std::int64_t first_, last_;
-  MemoryRecorderOptions options_;
-  std::int64_t calls_ = 0;
-  std::unique_ptr<MemoryRecorder> recorder_;
-  std::string written_;
+  MemoryTimelineWindow window_;
 };
 
 }  // namespace frugal
