@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "optim/rounding.h"
 
@@ -49,6 +50,38 @@ TEST(StochasticRounding, ChunksDrawTheBitsTheWholeWouldAndSpecialValuesStay) {
   // Every finite result is a bfloat16 value.
   const auto finite = whole.narrow(0, 20, 9980);
   EXPECT_TRUE(torch::equal(finite, finite.to(torch::kBFloat16).to(torch::kFloat32)));
+}
+
+TEST(StochasticRounding, TheTensorOpsPathKeepsEveryNanANanAndInfinitiesInfinite) {
+  // The path CUDA takes, run on CPU tensors: NaNs of every payload and sign (CUDA's
+  // canonical one is 0x7FFFFFFF), infinities, the largest finite value and ordinary ones.
+  const std::vector<std::uint32_t> patterns = {0x7FFFFFFFU, 0xFFFFFFFFU, 0x7F800001U, 0xFFC00000U,
+                                               0x7FC00000U, 0x7F800000U, 0xFF800000U, 0x7F7FFFFFU,
+                                               0x3F800000U, 0xBF812345U};
+  auto x = torch::empty({1 << 12}, torch::kFloat32);
+  auto* data = reinterpret_cast<std::uint32_t*>(x.data_ptr<float>());
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    data[i] = patterns[static_cast<std::size_t>(i) % patterns.size()];
+  }
+  const auto before = x.clone();
+  auto bits = torch::empty({x.numel()}, torch::kInt32);
+  frugal::optim::detail::round_stochastic_ops(x, bits, 21, 0);
+  const auto was_nan = torch::isnan(before);
+  EXPECT_TRUE(torch::equal(torch::isnan(x), was_nan));
+  const auto infinite = torch::isinf(before);
+  EXPECT_TRUE(torch::equal(x.masked_select(infinite), before.masked_select(infinite)));
+  // The finite values land on bfloat16 values next to them (the largest may round to
+  // infinity, as on the CPU).
+  const auto finite = torch::isfinite(before);
+  const auto rounded = x.masked_select(finite & torch::isfinite(x));
+  EXPECT_TRUE(torch::equal(rounded, rounded.to(torch::kBFloat16).to(torch::kFloat32)));
+  EXPECT_LE((x - before)
+                .masked_select(finite & torch::isfinite(x))
+                .abs()
+                .div(before.masked_select(finite & torch::isfinite(x)).abs())
+                .max()
+                .item<float>(),
+            std::ldexp(1.0F, -7));
 }
 
 TEST(StochasticRounding, NeighboursDrawTheirBitsIndependentlyWhereverAPieceStarts) {

@@ -175,6 +175,25 @@ void round_stochastic_cpu(float* x, std::int64_t n, std::uint64_t key, std::int6
   });
 }
 
+void round_stochastic_ops(const at::Tensor& x, at::Tensor bits, std::uint64_t key,
+                          std::int64_t first) {
+  FRUGAL_CHECK(bits.defined() && bits.scalar_type() == at::kInt && bits.numel() == x.numel() &&
+                   bits.is_contiguous() && bits.device() == x.device(),
+               "frugal: stochastic rounding on ", x.device(), " needs an int32 buffer of ",
+               x.numel(), " elements there");
+  bits = bits.view(x.sizes());
+  at::randint_out(bits, 1 << 16, x.sizes(), seeded_generator(x.device(), key, first));
+  auto as_bits = x.view(at::kInt);
+  // Infinity + noise, cut, is infinity. A NaN's bits plus noise may carry out of the payload
+  // (CUDA's canonical NaN, 0x7FFFFFFF, wraps to -0.0) or cut a low payload to infinity: each
+  // NaN becomes bfloat16's quiet NaN instead.
+  const auto nan = at::isnan(x);
+  bits.add_(as_bits)
+      .bitwise_and_(static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)))
+      .masked_fill_(nan, static_cast<std::int64_t>(0x7FC00000));
+  as_bits.copy_(bits);
+}
+
 void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first) {
   FRUGAL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(),
                "frugal: stochastic rounding needs contiguous float32 values, got ", x.scalar_type(),
@@ -183,18 +202,7 @@ void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, s
     round_stochastic_cpu(x.data_ptr<float>(), x.numel(), key, first);
     return;
   }
-  FRUGAL_CHECK(bits.defined() && bits.scalar_type() == at::kInt && bits.numel() == x.numel() &&
-                   bits.is_contiguous() && bits.device() == x.device(),
-               "frugal: stochastic rounding on ", x.device(), " needs an int32 buffer of ",
-               x.numel(), " elements there");
-  bits = bits.view(x.sizes());
-  at::randint_out(bits, 1 << 16, x.sizes(), seeded_generator(x.device(), key, first));
-  auto as_bits = x.view(at::kInt);
-  // NaNs and infinities: the exponent's bits all set. Infinity + noise, cut, is infinity;
-  // a NaN keeps its high payload bits, the ones arithmetic sets.
-  bits.add_(as_bits).bitwise_and_(
-      static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)));
-  as_bits.copy_(bits);
+  round_stochastic_ops(x, std::move(bits), key, first);
 }
 
 }  // namespace frugal::optim::detail

@@ -91,5 +91,9 @@ void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out);
 /// the random bits (drawn from a generator of that device seeded from `key` and `first`,
 /// other bits than the CPU's).
 void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first);
+/// round_stochastic's tensor operations, on any device (the CPU's for tests): a NaN becomes
+/// bfloat16's quiet NaN (0x7FC0), whatever its payload and sign.
+void round_stochastic_ops(const at::Tensor& x, at::Tensor bits, std::uint64_t key,
+                          std::int64_t first);
 
 }  // namespace frugal::optim::detail
