@@ -128,10 +128,12 @@ run_example() {  # name, command...
   run_example memory_tour "$build/examples/memory_tour" --device cuda --steps 2
   printf ', '
   # 8192 images a step need about 2 GiB of activations; under a 1 GiB cap the run goes on
-  # by halving its micro-batch (OomRecovery), the effective batch unchanged.
+  # by halving its micro-batch (OomRecovery), the effective batch unchanged. Step 2 is
+  # recorded on the device (the caching allocator's trace) and drawn as a PNG.
   run_example fashion_mnist "$build/examples/fashion_mnist" --device cuda \
     --data-dir "$deps/fashion-mnist" --batch 8192 --max-steps 3 --eval-samples 1000 \
-    --memory-cap $((1 << 30)) --report "$out/fashion_mnist.jsonl" --quiet
+    --memory-cap $((1 << 30)) --report "$out/fashion_mnist.jsonl" --quiet \
+    --memory-timeline "$out/fashion_mnist-step2.png"
   printf '}\n'
 } > "$out/examples.json"
 lap examples
@@ -143,6 +145,10 @@ PY
 then
   examples_ok=false
   say "fashion_mnist: no step ran below the batch of 8192 under the 1 GiB cap (fashion_mnist.jsonl)"
+fi
+if $examples_ok && ! [ -s "$out/fashion_mnist-step2.png" ]; then
+  examples_ok=false
+  say "fashion_mnist: the CUDA memory timeline of step 2 was not written (fashion_mnist.log)"
 fi
 
 [ -z "${cpu_parts:-}" ] || finish "no cuda" "$no_cuda: the CPU's parts were timed, nothing was tested"

@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@
 #include "frugal/autocast_guard.h"
 #include "frugal/loop/loop.h"
 #include "frugal/memory/probe.h"
+#include "frugal/memory/recorder.h"
 #include "frugal/nn/linear_cross_entropy.h"
 #include "helpers.h"
 
@@ -174,6 +177,35 @@ TEST(LinearCrossEntropy, Bf16AutocastStaysCloseWithFloatAccumulation) {
   EXPECT_NEAR(loss.item<double>(), expected, 2e-2 * std::abs(expected));
   const auto g = torch::autograd::grad({loss}, {h.weight})[0];
   EXPECT_EQ(g.scalar_type(), torch::kFloat);
+}
+
+TEST(LinearCrossEntropy, UnderAutocastTheWeightIsCastOnceACallNotTwiceAChunk) {
+  // A frozen weight, or one that is not a leaf (gathered, dequantized: autocast's cache
+  // keeps no cast of either): its bf16 copy is made once for the eight chunks and both
+  // products. (Frozen, so that no weight gradient of its size is made.)
+  const auto h = make_head(64, 24, 37, true);
+  const auto weight = h.weight.detach() * 1.0;
+  const std::int64_t cast_bytes = weight.numel() * 2;
+  for (const bool recompute : {false, true}) {
+    frugal::MemoryRecorder recorder;
+    {
+      frugal::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      const auto loss = frugal::nn::linear_cross_entropy(
+          h.hidden, weight, h.bias, h.targets,
+          LinearCrossEntropyOptions().chunk(8).recompute(recompute));
+      torch::autograd::grad({loss}, {h.hidden, h.bias});
+    }
+    recorder.stop();
+    std::stringstream json;
+    recorder.write_to(json, ".json");
+    const auto recording = nlohmann::json::parse(json.str());
+    int casts = 0;
+    for (const auto& e : recording.at("events")) {
+      casts += e.at("action") == "alloc" && e.at("bytes") == cast_bytes ? 1 : 0;
+    }
+    // One a pass: the forward's, and the recompute's in backward.
+    EXPECT_EQ(casts, recompute ? 2 : 1) << "recompute " << recompute;
+  }
 }
 
 TEST(LinearCrossEntropy, RecomputeGivesTheSameGradientsAndKeepsNothingUntilBackward) {

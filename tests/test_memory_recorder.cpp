@@ -15,6 +15,7 @@
 #include "frugal/memory/recorder.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/policy/checkpoint_policy.h"
+#include "frugal/policy/memory_timeline.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 
@@ -244,6 +245,16 @@ TEST(CudaMemoryRecorder, AStepOnTheGpuIsTheAllocatorsPeakSplitByCategoryAndUnit)
   std::stringstream pickle;
   recorder.write_to(pickle, ".pickle");
   EXPECT_NE(pickle.str().find("CUDA caching allocator"), std::string::npos);
+  // The MemoryTimeline policy records the trainer's device.
+  auto timeline = std::make_shared<frugal::MemoryTimeline>(
+      (std::filesystem::temp_directory_path() / "frugal_cuda_step.png").string());
+  trainer.add_policy(timeline);
+  probe.reset_peak();
+  trainer.step(batch);
+  torch::cuda::synchronize();
+  ASSERT_NE(timeline->recorder(), nullptr);
+  EXPECT_EQ(timeline->recorder()->peak_bytes(), probe.peak());
+  EXPECT_GT(std::filesystem::file_size(timeline->written()), 1000u);
 }
 
 TEST(MemoryRecorder, ADeviceItCannotRecordIsRefusedAndNothingRecords) {

@@ -69,11 +69,11 @@ class IterationTimeline {
     }
   }
 
-  void begin(const std::vector<Watched>& watched) {
+  void begin(const std::vector<Watched>& watched, torch::Device device) {
     if (window_ == nullptr) {
       return;
     }
-    if (auto* recorder = window_->begin()) {
+    if (auto* recorder = window_->begin(device)) {
       for (const auto& w : watched) {
         recorder->watch(*w.module, w.optimizer, w.name);
       }

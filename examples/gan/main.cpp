@@ -195,7 +195,8 @@ int run(const Args& args) {
   examples::IterationTimeline timeline("gan", args.timeline);
   for (std::int64_t i = first; i <= args.iterations; ++i) {
     timeline.begin(
-        {{d.ptr().get(), d_opt.get(), "discriminator"}, {g.ptr().get(), g_opt.get(), "generator"}});
+        {{d.ptr().get(), d_opt.get(), "discriminator"}, {g.ptr().get(), g_opt.get(), "generator"}},
+        device);
     // Every rank draws the whole batch's noise (one random stream for all) and keeps its share.
     const auto real =
         images.narrow(0, ((i - 1) % n) * args.batch, args.batch).narrow(0, rank * share, share);

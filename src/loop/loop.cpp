@@ -48,7 +48,7 @@ void Loop::begin_timeline() {
   if (timeline_->end()) {
     between_verbs_.reset();
   }
-  if (auto* recorder = timeline_->begin()) {
+  if (auto* recorder = timeline_->begin(options_.device())) {
     for (const auto& m : models_) {
       recorder->watch(m->module(), &m->optimizer(), m->name());
     }

@@ -18,12 +18,16 @@ MemoryTimelineWindow::MemoryTimelineWindow(MemoryTimelineSpan span) : span_(std:
   span_.options.oom_file(oom_path_);
 }
 
-MemoryRecorder* MemoryTimelineWindow::begin() {
+MemoryRecorder* MemoryTimelineWindow::begin(c10::optional<torch::Device> device) {
   ++calls_;
   if (calls_ != span_.first) {
     return nullptr;
   }
-  recorder_ = std::make_unique<MemoryRecorder>(span_.options);
+  auto options = span_.options;
+  if (device) {
+    options.device(*device);
+  }
+  recorder_ = std::make_unique<MemoryRecorder>(options);
   return recorder_.get();
 }
 

@@ -25,6 +25,21 @@ struct ChunkedSums {
   std::int64_t counted = 0;            // tokens whose target is not ignored
 };
 
+// Targets that are neither a class nor ignored are refused before any chunk runs; the
+// counted tokens are read once: one host read a call, not three a chunk (each a device sync
+// on CUDA).
+std::int64_t check_targets(const torch::Tensor& t, std::int64_t classes, std::int64_t ignore) {
+  const auto valid = t.ne(ignore);
+  const auto bad = (t.lt(0) | t.ge(classes)) & valid;
+  const auto counts = torch::stack({bad.sum(), valid.sum()}).cpu();
+  if (counts[0].item<std::int64_t>() > 0) {
+    FRUGAL_CHECK(false, "frugal: linear_cross_entropy: target ",
+                 t.masked_select(bad)[0].item<std::int64_t>(), " is not a class in [0, ", classes,
+                 ") nor the ignore_index ", ignore);
+  }
+  return counts[1].item<std::int64_t>();
+}
+
 ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const torch::Tensor& b,
                          const torch::Tensor& t, const LinearCrossEntropyOptions& o, Needs needs) {
   const auto n = h.size(0);
@@ -32,6 +47,7 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
   const double s = o.label_smoothing();
   const auto f32 = h.options().dtype(torch::kFloat);
   ChunkedSums out;
+  out.counted = check_targets(t, classes, o.ignore_index());
   out.loss = torch::zeros({}, f32);
   if (needs.hidden) {
     out.hidden = torch::empty_like(h);
@@ -42,21 +58,25 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
   if (needs.bias) {
     out.bias = torch::zeros({classes}, f32);
   }
+  // The products in autocast's dtype, as autocast would run them, with the head's weight
+  // cast once for every chunk and both products (autocast itself is off inside).
+  const auto device = h.device().type();
+  const bool autocast = compat::autocast_enabled(device) && h.scalar_type() != torch::kDouble;
+  const auto low = autocast ? compat::autocast_dtype(device) : h.scalar_type();
+  const auto w_low = autocast ? w.to(low) : w;
+  const auto b_low = autocast && b.defined() ? b.to(low) : b;
+  c10::optional<AutocastGuard> plain;
+  if (autocast) {
+    plain.emplace(device, low, false);
+  }
   for (std::int64_t start = 0; start < n; start += o.chunk()) {
     const auto len = std::min(o.chunk(), n - start);
-    const auto hc = h.narrow(0, start, len);
+    const auto hc = h.narrow(0, start, len).to(autocast ? low : h.scalar_type());
     const auto tc = t.narrow(0, start, len);
     const auto valid = tc.ne(o.ignore_index());
     const auto target = tc.masked_fill(valid.logical_not(), 0);
-    if (target.numel() > 0) {
-      const auto low = target.min().item<std::int64_t>();
-      const auto high = target.max().item<std::int64_t>();
-      FRUGAL_CHECK(low >= 0 && high < classes, "frugal: linear_cross_entropy: target ",
-                   low < 0 ? low : high, " is not a class in [0, ", classes,
-                   ") nor the ignore_index ", o.ignore_index());
-    }
     // The chunk's logits (under autocast a bf16/fp16 product), then float32 for the rest.
-    auto z = b.defined() ? torch::addmm(b, hc, w.t()) : torch::mm(hc, w.t());
+    auto z = b_low.defined() ? torch::addmm(b_low, hc, w_low.t()) : torch::mm(hc, w_low.t());
     z = z.to(torch::kFloat);
     const auto lse = z.logsumexp(1);
     auto token = lse - z.gather(1, target.unsqueeze(1)).squeeze(1);
@@ -65,7 +85,6 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
     }
     const auto kept = valid.to(torch::kFloat);
     out.loss += (token * kept).sum();
-    out.counted += valid.sum().item<std::int64_t>();
     if (!needs.any()) {
       continue;
     }
@@ -79,9 +98,9 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
     if (needs.bias) {
       out.bias += g.sum(0);
     }
-    const auto g_low = g.to(hc.scalar_type());  // as the forward's product, under autocast
+    const auto g_low = g.to(hc.scalar_type());  // as the forward's product
     if (needs.hidden) {
-      out.hidden.narrow(0, start, len).copy_(torch::mm(g_low, w.to(hc.scalar_type())));
+      out.hidden.narrow(0, start, len).copy_(torch::mm(g_low, w_low.to(hc.scalar_type())));
     }
     if (needs.weight) {
       out.weight += torch::mm(g_low.t(), hc).to(torch::kFloat);

@@ -1,5 +1,6 @@
 #include "rounding.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,8 +97,12 @@ void with_bits16(std::uint64_t key, std::int64_t first, std::int64_t n, Fn fn) {
 
 // A generator of `device`'s kind seeded from `key` and `first`: the random bits off the CPU.
 at::Generator seeded_generator(const at::Device& device, std::uint64_t key, std::int64_t first) {
+  const auto seed = mix64(key ^ static_cast<std::uint64_t>(first));
+  if (device.is_cpu()) {  // made, not cloned: LibTorch 1.13 leaks a cloned CPU generator
+    return at::make_generator<at::CPUGeneratorImpl>(seed);
+  }
   auto generator = at::globalContext().defaultGenerator(device).clone();
-  generator.set_current_seed(mix64(key ^ static_cast<std::uint64_t>(first)));
+  generator.set_current_seed(seed);
   return generator;
 }
 

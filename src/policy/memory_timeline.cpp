@@ -12,7 +12,7 @@ void MemoryTimeline::on_step_begin(StepContext& ctx) {
   if (ctx.trial) {
     return;
   }
-  if (auto* recorder = window_.begin()) {
+  if (auto* recorder = window_.begin(ctx.probe.device())) {
     recorder->watch(ctx.module, &ctx.optimizer);
   }
 }

@@ -80,8 +80,8 @@ struct LoopOptions {
   /// Check at every Loop::end of an iteration in which a model stepped that the allocated
   /// bytes came back to the baseline (LeakCheck; LeakError names the growth). Unset: no check.
   TORCH_ARG(c10::optional<LeakGuardOptions>, leak_guard) = c10::nullopt;
-  /// Records iterations `first` to `last` with a MemoryRecorder watching every prepared model
-  /// and optimizer, and writes the span's file when the last iteration ends (Loop::end).
+  /// Records iterations `first` to `last` with a MemoryRecorder of `device` watching every
+  /// prepared model and optimizer, and writes the span's file when the last iteration ends (Loop::end).
   /// Between the Loop's verbs the thread's phase is then `forward`: what the user's code
   /// allocates there (its forward passes) is counted as activations.
   TORCH_ARG(c10::optional<MemoryTimelineSpan>, memory_timeline) = c10::nullopt;

@@ -2,9 +2,12 @@
 // MemoryRecorder and writes its file when the span ends.
 #pragma once
 
+#include <c10/util/Optional.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "frugal/memory/recorder.h"
 
@@ -40,8 +43,9 @@ class MemoryTimelineWindow {
   explicit MemoryTimelineWindow(MemoryTimelineSpan span);
 
   /// The next call begins; returns the recorder when this call starts the recording (for
-  /// the caller to watch its models), null otherwise.
-  MemoryRecorder* begin();
+  /// the caller to watch its models), null otherwise. `device`: the memory it records (the
+  /// trainer's or loop's device), instead of the span's options'.
+  MemoryRecorder* begin(c10::optional<torch::Device> device = c10::nullopt);
   /// The call begun last ends; stops and writes the file after the span's last call.
   /// Returns whether it wrote.
   bool end();

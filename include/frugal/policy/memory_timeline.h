@@ -12,7 +12,8 @@
 namespace frugal {
 
 /// Records the trainer's steps `first` to `last` (1-based calls of `step`; `last` 0: only
-/// `first`) with a MemoryRecorder watching its model and optimizer, and writes `path` when
+/// `first`) with a MemoryRecorder of the trainer's device (its probe's: the CPU, or a CUDA
+/// device) watching its model and optimizer, and writes `path` when
 /// the last of them ends: `.html` a timeline, `.png` its picture, `.pickle`/`.pkl` PyTorch's
 /// snapshot, `.json` the events. An allocation refused while recording (out of memory under
 /// a cap) writes `<path without extension>.oom.pickle` at once, before OomRecovery or the
