@@ -89,7 +89,8 @@ void from_bfloat16_bits(const std::uint16_t* x, std::int64_t n, float* out);
 /// The same for a contiguous float32 tensor `x`: round_stochastic_cpu on the CPU; elsewhere
 /// tensor operations, with `bits` an int32 buffer of x's element count on x's device for
 /// the random bits (drawn from a generator of that device seeded from `key` and `first`,
-/// other bits than the CPU's).
+/// other bits than the CPU's; on CUDA they also follow the launch configuration, so the GPU
+/// model: the same bits on the same model and LibTorch only).
 void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first);
 /// round_stochastic's tensor operations, on any device (the CPU's for tests): a NaN becomes
 /// bfloat16's quiet NaN (0x7FC0), whatever its payload and sign.

@@ -15,6 +15,9 @@ namespace frugal {
 /// (as ScopedCpuCap). CUDA: the caching allocator's memory fraction becomes `bytes` over the
 /// device's total memory; the fraction bounds the bytes the allocator reserves, rounding and
 /// cached blocks included. CUDA is initialised first, so a cap may come before any tensor.
+/// What the caching allocator does not hand out stays outside the cap: the CUDA context
+/// (hundreds of MiB), cuBLAS/cuDNN workspaces made outside the allocator and NCCL's buffers;
+/// a card of `bytes` needs room for those as well.
 ///
 /// Example:
 ///   frugal::ScopedMemoryCap cap(torch::Device("cuda:0"), frugal::GiB(8));  // an 8 GiB card
