@@ -22,12 +22,11 @@ struct Needs {
 struct ChunkedSums {
   torch::Tensor loss;                  // float32 scalar
   torch::Tensor hidden, weight, bias;  // gradients of the summed loss
-  std::int64_t counted = 0;            // tokens whose target is not ignored
 };
 
-// Targets that are neither a class nor ignored are refused before any chunk runs; the
-// counted tokens are read once: one host read a call, not three a chunk (each a device sync
-// on CUDA).
+// Refuses targets that are neither a class nor ignored and returns the tokens counted (not
+// ignored): one host read a call, before any chunk runs, not three a chunk (each a device
+// sync on CUDA); a recompute in backward reads nothing.
 std::int64_t check_targets(const torch::Tensor& t, std::int64_t classes, std::int64_t ignore) {
   const auto valid = t.ne(ignore);
   const auto bad = (t.lt(0) | t.ge(classes)) & valid;
@@ -47,7 +46,6 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
   const double s = o.label_smoothing();
   const auto f32 = h.options().dtype(torch::kFloat);
   ChunkedSums out;
-  out.counted = check_targets(t, classes, o.ignore_index());
   out.loss = torch::zeros({}, f32);
   if (needs.hidden) {
     out.hidden = torch::empty_like(h);
@@ -113,12 +111,12 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   // `b`: the bias, or an empty tensor for none (apply takes defined tensors only).
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& h, const torch::Tensor& w,
                                const torch::Tensor& b, const torch::Tensor& t,
-                               const LinearCrossEntropyOptions& o, Needs needs) {
+                               const LinearCrossEntropyOptions& o, Needs needs,
+                               std::int64_t counted) {
     const auto bias = b.numel() > 0 ? b : torch::Tensor();
     auto sums = chunked_sums(h, w, bias, t, o, o.recompute() ? Needs{} : needs);
-    const double divisor = o.reduction() == LinearCrossEntropyReduction::Mean
-                               ? static_cast<double>(sums.counted)
-                               : 1.0;
+    const double divisor =
+        o.reduction() == LinearCrossEntropyReduction::Mean ? static_cast<double>(counted) : 1.0;
     ctx->saved_data["divisor"] = divisor;
     if (o.recompute()) {
       // The inputs, and what backward needs to run the chunks again.
@@ -165,6 +163,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
             scaled(saved[2], ctx->needs_input_grad(2)),
             torch::Tensor(),
             torch::Tensor(),
+            torch::Tensor(),
             torch::Tensor()};
   }
 };
@@ -199,14 +198,16 @@ torch::Tensor linear_cross_entropy(const torch::Tensor& hidden, const torch::Ten
     needs = {hidden.requires_grad(), weight.requires_grad(),
              bias.defined() && bias.requires_grad()};
   }
+  const auto counted = check_targets(t, weight.size(0), options.ignore_index());
   if (!needs.any()) {  // no graph: the loss alone
     const auto sums = chunked_sums(h, weight, bias, t, options, needs);
     return options.reduction() == LinearCrossEntropyReduction::Mean
-               ? sums.loss / static_cast<double>(sums.counted)
+               ? sums.loss / static_cast<double>(counted)
                : sums.loss;
   }
   return LinearCrossEntropyFunction::apply(
-      h, weight, bias.defined() ? bias : torch::empty({0}, weight.options()), t, options, needs);
+      h, weight, bias.defined() ? bias : torch::empty({0}, weight.options()), t, options, needs,
+      counted);
 }
 
 }  // namespace frugal::nn
