@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -11,6 +12,7 @@
 #include "frugal/optim/adam.h"
 #include "frugal/optim/sgd.h"
 #include "helpers.h"
+#include "optim/chunk_size.h"
 
 namespace {
 
@@ -225,6 +227,84 @@ TEST(OptimizerStateKey, FindsTheStateLibTorchsOptimizersKeep) {
       EXPECT_EQ(optimizer->state().count(frugal::compat::optimizer_state_key(p)), 1u);
     }
   }
+}
+
+}  // namespace
+
+namespace {
+
+frugal::detail::ChunkRequest adam_request(c10::DeviceType device, std::int64_t numel) {
+  frugal::detail::ChunkRequest r;
+  r.device = device;
+  r.chunk = fo::InPlaceOptions().chunk();
+  r.device_scratch = fo::InPlaceOptions().device_scratch();
+  r.bytes_per_element = 4;  // Adam's one float32 buffer
+  r.numel = numel;
+  return r;
+}
+
+TEST(InPlaceChunks, OnAGpuAChunkGrowsToTheScratchBudgetAndOnTheCpuStaysCacheSized) {
+  const std::int64_t matrix = 4096 * 4096;
+  const std::int64_t budget = fo::InPlaceOptions().device_scratch();
+  // CPU: the chunk of the options, whatever the budget.
+  EXPECT_EQ(chunk_elements(adam_request(c10::DeviceType::CPU, matrix)),
+            fo::InPlaceOptions().chunk());
+  // GPU: as many elements as the budget's bytes hold, so the matrix is one chunk (its
+  // launches a step: one set, not one per 65,536 elements).
+  EXPECT_EQ(chunk_elements(adam_request(c10::DeviceType::CUDA, matrix)), budget / 4);
+  EXPECT_EQ(chunk_elements(adam_request(c10::DeviceType::CUDA, matrix)), matrix);
+  // A larger parameter takes chunks of the budget: the scratch stays within it.
+  auto big = adam_request(c10::DeviceType::CUDA, 4 * matrix);
+  big.bytes_per_element = 6 * 4;  // 8-bit states' tensor-ops path: six float32 buffers
+  big.multiple = 256;
+  const auto elements = chunk_elements(big);
+  EXPECT_LE(elements * big.bytes_per_element, budget);
+  EXPECT_GT((elements + big.multiple) * big.bytes_per_element, budget);
+  EXPECT_EQ(elements % big.multiple, 0);
+  // Never below the CPU's chunk, never above the parameter, whole where not flat.
+  auto tight = adam_request(c10::DeviceType::CUDA, matrix);
+  tight.device_scratch = 1024;
+  EXPECT_EQ(chunk_elements(tight), tight.chunk);
+  tight.device_scratch = 0;  // the budget off: the CPU's chunk everywhere
+  EXPECT_EQ(chunk_elements(tight), tight.chunk);
+  EXPECT_EQ(chunk_elements(adam_request(c10::DeviceType::CUDA, 1000)), 1000);
+  auto strided = adam_request(c10::DeviceType::CPU, matrix);
+  strided.flat = false;
+  EXPECT_EQ(chunk_elements(strided), matrix);
+}
+
+TEST(InPlaceChunks, ANegativeDeviceScratchIsRefusedNamingIt) {
+  auto params = std::vector<torch::Tensor>{torch::zeros({4}, torch::requires_grad())};
+  try {
+    fo::Adam adam(params, to::AdamOptions(1e-3), fo::InPlaceOptions().device_scratch(-1));
+    FAIL() << "a negative scratch budget was taken";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("device_scratch must be >= 0 bytes, got -1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CudaInPlaceChunks, AnAdamStepOnTheGpuTakesAWholeMatrixAsOneChunkAndAgreesWithTheCpu) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(5);
+  const auto weights = torch::randn({4096, 4096});
+  const auto grad = torch::randn({4096, 4096});
+  std::vector<torch::Tensor> on_cpu{weights.clone().requires_grad_()};
+  std::vector<torch::Tensor> on_gpu{weights.to(torch::kCUDA).requires_grad_()};
+  on_cpu[0].mutable_grad() = grad.clone();
+  on_gpu[0].mutable_grad() = grad.to(torch::kCUDA);
+  fo::Adam cpu(on_cpu, to::AdamOptions(1e-3));
+  fo::Adam gpu(on_gpu, to::AdamOptions(1e-3));
+  cpu.step();
+  gpu.step();
+  // One float32 buffer of the whole matrix on the GPU; the cache-sized chunk on the CPU.
+  EXPECT_EQ(gpu.scratch_bytes(), 4096 * 4096 * 4);
+  EXPECT_EQ(cpu.scratch_bytes(), cpu.in_place_options().chunk() * 4);
+  // The same elementwise update: the two devices differ by float32 rounding only, a few
+  // units in the last place of weights up to about 5 (2^-21 each).
+  const double apart = (on_gpu[0].detach().cpu() - on_cpu[0].detach()).abs().max().item<double>();
+  EXPECT_LE(apart, 4 * std::ldexp(1.0, -21));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <map>
 #include <tuple>
 
+#include "chunk_size.h"
 #include "compat.h"
 #include "frugal/error.h"
 #include "rounding.h"
@@ -93,6 +94,9 @@ struct InPlaceOptimizer::Planned {
 InPlaceOptimizer::InPlaceOptimizer(InPlaceOptions options) : in_place_(options) {
   FRUGAL_CHECK(in_place_.chunk() >= 1, "frugal: InPlaceOptions chunk must be >= 1 element, got ",
                in_place_.chunk());
+  FRUGAL_CHECK(in_place_.device_scratch() >= 0,
+               "frugal: InPlaceOptions device_scratch must be >= 0 bytes, got ",
+               in_place_.device_scratch());
 }
 
 torch::Tensor InPlaceOptimizer::run_step(const torch::optim::Optimizer::LossClosure& closure) {
@@ -264,9 +268,16 @@ std::pair<torch::optim::OptimizerParamGroup*, std::uint64_t> InPlaceOptimizer::g
 std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
                                         const torch::optim::OptimizerParamState* state,
                                         const torch::optim::OptimizerOptions& options) const {
-  const std::int64_t multiple = chunk_multiple(param, state, options);
-  const std::int64_t chunk = std::max(multiple, in_place_.chunk() / multiple * multiple);
-  return flat ? std::min(chunk, param.numel()) : param.numel();
+  frugal::detail::ChunkRequest request;
+  request.device = param.device().type();
+  request.chunk = in_place_.chunk();
+  request.device_scratch = in_place_.device_scratch();
+  request.bytes_per_element = std::max(1, scratch_buffers(param, flat, state, options)) *
+                              static_cast<std::int64_t>(c10::elementSize(scratch_type(param)));
+  request.multiple = chunk_multiple(param, state, options);
+  request.numel = param.numel();
+  request.flat = flat;
+  return frugal::detail::chunk_elements(request);
 }
 
 std::int64_t InPlaceOptimizer::scratch_bytes() {

@@ -42,9 +42,14 @@ enum class Rounding {
 ///   frugal::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3),
 ///                            frugal::optim::InPlaceOptions().chunk(1 << 18));
 struct InPlaceOptions {
-  /// Elements updated at a time. The step's scratch is a few buffers of this many elements
-  /// (at most the largest parameter's), instead of whole-parameter temporaries.
+  /// Elements updated at a time on the CPU. The step's scratch is a few buffers of this many
+  /// elements (at most the largest parameter's), instead of whole-parameter temporaries.
   TORCH_ARG(std::int64_t, chunk) = 1 << 16;
+  /// Bytes of scratch a step may use on a GPU, where a chunk costs a kernel launch per pass
+  /// whatever its size: chunks there grow until their buffers hold this many bytes (never
+  /// fewer elements than `chunk`), so a 4096 x 4096 float32 matrix is one chunk under Adam,
+  /// not 256. 0: `chunk` on every device.
+  TORCH_ARG(std::int64_t, device_scratch) = std::int64_t{64} << 20;
   /// How bfloat16 and float16 parameters take their update (computed in float32); float32
   /// and float64 parameters are updated exactly as LibTorch's optimizer would.
   TORCH_ARG(Rounding, rounding) = Rounding::Stochastic;
