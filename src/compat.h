@@ -177,6 +177,19 @@ void cuda_attach_trace();
 /// The bytes the caching allocator holds for a request of `nbytes`: 512 at least, rounded up
 /// to a multiple of 512 (the default rounding).
 std::int64_t cuda_block_bytes(std::int64_t nbytes);
+/// While it lives, an operation that makes the host wait for a CUDA device's work (item(), a
+/// copy to the host, an operator's stream synchronisation) throws instead (CUDA's sync debug
+/// mode set to error): a test's proof that a path reads nothing back from the device.
+class CudaHostReadsForbidden {
+ public:
+  CudaHostReadsForbidden();
+  ~CudaHostReadsForbidden();
+  CudaHostReadsForbidden(const CudaHostReadsForbidden&) = delete;
+  CudaHostReadsForbidden& operator=(const CudaHostReadsForbidden&) = delete;
+
+ private:
+  int previous_;
+};
 #endif
 
 /// The "no backtrace" argument of c10::Error's base constructor (a lazy backtrace from 2.2

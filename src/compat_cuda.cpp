@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include <mutex>
 
@@ -112,5 +113,14 @@ void cuda_attach_trace() {
                TORCH_VERSION);
 }
 #endif
+
+CudaHostReadsForbidden::CudaHostReadsForbidden()
+    : previous_(static_cast<int>(c10::cuda::warning_state().get_sync_debug_mode())) {
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+}
+
+CudaHostReadsForbidden::~CudaHostReadsForbidden() {
+  c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(previous_));
+}
 
 }  // namespace frugal::compat

@@ -123,10 +123,13 @@ TEST(GradientBuckets, Bf16GradientsTravelInTheDtypeTheBackendSumsAndAverageToOne
     EXPECT_EQ(numbers[1].item<std::int64_t>(), kGlooSumsBf16 ? 1 : 2);
     // After backward the gradients are in the buckets, in the sent dtype, and nowhere else:
     // against a group of one, where they stay on the parameters in bfloat16, that is the
-    // difference of the two dtypes' sizes (no second, wider copy to send).
+    // difference of the two dtypes' sizes (no second, wider copy to send), and the ranks'
+    // counts summed where the buckets are, with the weight they give (two float64 scalars,
+    // kept until finalize reads them).
     const auto in_buckets = numbers[0].item<std::int64_t>();
     const auto on_parameters = alone.back()[0].item<std::int64_t>();
-    EXPECT_EQ(in_buckets - on_parameters, numel * (sent - 2))
+    const std::int64_t agreement = 2 * static_cast<std::int64_t>(sizeof(double));
+    EXPECT_EQ(in_buckets - on_parameters, numel * (sent - 2) + agreement)
         << in_buckets << " B in buckets, " << on_parameters << " B on the parameters";
   }
 }

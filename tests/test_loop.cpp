@@ -6,7 +6,9 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
+#include "compat.h"
 #include "frugal/loop/loop.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/policy/grad_scaler.h"
@@ -334,4 +336,44 @@ TEST(Loop, MistakesAreNamed) {
 }
 
 }  // namespace loop
+}  // namespace
+
+namespace {
+
+TEST(CudaLoop, BackwardsLaunchWithoutAHostReadAndTheStepReadsTheirLossesOnce) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+#ifndef FRUGAL_WITH_CUDA
+  GTEST_SKIP() << "this LibTorch has no CUDA";
+#else
+  torch::manual_seed(3);
+  auto net = torch::nn::Linear(8, 1);
+  net->to(torch::kCUDA);
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  frugal::Loop loop(frugal::LoopOptions().device(torch::kCUDA));
+  auto& model = loop.prepare(net, adam, "net");
+  const auto x = torch::randn({2, 16, 8}, torch::kCUDA);
+  std::vector<torch::Tensor> losses;
+  {
+    // Any read back from the device throws: the losses wait on the GPU until the step.
+    frugal::compat::CudaHostReadsForbidden forbidden;
+    for (int i = 0; i < 2; ++i) {
+      const auto loss = net->forward(x[i]).pow(2).mean();
+      losses.push_back(loss.detach());
+      loop.backward(loss, model);
+    }
+  }
+  const double expected = losses[0].item<double>() + losses[1].item<double>();
+  EXPECT_TRUE(loop.step(model));
+  const auto report = loop.end();
+  EXPECT_NEAR(report.models.at(0).loss, expected, 1e-6 * (1 + std::abs(expected)));
+  // A NaN loss launched the same way is found at the step, which is skipped.
+  {
+    frugal::compat::CudaHostReadsForbidden forbidden;
+    loop.backward(net->forward(x[0]).mean() * std::nan(""), model);
+  }
+  EXPECT_FALSE(loop.step(model));
+  EXPECT_TRUE(std::isnan(loop.end().models.at(0).loss));
+#endif
+}
+
 }  // namespace

@@ -46,7 +46,7 @@ torch::Tensor in_stats_type(const torch::Tensor& t) {
 
 struct Statistics {
   torch::Tensor mean, var;  // biased variance, as the normalization uses
-  double count = 0;         // values per channel over every rank
+  torch::Tensor count;      // values per channel over every rank (0-d, on the input's device)
 };
 
 // The whole batch's per-channel mean and variance: two passes, each one all-reduce.
@@ -60,10 +60,14 @@ Statistics global_statistics(const torch::Tensor& input, Group& group) {
   sums[channels].fill_(static_cast<double>(x.numel() / channels));
   group.all_reduce(sums).wait();
   Statistics s;
-  s.count = sums[channels].item<double>();
-  FRUGAL_CHECK(s.count > 1, "frugal: SyncBatchNorm needs more than 1 value per channel over the ",
-               group.size(), " ranks when training, got ", s.count, " (input size ", input.sizes(),
-               " on rank ", group.rank(), ")");
+  s.count = sums[channels];  // stays where it is: no host read a layer on a GPU
+  if (x.numel() / channels <= 1) {
+    // Only a rank with at most 1 value a channel can see a global count of 1 or less.
+    const double count = s.count.item<double>();
+    FRUGAL_CHECK(count > 1, "frugal: SyncBatchNorm needs more than 1 value per channel over the ",
+                 group.size(), " ranks when training, got ", count, " (input size ", input.sizes(),
+                 " on rank ", group.rank(), ")");
+  }
   s.mean = (sums.narrow(0, 0, channels) / s.count).to(x.scalar_type());
   auto squares = (x - per_channel(s.mean, x)).pow(2).sum(dims).to(torch::kDouble);
   group.all_reduce(squares).wait();
@@ -82,8 +86,8 @@ torch::Tensor undefined_if_empty(const torch::Tensor& t) {
 struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight_in, const torch::Tensor& bias_in,
-                               const torch::Tensor& mean, const torch::Tensor& invstd, double count,
-                               const std::shared_ptr<Group>& group) {
+                               const torch::Tensor& mean, const torch::Tensor& invstd,
+                               const torch::Tensor& count, const std::shared_ptr<Group>& group) {
     const auto weight = undefined_if_empty(weight_in);
     const auto bias = undefined_if_empty(bias_in);
     const auto x = in_stats_type(input);
@@ -93,8 +97,7 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
       shift = shift + bias.to(shift.scalar_type());
     }
     auto out = torch::addcmul(per_channel(shift, x), x, per_channel(scale, x));
-    ctx->save_for_backward({input, weight_in, mean, invstd});
-    ctx->saved_data["count"] = count;
+    ctx->save_for_backward({input, weight_in, mean, invstd, count});
     ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupCapsule>(group));
     return out.to(input.scalar_type());
   }
@@ -105,7 +108,7 @@ struct SyncBatchNormFunction : torch::autograd::Function<SyncBatchNormFunction> 
     const auto weight = undefined_if_empty(saved[1]);
     const auto& mean = saved[2];
     const auto& invstd = saved[3];
-    const auto count = ctx->saved_data["count"].toDouble();
+    const auto& count = saved[4];
     auto capsule = ctx->saved_data["group"].toCapsule();
     auto& group = *static_cast<GroupCapsule*>(capsule.get())->group;
     const auto x = in_stats_type(input);

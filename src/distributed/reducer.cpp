@@ -114,7 +114,10 @@ void BucketReducer::reset() {
   next_ = 0;
   finished_ = 0;
   flags_.zero_();
+  agreed_ = false;
   weight_ = 0;
+  weight_on_device_ = torch::Tensor();
+  agreement_ = torch::Tensor();
   flats_.clear();
   works_.clear();
 }
@@ -172,18 +175,29 @@ void BucketReducer::launch_ready(const ReduceShare& share) {
 }
 
 void BucketReducer::launch(std::size_t bucket, const ReduceShare& share) {
-  if (weight_ == 0) {
+  if (!agreed_) {
     // The first bucket of the step: the ranks agree on the global count first, and whether
     // some rank's loss was not finite (a rank that skipped its backward for it sends its
     // buckets from finalize, so every rank learns it before any update).
-    const auto sums =
-        group_->sums({static_cast<double>(share.count), share.non_finite ? 1.0 : 0.0});
-    global_count_ = static_cast<std::int64_t>(sums[0]);
-    FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(), " ranks is ",
-                 global_count_);
-    weight_ = static_cast<double>(share.count) / static_cast<double>(global_count_);
-    if (keeper_ != nullptr) {
+    agreed_ = true;
+    if (agrees_in_backward()) {
+      // A keeper must know now whether this step's gradients will be used: the host waits.
+      const auto sums =
+          group_->sums({static_cast<double>(share.count), share.non_finite ? 1.0 : 0.0});
+      global_count_ = static_cast<std::int64_t>(sums[0]);
+      FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(),
+                   " ranks is ", global_count_);
+      weight_ = static_cast<double>(share.count) / static_cast<double>(global_count_);
       keeper_->begin_gradients(sums[1] == 0);
+    } else {
+      // The count is summed where the gradients are, and the buckets are weighted there: the
+      // device waits for the sum, the host does not (it reads the count in finalize, after
+      // the flags). Filled, not copied from the host: a copy would wait.
+      const auto options = torch::TensorOptions(torch::kDouble).device(group_->device());
+      agreement_ = torch::empty({1}, options).fill_(static_cast<double>(share.count));
+      group_->all_reduce(agreement_).wait();
+      weight_on_device_ =
+          torch::empty({}, options).fill_(static_cast<double>(share.count)) / agreement_[0];
     }
   }
   torch::NoGradGuard no_grad;
@@ -207,7 +221,11 @@ void BucketReducer::launch(std::size_t bucket, const ReduceShare& share) {
     }
     offset += n;
   }
-  flat.mul_(weight_);
+  if (weight_on_device_.defined()) {
+    flat.mul_(weight_on_device_);
+  } else {
+    flat.mul_(weight_);
+  }
   works_.push_back(group_->all_reduce(flat));
   flats_.push_back(std::move(flat));
   // Under stage 2, buckets that have arrived shrink to this rank's part while backward goes on.
@@ -261,6 +279,13 @@ ReduceResult BucketReducer::finalize(const ReduceShare& share) {
   auto summed = flags_.to(group_->device());
   group_->all_reduce(summed).wait();
   flags_cpu_ = summed.to(torch::kCPU);
+  if (agreement_.defined()) {  // summed on the device: read now, after the flags
+    global_count_ = static_cast<std::int64_t>(agreement_.item<double>());
+    agreement_ = torch::Tensor();  // every bucket has left: the weight is not needed again
+    weight_on_device_ = torch::Tensor();
+    FRUGAL_CHECK(global_count_ > 0, "frugal: the global count over ", group_->size(), " ranks is ",
+                 global_count_);
+  }
   const ReduceResult result{global_count_, flags_cpu_.data_ptr<float>()[params_.size()] > 0};
   while (finished_ < buckets_.size()) {
     finish(finished_);

@@ -35,11 +35,12 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
                model.name(), "' needs a scalar loss");
   FRUGAL_CHECK(loss.requires_grad(), "frugal: Loop::backward_step of '", model.name(),
                "': the loss does not require grad (was the forward run under no_grad?)");
-  const double value = loss.detach().item<double>();
-  const bool poisoned = !std::isfinite(value) || parts.non_finite;
-  if (poisoned && options_.skip_non_finite()) {
+  // Whether to skip is known before the backward that updates: the one host read of the step
+  // (none where non-finite losses are not skipped).
+  if (options_.skip_non_finite() &&
+      (parts.read_non_finite() || !std::isfinite(loss.detach().item<double>()))) {
     // Nothing is updated: the step is skipped as step() skips it.
-    backward_read(loss, value, model, /*retain_graph=*/false);
+    backward_logged(loss, loss, 1.0, model, /*retain_graph=*/false);
     return step(model);
   }
   parts.ready->clear();
@@ -47,7 +48,7 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
   try {
     {
       detail::ArmedScope arm(parts.ready.get(), nullptr, 1.0);
-      backward_read(loss, value, model, /*retain_graph=*/false);
+      backward_logged(loss, loss, 1.0, model, /*retain_graph=*/false);
     }
     // Parameters whose gradient came only from earlier backwards are stepped now.
     for (const auto& p : parts.trainable) {
@@ -65,6 +66,7 @@ bool Loop::backward_step(const torch::Tensor& loss, LoopModel& model) {
     parts.window.zero();
     parts.pending = false;
     parts.non_finite = false;
+    parts.losses.step.clear();
     throw detail::partial_step_error(
         model.module(), fmt::format("the optimizer step in backward of '{}'", model.name()),
         changed, error,

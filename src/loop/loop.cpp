@@ -109,7 +109,7 @@ void Loop::check_own(const LoopModel& model, const char* verb) const {
 void Loop::backward(const torch::Tensor& loss, LoopModel& model, bool retain_graph) {
   check_own(model, "backward");
   check_loss(loss, model);
-  backward_read(loss, loss.detach().item<double>(), model, retain_graph);
+  backward_logged(loss, loss, 1.0, model, retain_graph);
 }
 
 void Loop::settle(LoopModel& model) {
@@ -135,8 +135,8 @@ void Loop::check_loss(const torch::Tensor& loss, const LoopModel& model) {
                "': the loss does not require grad (was the forward run under no_grad?)");
 }
 
-void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& model,
-                         bool retain_graph, std::vector<torch::Tensor>* aside) {
+void Loop::backward_logged(const torch::Tensor& loss, const torch::Tensor& logged, double factor,
+                           LoopModel& model, bool retain_graph, std::vector<torch::Tensor>* aside) {
   auto& parts = *model.parts_;
   auto root = loss.reshape({});
   const auto& scaler = options_.scaler();
@@ -146,8 +146,13 @@ void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& mod
   }
   settle(model);
   const bool sync = parts.reducer && parts.quiet == 0;
-  parts.non_finite = parts.non_finite || !std::isfinite(value);
+  parts.losses.step.add(logged, factor);
+  parts.losses.iteration.add(logged, factor);
   if (sync) {
+    if (parts.reducer->agrees_in_backward()) {
+      // The ranks agree on a non-finite loss as this backward's first bucket leaves.
+      parts.read_non_finite();
+    }
     parts.sync->clear();
     parts.open = true;
   }
@@ -157,7 +162,6 @@ void Loop::backward_read(const torch::Tensor& loss, double value, LoopModel& mod
     torch::autograd::backward({root}, {}, retain_graph, /*create_graph=*/false, parts.trainable);
   }
   parts.pending = true;
-  parts.iteration.loss += value;
   ++parts.iteration.backwards;
 }
 
@@ -174,6 +178,7 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
     aside = parts.window.take();
   }
   const auto before = parts.iteration;
+  const auto losses_before = parts.losses;
   const bool pending = parts.pending;
   const bool non_finite = parts.non_finite;
   while (true) {
@@ -184,7 +189,7 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
       const auto split = plan.split(batch, size);
       parts.batch_statistics.check(model.module(), static_cast<std::int64_t>(split.micros.size()),
                                    split.micros.front().size());
-      double logged = 0;
+      detail::LossTally logged;  // read once, when every backward is launched
       for (std::size_t i = 0; i < split.micros.size(); ++i) {
         const auto loss = [&] {
           const PhaseScope forward(MemoryPhase::Forward);
@@ -195,9 +200,8 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
         const double share = parts.window.share(split.counts[i]);
         const double weight = parts.window.weight(share, split.total);
         // The batch's loss per count in every reduction, as the Trainer reports it.
-        const double value =
-            loss.detach().item<double>() * share / static_cast<double>(split.total);
-        logged += value;
+        const double factor = share / static_cast<double>(split.total);
+        logged.add(loss, factor);
         // Only the last micro-batch's backward reduces, the earlier gradients added to it.
         c10::optional<NoSync> quiet;
         if (i + 1 < split.micros.size()) {
@@ -205,14 +209,14 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
         }
         const auto weighted = loss * weight;
         check_loss(weighted, model);
-        backward_read(weighted, value, model, false, &aside);
+        backward_logged(weighted, loss, factor, model, false, &aside);
       }
       if (options_.oom_recovery()) {
         parts.window.put_back(std::move(aside), /*add=*/true);
       }
       // One loss of the batch in the report, not one per micro-batch.
       parts.iteration.backwards -= static_cast<std::int64_t>(split.micros.size()) - 1;
-      return logged;
+      return logged.value();
     } catch (const c10::OutOfMemoryError& error) {
       if (!options_.oom_recovery() || parts.open) {
         throw;  // without recovery, or gradients began to travel: not run again
@@ -222,6 +226,7 @@ double Loop::accumulate(const Batch& batch, LoopModel& model, const MicroLossFn&
       parts.window.zero();
       const auto retries = parts.iteration.oom_retries;
       parts.iteration = before;
+      parts.losses = losses_before;
       parts.iteration.oom_retries = retries + 1;
       parts.pending = pending;
       parts.non_finite = non_finite;
@@ -254,8 +259,9 @@ bool Loop::step(LoopModel& model) {
   const bool scaling = scaler && scaler->is_enabled();
   // What no backward reduced yet travels now; without a scaler the processes agree on the
   // skip, and with one an inf on one process reaches every process's scaler.
-  const bool non_finite =
-      parts.reducer ? parts.reducer->finalize({1, parts.non_finite}).non_finite : parts.non_finite;
+  const bool non_finite = parts.reducer
+                              ? parts.reducer->finalize({1, parts.read_non_finite()}).non_finite
+                              : parts.read_non_finite();
   parts.open = false;
   bool go = false;
   {
@@ -292,6 +298,7 @@ void Loop::finish_step(LoopModel& model, bool stepped) {
   parts.window.zero();
   parts.pending = false;
   parts.non_finite = false;
+  parts.losses.step.clear();
   parts.iteration.stepped = stepped;
   parts.iteration.skipped = !stepped;
   if (parts.reducer) {
@@ -360,6 +367,8 @@ LoopReport Loop::end() {
   for (auto& m : models_) {
     auto& it = m->parts_->iteration;
     it.steps = m->steps_;
+    it.loss = m->parts_->losses.iteration.value();
+    m->parts_->losses.iteration.clear();
     report.models.push_back(it);
     it = LoopModelReport{m->name()};
     if (options_.ledger()) {

@@ -1,6 +1,7 @@
 // What frugal::Loop keeps of each model, shared by the Loop's sources.
 #pragma once
 
+#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include "../engine/compatibility.h"
 #include "../engine/grad_ready.h"
 #include "../engine/gradient_window.h"
+#include "../engine/loss_tally.h"
 #include "../memory/module_tensors.h"
 #include "frugal/error.h"
 #include "frugal/loop/loop.h"
@@ -56,7 +58,18 @@ struct LoopModel::Parts {
   detail::BatchStatisticsCheck batch_statistics;
   bool whole_batch;
   bool pending = false;     // a backward reached it since its last step
-  bool non_finite = false;  // a loss of those was NaN or infinite
+  bool non_finite = false;  // a loss of those was NaN or infinite (as read so far)
+  // The losses backpropagated since the last step (whether one was NaN or infinite) and in
+  // this iteration (its report), read on the host when a decision or the report needs them.
+  struct Losses {
+    detail::LossTally step;
+    detail::LossTally iteration;
+  } losses;
+  // Whether a loss since the last step was NaN or infinite: reads the device's losses.
+  bool read_non_finite() {
+    non_finite = non_finite || !std::isfinite(losses.step.value());
+    return non_finite;
+  }
   LoopModelReport iteration;
   // Loop::backward_step's: the optimizer as one that updates a parameter at a time and the
   // hooks that update each parameter as its gradient is ready, both set at the first call

@@ -65,7 +65,7 @@ void OptimizerPhase::run(StepContext& ctx, std::int64_t window_count, bool ends_
   policies_.run(&Policy::after_optimizer_step, ctx);
   state_.window.zero();
   policies_.run(&Policy::after_zero_grad, ctx);
-  ctx.report.time.optimizer_ms = lap(state_.mark, state_.options.device());
+  state_.timer.lap(&ctx.report.time.optimizer_ms);
 }
 
 void OptimizerPhase::failed(StepContext& ctx, const std::vector<torch::Tensor>& changed,

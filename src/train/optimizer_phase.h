@@ -25,7 +25,7 @@ class OptimizerPhase {
 
   /// Divides the window's gradients by `window_count`, steps (or skips a non-finite step),
   /// counts the step (and the batch, `ends_batch`), and zeroes the gradients. The phase's
-  /// time runs from `state.mark` into `ctx.report`.
+  /// time runs from the state's last phase boundary into `ctx.report`.
   void run(StepContext& ctx, std::int64_t window_count, bool ends_batch);
 
  private:

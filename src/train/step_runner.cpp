@@ -14,25 +14,6 @@ namespace frugal::detail {
 
 // The batch's logged loss: one read for one micro-batch, as a plain loop does; for several,
 // summed on the device and read once.
-class StepRunner::LossLog {
- public:
-  explicit LossLog(bool single) : single_(single) {}
-  void add(const torch::Tensor& loss, double share) {
-    if (single_) {
-      value_ = loss.item<double>() * share;
-      return;
-    }
-    const auto detached = loss.detach().to(torch::kDouble) * share;
-    sum_ = sum_.defined() ? sum_ + detached : detached;
-  }
-  double value() const { return sum_.defined() ? sum_.item<double>() : value_; }
-
- private:
-  bool single_;
-  double value_ = 0;
-  torch::Tensor sum_;
-};
-
 namespace {
 
 torch::Tensor checked_loss(torch::Tensor loss) {
@@ -77,7 +58,7 @@ void StepRunner::run(StepContext& ctx, bool isolate) {
     }
   };
   for (bool first = true;; first = false) {
-    state_.mark = Clock::now();  // data time runs on into the first micro-batch's
+    state_.timer.lap(nullptr, false);  // data time runs on into the first micro-batch's
     if (!first) {
       state_.plan.split_into(ctx.batch, state_.counters.micro_batch,
                              split);  // the size a policy chose
@@ -142,12 +123,12 @@ void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>*
   const bool completes_step = ctx.trial || window.completes_with_next();
   ctx.window_count = ctx.trial ? split.total : window.count() + split.total;
   const double ready_scale = ctx.trial ? 1.0 : window.scale(ctx.window_count);
-  LossLog log(split.micros.size() == 1);
-  auto& t = state_.mark;  // one clock read between phases
+  detail::LossTally log;  // read once, after the backwards are launched
+  auto& timer = state_.timer;
   for (std::size_t i = 0; i < split.micros.size(); ++i) {
     ctx.micro = split.micros[i].to(state_.options.device());
     ctx.micro_index = static_cast<std::int64_t>(i);
-    report.time.data_ms += lap(t);
+    timer.lap(&report.time.data_ms, /*device_work=*/false);
 
     {
       ScopedPeak forward_peak(state_.probe);
@@ -158,17 +139,17 @@ void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>*
       }  // AfterForward hooks see ctx.loss
       report.forward_peak = std::max(report.forward_peak, forward_peak.end());
     }
-    report.time.forward_ms += lap(t, state_.options.device());
+    timer.lap(&report.time.forward_ms);
 
     const bool last = i + 1 == split.micros.size();
     if (completes_step && last && skips_last_backward(ctx, log)) {
       ctx.loss = torch::Tensor();
       ctx.micro = Batch();
-      report.time.backward_ms += lap(t, state_.options.device());
+      timer.lap(&report.time.backward_ms);
       break;
     }
     backward(ctx, completes_step && last, aside, ready_scale);
-    report.time.backward_ms += lap(t, state_.options.device());
+    timer.lap(&report.time.backward_ms);
   }
   report.loss = log.value() / static_cast<double>(split.total);
   if (!ctx.trial && !std::isfinite(report.loss)) {
@@ -177,7 +158,7 @@ void StepRunner::run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>*
 }
 
 torch::Tensor StepRunner::weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
-                                LossLog& log) const {
+                                detail::LossTally& log) const {
   // The weight makes the sum over micro-batches the gradient of the batch's loss (its mean,
   // or its sum: LossReduction); within an accumulation window, the division by the window's
   // count waits for its end (GradientWindow). A micro-batch that counts nothing (all padding)
@@ -192,7 +173,7 @@ torch::Tensor StepRunner::weigh(torch::Tensor loss, std::int64_t count, std::int
   return weight == 1.0 ? loss : loss * weight;
 }
 
-bool StepRunner::skips_last_backward(const StepContext& ctx, const LossLog& log) {
+bool StepRunner::skips_last_backward(const StepContext& ctx, detail::LossTally& log) {
   // A policy that updates parameters during backward leaves no later check to stop a NaN
   // or inf from reaching them: a non-finite window skips its last backward, and the
   // optimizer phase skips the step.

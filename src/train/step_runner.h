@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../engine/loss_tally.h"
 #include "policy_set.h"
 #include "step_state.h"
 
@@ -25,12 +26,11 @@ class StepRunner {
   void run(StepContext& ctx, bool isolate);
 
  private:
-  class LossLog;
   void run_micro_batches(StepContext& ctx, std::vector<torch::Tensor>* aside);
   torch::Tensor loss_of(const Batch& micro);
   torch::Tensor weigh(torch::Tensor loss, std::int64_t count, std::int64_t total,
-                      LossLog& log) const;
-  bool skips_last_backward(const StepContext& ctx, const LossLog& log);
+                      detail::LossTally& log) const;
+  bool skips_last_backward(const StepContext& ctx, detail::LossTally& log);
   void backward(StepContext& ctx, bool completes_step, std::vector<torch::Tensor>* aside,
                 double ready_scale);
 

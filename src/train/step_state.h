@@ -6,14 +6,14 @@
 #include <string>
 #include <vector>
 
-#include "../engine/clock.h"
+#include "../engine/batch_statistics.h"
 #include "../engine/grad_ready.h"
 #include "../engine/gradient_window.h"
 #include "../engine/micro_batch_plan.h"
 #include "../engine/non_finite_guard.h"
+#include "../engine/phase_timer.h"
 #include "../engine/step_halt.h"
 #include "../memory/module_tensors.h"
-#include "../engine/batch_statistics.h"
 #include "frugal/error.h"
 #include "frugal/memory/probe.h"
 #include "frugal/optim/sharded.h"
@@ -29,6 +29,12 @@ struct StepState {
             Trainer::BatchForwardFn forward, Trainer::OutputLossFn loss,
             Trainer::BatchLossFn batch_loss, TrainerOptions options);
 
+  /// Starts timing a step (or a flush) as the options' DeviceTiming says.
+  void begin_timing() {
+    const auto timing = options.device_timing();
+    timer.begin(options.device(), timing == DeviceTiming::Events,
+                timing == DeviceTiming::Synchronize);
+  }
   /// Drops the window's gradients and forgets which were delivered in backward.
   void drop_window();
   /// The error for a step that changed the parameters `changed` (by `where`) before failing
@@ -55,7 +61,7 @@ struct StepState {
   BatchStatisticsCheck batch_statistics;
   TrainerCounters counters;
   std::map<std::string, double> metrics;  // the attempt in flight's, summed
-  Clock::time_point mark;                 // the attempt's last boundary between phases
+  PhaseTimer timer;                       // the step's phase boundaries
   StepContext* backward_ctx = nullptr;    // the step whose backward is running
 };
 

@@ -12,9 +12,6 @@
 
 namespace frugal {
 
-using detail::Clock;
-using detail::ms_since;
-
 Trainer::Trainer(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
                  ForwardFn forward, LossFn loss, TrainerOptions options)
     : Trainer(std::move(module), optimizer,
@@ -134,7 +131,7 @@ void Trainer::unscale_gradients() {
 
 StepReport Trainer::step(const Batch& batch) {
   auto& s = impl_->state;
-  const auto start = Clock::now();
+  s.begin_timing();
   StepReport report = impl_->open_report(batch);
   // A bad count fails here, before anything is computed.
   s.plan.split_into(batch, s.counters.micro_batch, s.split);
@@ -171,7 +168,7 @@ StepReport Trainer::step(const Batch& batch) {
   }
   report.batch = s.counters.batches;
   report.peak = step_peak.end();
-  report.time.total_ms = ms_since(start, s.options.device());
+  report.time.total_ms = s.timer.finish();
   impl_->finish_report(report);
   impl_->policies.run(&Policy::on_step_end, ctx);
   for (auto& sink : impl_->sinks) {
@@ -182,7 +179,7 @@ StepReport Trainer::step(const Batch& batch) {
 
 StepReport Trainer::trial(const Batch& batch) {
   auto& s = impl_->state;
-  const auto start = Clock::now();
+  s.begin_timing();
   StepReport report = impl_->open_report(batch);
   auto aside = s.window.take();
   {
@@ -203,7 +200,7 @@ StepReport Trainer::trial(const Batch& batch) {
     report.peak = peak.end();
   }
   s.window.put_back(std::move(aside), /*add=*/false);
-  report.time.total_ms = ms_since(start, s.options.device());
+  report.time.total_ms = s.timer.finish();
   report.step = s.counters.steps;
   report.memory = s.probe.snapshot();
   return report;
@@ -218,8 +215,9 @@ bool Trainer::flush() {
   StepReport report;
   Batch none;
   StepContext ctx(*this, none, report);
-  s.mark = Clock::now();
+  s.begin_timing();
   impl_->phase.run(ctx, s.window.count(), /*ends_batch=*/false);
+  s.timer.finish();
   return true;
 }
 

@@ -28,8 +28,10 @@ struct ReducerOptions {
 /// over the sum of all ranks' counts. Gradients are packed into buckets in reverse parameter
 /// order (backward produces the last layers' first); a bucket is sent as soon as all its
 /// gradients were added, in the same order on every rank whatever order they came in. The
-/// first bucket of a step carries the agreement on the global count and on a non-finite loss,
-/// and finalize returns it.
+/// first bucket of a step waits for the ranks' counts summed (on the device: the host does
+/// not wait), which weigh every bucket; finalize agrees on a non-finite loss and returns both.
+/// A keeper (ZeRO stage 2 and 3) must know before its first update whether the step will be
+/// skipped: the first bucket then agrees on both on the host.
 ///
 /// Under a ShardedOptimizer with Trait::KeepsGradients (ZeRO stage 2 and 3) each averaged
 /// bucket leaves only the part this rank owns and is freed; under stage 3 the parameters are
@@ -43,6 +45,7 @@ class BucketReducer : public ModelReducer {
   void add(const torch::Tensor& param, const ReduceShare& share) override;
   ReduceResult finalize(const ReduceShare& share) override;
   bool keeps_gradients() const override { return keeper_ != nullptr; }
+  bool agrees_in_backward() const override { return keeper_ != nullptr; }
 
   /// Stage 3: what a forward needs whole, without the step's communication (a trial step).
   void gather_for_forward();
@@ -71,7 +74,10 @@ class BucketReducer : public ModelReducer {
   std::vector<std::size_t> missing_;  // per bucket: gradients not added yet
   std::size_t next_ = 0;              // the next bucket to send
   std::size_t finished_ = 0;          // buckets back and handed out, in order
-  double weight_ = 0;                 // this rank's count / the global count
+  bool agreed_ = false;               // the step's first bucket has left
+  double weight_ = 0;                 // this rank's count / the global count (a keeper's)
+  torch::Tensor weight_on_device_;    // the same, computed on the device (no keeper)
+  torch::Tensor agreement_;           // the ranks' counts summed on the device (no keeper)
   std::int64_t global_count_ = 0;
   std::vector<torch::Tensor> flats_;
   torch::Tensor flags_;      // per parameter: 1 where this rank had a gradient

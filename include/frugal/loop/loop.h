@@ -255,10 +255,12 @@ class Loop {
   static void check_loss(const torch::Tensor& loss, const LoopModel& model);
   // Completes a reduction a backward began, before another backward into the model.
   static void settle(LoopModel& model);
-  // backward of a checked scalar loss whose value the caller has read already; `aside`:
-  // gradients of earlier backwards held apart (accumulate's), added before a reduction.
-  void backward_read(const torch::Tensor& loss, double value, LoopModel& model, bool retain_graph,
-                     std::vector<torch::Tensor>* aside = nullptr);
+  // backward of a checked scalar loss, `logged` x `factor` added to the model's losses (read
+  // on the host only where a decision needs it before the step); `aside`: gradients of
+  // earlier backwards held apart (accumulate's), added before a reduction.
+  void backward_logged(const torch::Tensor& loss, const torch::Tensor& logged, double factor,
+                       LoopModel& model, bool retain_graph,
+                       std::vector<torch::Tensor>* aside = nullptr);
   // Counts the model's step (or skip), releases its gradients and starts its next step.
   void finish_step(LoopModel& model, bool stepped);
   // Loop::NoSync's: one guard more (+1) or less (-1) over the model's backwards.

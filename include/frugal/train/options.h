@@ -60,6 +60,21 @@ enum class BatchStatistics {
   WholeBatch,
 };
 
+/// How a step's phase times (StepReport::time) are taken on a GPU, where work runs after its
+/// launch has returned. On the CPU each is the clock between the phase boundaries.
+enum class DeviceTiming {
+  /// Events recorded on the device's current stream at each phase boundary and read when the
+  /// step ends: each phase's time on the device, for one host wait a step (LibTorch 2.6 and
+  /// later; Synchronize before).
+  Events,
+  /// The host waits for the device at every phase boundary (two waits a micro-batch and
+  /// more): the host's work is timed with the device's, and the two no longer overlap.
+  Synchronize,
+  /// No waits: the host's time to launch each phase (its work is counted in whichever later
+  /// phase waits for it).
+  Launches,
+};
+
 /// Numbers of one micro-batch's output for the step's report (correct predictions, say):
 /// summed over the batch's micro-batches into StepReport::metrics.
 using MetricsFn =
@@ -123,6 +138,8 @@ struct TrainerOptions {
   /// calls step() (so trainers on several threads see their own, and LeakGuard is not
   /// fooled by another thread), or the whole process. The ledger is always process-wide.
   TORCH_ARG(MemoryScope, memory_scope) = MemoryScope::Thread;
+  /// How the phase times are taken on a GPU (see DeviceTiming).
+  TORCH_ARG(DeviceTiming, device_timing) = DeviceTiming::Events;
 };
 
 }  // namespace frugal

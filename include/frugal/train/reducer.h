@@ -40,6 +40,9 @@ class ModelReducer {
   /// Whether the optimizer keeps only its share of the gradients (ZeRO stage 2 and 3): the
   /// parameters hold none after finalize, and a second reduction in one step is refused.
   virtual bool keeps_gradients() const = 0;
+  /// Whether the processes agree on a non-finite loss during backward, as the first
+  /// gradients leave (so `add`'s share must say it); otherwise in finalize alone.
+  virtual bool agrees_in_backward() const { return true; }
 };
 
 /// Makes the reducer of each model a frugal::Loop prepares (LoopOptions::reducer);
