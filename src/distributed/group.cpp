@@ -379,6 +379,26 @@ Work Group::all_gather_async(std::vector<torch::Tensor>& out, const torch::Tenso
   return in_flight(impl_->pg->allgather(outputs, inputs), "all-gather", impl_->waiting);
 }
 
+Work Group::all_gather_flat_async(torch::Tensor& out, const torch::Tensor& in) {
+  FRUGAL_CHECK(out.is_contiguous() && in.is_contiguous() && out.numel() == size_ * in.numel() &&
+                   out.scalar_type() == in.scalar_type(),
+               "frugal: all_gather_flat needs a contiguous output of ", size_, " x ", in.numel(),
+               " elements of the input's dtype, got ", out.numel(), " (", out.scalar_type(),
+               ") for ", in.scalar_type());
+  if (impl_->pg && impl_->device.is_cuda()) {
+    // All-gather into one tensor: NCCL writes each rank's part in place, where the list
+    // form would gather into a temporary and copy each part out.
+    auto sent_out = impl_->as_sent(out);
+    auto sent_in = impl_->as_sent(in);
+    return in_flight(impl_->pg->_allgather_base(sent_out, sent_in), "all-gather", impl_->waiting);
+  }
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < size_; ++r) {
+    parts.push_back(out.narrow(0, r * in.numel(), in.numel()).view(in.sizes()));
+  }
+  return all_gather_async(parts, in);
+}
+
 void Group::barrier() {
   if (impl_->pg) {
     wait_for(impl_->pg->barrier(), "barrier", impl_->waiting);

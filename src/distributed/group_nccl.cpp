@@ -12,7 +12,14 @@ c10::intrusive_ptr<BackendBase> make_nccl(const c10::intrusive_ptr<c10d::Store>&
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#if FRUGAL_TORCH_AT_LEAST(2, 4)
+  // The group's one device, as init_process_group(device_id=...) binds it: NCCL then makes
+  // its communicator for that device alone, never guessing one from the rank (a barrier
+  // before any collective would).
+  group->setBoundDeviceId(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+#endif
+  return group;
 }
 
 }  // namespace frugal::distributed::detail

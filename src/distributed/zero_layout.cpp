@@ -1,6 +1,7 @@
 #include "zero_layout.h"
 
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
@@ -19,6 +20,10 @@ void drop_bytes(const torch::Tensor& t) {
   auto* storage = t.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
+}
+
+c10::Stream current_stream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
 void take_bytes(const torch::Tensor& t) {
@@ -93,6 +98,7 @@ void ZeroLayout::start_gather(std::size_t u) {
   auto& unit = units[u];
   const std::int64_t n = group->size();
   take_bytes(unit.flat);
+  unit.stream = current_stream(unit.flat.device());
   // This rank's share goes into its own place first (rounded to the flat buffer's dtype,
   // FSDP's param_dtype, if it has another) and is sent from there: no copy of it is made.
   const auto mine = unit.flat.narrow(0, group->rank() * unit.range, unit.range);
@@ -100,9 +106,14 @@ void ZeroLayout::start_gather(std::size_t u) {
   if (n == 1) {
     return;
   }
-  // Straight into the flat buffer, a piece of every rank's share at a time.
+  // Straight into the flat buffer, a piece of every rank's share at a time; where one piece
+  // is the whole share, the buffer is the gather's output as it is.
   const std::int64_t piece = std::max<std::int64_t>(
       1, std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(mine.element_size()))));
+  if (piece == unit.range) {
+    unit.arriving.push_back(group->all_gather_flat_async(unit.flat, mine));
+    return;
+  }
   for (std::int64_t start = 0; start < unit.range; start += piece) {
     const auto length = std::min(piece, unit.range - start);
     std::vector<torch::Tensor> pieces;
@@ -175,6 +186,15 @@ void ZeroLayout::release(std::size_t u) {
     work.wait();  // the backend still writes into the buffer
   }
   unit.arriving.clear();
+  // Freed on the stream that waited for the gathers and whose allocation it was: from
+  // LibTorch 2.8 on, NCCL keeps a buffer alive only until wait(), so a free on another
+  // stream could hand the bytes out while a kernel still reads them.
+  FRUGAL_CHECK(!unit.stream || *unit.stream == current_stream(unit.flat.device()),
+               "frugal: ZeroOptimizer releases a unit on stream ",
+               current_stream(unit.flat.device()), ", not on stream ", *unit.stream,
+               " that gathered it; run the forward and backward on the stream current when "
+               "their units were gathered");
+  unit.stream.reset();
   if (unit.viewed) {
     torch::NoGradGuard no_grad;
     for (const auto i : unit.members) {

@@ -16,15 +16,16 @@ namespace frugal::distributed::detail {
 /// Parameters gathered and released together: stage 3 makes one of each chosen module and
 /// one root unit of the rest; stages 1 and 2 make one unit of everything.
 struct ZeroUnit {
-  std::vector<std::size_t> members;  // positions in ZeroLayout::params
-  std::int64_t total = 0;            // its parameters' elements
-  std::int64_t range = 0;            // each rank's share: ceil(total / N)
-  std::int64_t shard_offset = 0;     // where this rank's share starts in the shard
-  torch::Tensor flat;                // N ranges, padded; stage 3: bytes while whole or arriving
-  std::vector<Work> arriving;        // a prefetch's all-gathers into `flat`, in flight
-  bool viewed = false;               // the parameters view `flat` (the unit is whole)
-  std::size_t awaiting = 0;          // backward: gradients not accumulated yet
-  bool counting = false;             // backward has reached the unit
+  std::vector<std::size_t> members;   // positions in ZeroLayout::params
+  std::int64_t total = 0;             // its parameters' elements
+  std::int64_t range = 0;             // each rank's share: ceil(total / N)
+  std::int64_t shard_offset = 0;      // where this rank's share starts in the shard
+  torch::Tensor flat;                 // N ranges, padded; stage 3: bytes while whole or arriving
+  std::vector<Work> arriving;         // a prefetch's all-gathers into `flat`, in flight
+  c10::optional<c10::Stream> stream;  // the stream current when `flat` took its bytes
+  bool viewed = false;                // the parameters view `flat` (the unit is whole)
+  std::size_t awaiting = 0;           // backward: gradients not accumulated yet
+  bool counting = false;              // backward has reached the unit
 };
 
 struct ZeroLayout {

@@ -93,6 +93,10 @@ class Group {
   void all_gather(std::vector<torch::Tensor>& out, const torch::Tensor& in);
   /// The same, asynchronous: `out` and `in` must live until the Work is waited for.
   Work all_gather_async(std::vector<torch::Tensor>& out, const torch::Tensor& in);
+  /// The same into one contiguous tensor of size() x in.numel() elements, rank r's `in` at
+  /// r x in.numel() (`in` may be that place of `out`: nothing is copied then). NCCL gathers
+  /// straight into `out`; Gloo through views of it.
+  Work all_gather_flat_async(torch::Tensor& out, const torch::Tensor& in);
   /// Returns when every rank has called it.
   void barrier();
   /// The sum of one number over the ranks; waits.
