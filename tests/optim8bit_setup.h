@@ -187,7 +187,9 @@ inline void expect_one_step_is_adams(const fo::QuantizedStateOptions& q, const c
 // after 20 AdamW steps on a 150 x 60 parameter: the weights' largest difference over their
 // largest magnitude, and how the first moment's codes differ.
 struct FusedAgreement {
-  double weights = 0;
+  double weights = 0;  ///< the largest difference of the weights, over the largest weight
+  /// Weights further apart than 1e-5 of the largest weight.
+  std::int64_t weights_differing = 0;
   std::int64_t codes_apart = 0, codes_differing = 0, codes = 0;
 };
 
@@ -233,7 +235,9 @@ inline FusedAgreement cuda_against_fused_cpu(const fo::QuantizedStateOptions& q)
   }
   FusedAgreement out;
   const auto here = cuda[0].detach().cpu();
-  out.weights = ((cpu[0] - here).abs().max() / cpu[0].abs().max()).item<double>();
+  const auto relative = (cpu[0] - here).abs() / cpu[0].abs().max();
+  out.weights = relative.max().item<double>();
+  out.weights_differing = (relative > 1e-5).sum().item<std::int64_t>();
   const auto n = cpu[0].numel();
   const auto apart = (code_per_element(state_of(a, cpu[0]).exp_avg(), q.bits(), n) -
                       code_per_element(state_of(b, cuda[0]).exp_avg().cpu(), q.bits(), n))

@@ -259,7 +259,10 @@ void expect_ranks_match_one_process(int world, const std::vector<std::string>& d
       torch::load(ranked, prefix + "-" + mode + "-" + std::to_string(r) + ".pt");
       ASSERT_EQ(ranked.size(), one.size());
       const std::size_t params = one.size() - 3;
-      const double tolerance = base == "bf16" ? 2e-3 : 1e-5;
+      // On CUDA the ranks' products and sums run in other orders than the CPU reference's
+      // (cuBLAS, NCCL's ring): float32 rounding of a few steps of Adam, whose updates of
+      // about lr = 1e-2 carry relative errors of 1e-6 or so, stays well under 1e-4.
+      const double tolerance = base == "bf16" ? 2e-3 : device.empty() ? 1e-5 : 1e-4;
       for (std::size_t i = 0; i < params; ++i) {
         EXPECT_TRUE(torch::allclose(ranked[i], one[i], tolerance, tolerance))
             << "rank " << r << " parameter " << i << " differs by "
