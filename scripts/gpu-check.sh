@@ -2,12 +2,15 @@
 # The GPU check, for a machine with a GPU and no network: builds frugal's gpu-labelled tests
 # and two examples against the LibTorch of `$PYTHON -c 'import torch'`, runs them on the GPU
 # and says what passed. It fails when CUDA is not available, when a gpu test fails or is
-# skipped (only the NCCL test may skip, where there are fewer than two GPUs), or when an
-# example's run on CUDA fails: a check that tested nothing never passes.
+# skipped (only the NCCL test may skip, where there are fewer than two GPUs), when fewer gpu
+# tests were built than the sources hold, when LibTorch was configured without CUDA, or when
+# an example's run on CUDA fails: a check that tested nothing never passes. It ends by its
+# deadline whatever hangs.
 #   scripts/gpu-check.sh [DEPS_DIR]   (default: .gpu-deps, made by scripts/fetch-gpu-deps.sh)
 # Environment: PYTHON (python3), FRUGAL_GPU_WORK (/tmp/frugal-gpu; the build tree there is
 # reused by a rerun), OUT (where every log and summary.json go; $FRUGAL_GPU_WORK/out when
-# unset), TORCH_CUDA_ARCH_LIST (9.0: Hopper), JOBS (the cores).
+# unset), TORCH_CUDA_ARCH_LIST (9.0: Hopper), JOBS (the cores), FRUGAL_GPU_DEADLINE (seconds
+# for the whole check, 360: each stage gets what is left of it, a test at most 120 s).
 # FRUGAL_GPU_CHECK_CPU_PARTS=1, where CUDA is not available: goes on all the same (the tests
 # then skip, the examples fail) to time the parts a CPU can run; it still exits 3.
 # Exit status: 0 passed; 1 a build, test or example failed; 2 a missing input; 3 no CUDA.
@@ -20,6 +23,7 @@ out=${OUT:-$work/out}
 build=$work/build
 python=${PYTHON:-python3}
 jobs=${JOBS:-$(nproc)}
+deadline_s=${FRUGAL_GPU_DEADLINE:-360}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 mkdir -p "$out" "$build"
 t0=$(date +%s)
@@ -28,6 +32,10 @@ stage_start=$t0
 
 say() { printf 'gpu-check: %s\n' "$*" | tee -a "$out/gpu-check.log"; }
 lap() { local now; now=$(date +%s); seconds[$1]=$((now - stage_start)); stage_start=$now; }
+# Seconds left before the deadline (at least 1: a stage started late fails by its timeout).
+left() { local l=$((t0 + deadline_s - $(date +%s))); echo $((l > 0 ? l : 1)); }
+# Runs a command within what is left of the deadline; status 124 when the deadline ended it.
+bounded() { timeout --kill-after=10 "$(left)" "$@"; }
 
 # summary.json: the outcome, why, each stage's seconds and the tests' and examples' results.
 finish() {
@@ -54,6 +62,9 @@ finish() {
 [ -d "$deps/prefix/usr/include" ] && [ -f "$deps/fashion-mnist/t10k-images-idx3-ubyte.gz" ] ||
   finish "missing input" "no prepared '$deps' (run scripts/fetch-gpu-deps.sh where Debian's registry is reachable)" inputs
 deps=$(cd "$deps" && pwd)
+command -v nvcc > /dev/null ||
+  finish "missing input" "no nvcc on PATH (LibTorch's CMake needs the CUDA toolkit of the wheel's CUDA)" inputs
+say "nvcc: $(nvcc --version | grep -o 'release [0-9.]*' | head -n 1)"
 "$python" - > "$out/torch.json" 2> "$out/torch.log" <<'PY' ||
 import json, torch
 available = torch.cuda.is_available()
@@ -68,26 +79,41 @@ if ! grep -q '"available": true' "$out/torch.json"; then
   [ "${FRUGAL_GPU_CHECK_CPU_PARTS:-0}" = 1 ] || finish "no cuda" "$no_cuda: nothing was tested" probe
   say "$no_cuda; going on to time the CPU's parts (FRUGAL_GPU_CHECK_CPU_PARTS=1)"
   cpu_parts=true
+  deadline_s=${FRUGAL_GPU_DEADLINE:-1800}  # a CPU's few cores build slowly
 fi
 lap probe
 
 multiarch=$(find "$deps/prefix/usr/lib" -maxdepth 1 -type d -name '*-linux-gnu' | head -n 1)
 say "configuring in $build"
-cmake -S "$source_dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+bounded cmake -S "$source_dir" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DFRUGAL_PYTHON="$(command -v "$python")" -DFRUGAL_GPU_CHECK=ON -DFRUGAL_WERROR=OFF \
   -DFRUGAL_BUILD_BENCHMARKS=OFF -DCMAKE_PREFIX_PATH="$deps/prefix/usr;$multiarch" \
   -DZLIB_ROOT="$deps/prefix/usr" > "$out/configure.log" 2>&1 ||
   finish failed "cmake's configure failed (configure.log)" configure
 grep -E '^-- frugal:' "$out/configure.log" | tee -a "$out/gpu-check.log"
+grep -q 'CUDA: ON' "$out/configure.log" ||
+  finish failed "LibTorch was configured without CUDA (configure.log): the CUDA paths would not be built" configure
 lap configure
 
 say "building frugal_gpu_tests, memory_tour and fashion_mnist with $jobs jobs"
-cmake --build "$build" -j "$jobs" --target frugal_gpu_tests memory_tour fashion_mnist \
-  > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; finish failed "the build failed (build.log)" build; }
+bounded cmake --build "$build" -j "$jobs" --target frugal_gpu_tests memory_tour fashion_mnist \
+  > "$out/build.log" 2>&1 || { tail -n 30 "$out/build.log"; finish failed "the build failed or ran past the deadline (build.log)" build; }
 lap build
 
-say "running the gpu tests (ctest -L gpu --timeout 300)"
-ctest --test-dir "$build" -L gpu --timeout 300 --output-on-failure -j 2 > "$out/ctest.log" 2>&1
+# The gpu tests the sources hold (TEST/TEST_F/TEST_P of a Cuda suite) against those built,
+# a parameterised one counted once.
+expected=$(cat "$source_dir"/tests/*.cpp | grep -cE '^TEST(_F|_P)?\(Cuda')
+built=$("$build/tests/frugal_gpu_tests" --gtest_list_tests --gtest_filter='Cuda*' 2> /dev/null |
+  awk '/^[^ ]/ { suite = $1; sub(/^.*\//, "", suite); next }
+       /^  / { name = $1; sub(/\/.*$/, "", name); print suite name }' | sort -u | wc -l)
+say "gpu tests: $expected in the sources, $built built"
+[ "$built" -eq "$expected" ] ||
+  finish failed "$built gpu tests were built, the sources hold $expected (tests/CMakeLists.txt's FRUGAL_GPU_CHECK list)" count
+
+say "running the gpu tests (ctest -L gpu --timeout 120, $(left) s left)"
+# The examples keep 90 s of the deadline.
+timeout --kill-after=10 $(($(left) > 120 ? $(left) - 90 : 30)) \
+  ctest --test-dir "$build" -L gpu --timeout 120 --output-on-failure -j 2 > "$out/ctest.log" 2>&1
 ctest_status=$?
 # Each test's outcome: passed, failed or skipped (a skip only the NCCL test may have).
 "$python" - "$out/ctest.log" > "$out/tests.json" <<'PY'
@@ -116,7 +142,7 @@ examples_ok=true
 run_example() {  # name, command...
   local name=$1; shift
   local s; s=$(date +%s)
-  if "$@" > "$out/$name.log" 2>&1; then
+  if bounded "$@" > "$out/$name.log" 2>&1; then
     printf '"%s": {"status": "passed", "seconds": %d}' "$name" $(($(date +%s) - s))
   else
     examples_ok=false
