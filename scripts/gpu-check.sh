@@ -11,8 +11,9 @@
 # reused by a rerun), OUT (where every log and summary.json go; $FRUGAL_GPU_WORK/out when
 # unset), TORCH_CUDA_ARCH_LIST (9.0: Hopper), JOBS (the cores), FRUGAL_GPU_DEADLINE (seconds
 # for the whole check, 360: each stage gets what is left of it, a test at most 120 s).
-# FRUGAL_GPU_CHECK_CPU_PARTS=1, where CUDA is not available: goes on all the same (the tests
-# then skip, the examples fail) to time the parts a CPU can run; it still exits 3.
+# FRUGAL_GPU_CHECK_CPU_PARTS=1, where CUDA is not available: goes on all the same (the gpu
+# tests then skip, the examples fail) to time the parts a CPU can run, and runs the CPU tests
+# of the gpu build; it exits 3 when they pass, 1 when they fail.
 # Exit status: 0 passed; 1 a build, test or example failed; 2 a missing input; 3 no CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,7 +107,10 @@ expected=$(cat "$source_dir"/tests/*.cpp | grep -cE '^TEST(_F|_P)?\(Cuda')
 built=$("$build/tests/frugal_gpu_tests" --gtest_list_tests --gtest_filter='Cuda*' 2> /dev/null |
   awk '/^[^ ]/ { suite = $1; sub(/^.*\//, "", suite); next }
        /^  / { name = $1; sub(/\/.*$/, "", name); print suite name }' | sort -u | wc -l)
-say "gpu tests: $expected in the sources, $built built"
+# Each instance of a parameterised test is a ctest test of its own: all must have an outcome.
+instances=$("$build/tests/frugal_gpu_tests" --gtest_list_tests --gtest_filter='Cuda*' 2> /dev/null |
+  grep -c '^  ')
+say "gpu tests: $expected in the sources, $built built ($instances with each parameter)"
 [ "$built" -eq "$expected" ] ||
   finish failed "$built gpu tests were built, the sources hold $expected (tests/CMakeLists.txt's FRUGAL_GPU_CHECK list)" count
 
@@ -120,7 +124,8 @@ ctest_status=$?
 import json, re, sys
 results = {"passed": [], "failed": [], "skipped": []}
 for line in open(sys.argv[1], errors="replace"):
-    m = re.search(r"Test\s+#\d+: (\S+) \.+\s*(\*\*\*Skipped|Passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception|Not Run)", line)
+    # A parameterised test's name goes on with "  # GetParam() = ..." before the dots.
+    m = re.search(r"Test\s+#\d+: (\S+).*? \.{2,}\s*(\*\*\*Skipped|Passed|\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception|Not Run)", line)
     if m:
         kind = {"Passed": "passed", "***Skipped": "skipped"}.get(m.group(2), "failed")
         results[kind].append(m.group(1))
@@ -136,6 +141,8 @@ print(len(r["passed"]), len(r["failed"]), len(r["skipped"]),
 PY
 )
 say "gpu tests: $passed passed, $failed failed, $skipped skipped (ctest exit $ctest_status)"
+[ $((passed + failed + skipped)) -eq "$instances" ] ||
+  finish failed "ctest gave $((passed + failed + skipped)) outcomes for $instances gpu tests (ctest.log)" tests
 
 say "examples on CUDA: memory_tour, fashion_mnist under a memory cap"
 examples_ok=true
@@ -177,7 +184,13 @@ if $examples_ok && ! [ -s "$out/fashion_mnist-step2.png" ]; then
   say "fashion_mnist: the CUDA memory timeline of step 2 was not written (fashion_mnist.log)"
 fi
 
-[ -z "${cpu_parts:-}" ] || finish "no cuda" "$no_cuda: the CPU's parts were timed, nothing was tested"
+if [ -n "${cpu_parts:-}" ]; then
+  # The CPU tests of the gpu build's test files, against this LibTorch.
+  bounded "$build/tests/frugal_gpu_tests" --gtest_filter='-Cuda*' > "$out/cpu-tests.log" 2>&1 ||
+    finish failed "the CPU tests of frugal_gpu_tests failed (cpu-tests.log)" cpu_tests
+  say "CPU tests of the gpu build: $(grep -o '\[  PASSED  \] [0-9]* tests' "$out/cpu-tests.log")"
+  finish "no cuda" "$no_cuda: the CPU's parts were timed and their CPU tests passed, nothing was tested on a GPU" cpu_tests
+fi
 [ "$failed" -eq 0 ] && [ "$ctest_status" -eq 0 ] || finish failed "$failed gpu test(s) failed (ctest.log)"
 [ "$passed" -gt 0 ] || finish failed "no gpu test ran (ctest.log)"
 [ "$bad_skips" = "-" ] || finish failed "gpu tests were skipped on a GPU: $bad_skips (ctest.log)"
