@@ -14,14 +14,25 @@ class LossTally {
  public:
   /// `defer_cpu`: CPU losses are summed as tensors too (the device's way, for its tests).
   explicit LossTally(bool defer_cpu = false) : defer_cpu_(defer_cpu) {}
-  void add(const at::Tensor& loss, double factor) {
+  /// One loss times its factor, made once where it goes into several tallies.
+  struct Term {
+    double host = 0;
+    at::Tensor device;  ///< defined: the term is on the device, unread
+  };
+  Term term(const at::Tensor& loss, double factor) const {
     if (loss.device().is_cpu() && !defer_cpu_) {
-      host_ += loss.detach().item<double>() * factor;
+      return {loss.detach().item<double>() * factor, at::Tensor()};
+    }
+    return {0, loss.detach().reshape({}).to(at::kDouble) * factor};
+  }
+  void add(const Term& t) {
+    if (!t.device.defined()) {
+      host_ += t.host;
       return;
     }
-    const auto term = loss.detach().reshape({}).to(at::kDouble) * factor;
-    device_ = device_.defined() ? device_ + term : term;
+    device_ = device_.defined() ? device_ + t.device : t.device;
   }
+  void add(const at::Tensor& loss, double factor) { add(term(loss, factor)); }
   /// The sum, read from the device if a device loss was added since the last read.
   double value() {
     if (device_.defined()) {

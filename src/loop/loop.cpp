@@ -146,8 +146,9 @@ void Loop::backward_logged(const torch::Tensor& loss, const torch::Tensor& logge
   }
   settle(model);
   const bool sync = parts.reducer && parts.quiet == 0;
-  parts.losses.step.add(logged, factor);
-  parts.losses.iteration.add(logged, factor);
+  const auto term = parts.losses.step.term(logged, factor);  // one read on the CPU
+  parts.losses.step.add(term);
+  parts.losses.iteration.add(term);
   if (sync) {
     if (parts.reducer->agrees_in_backward()) {
       // The ranks agree on a non-finite loss as this backward's first bucket leaves.
