@@ -58,11 +58,12 @@ struct Peers {
   std::vector<std::int64_t> pids, hosts;  // by rank; hosts as hashes of their names
 
   // "rank 1 (process 4242 on this host) has exited; ", or "" where none is known to be gone.
-  // A peer's socket closes a moment before its process is gone: looked for during half a
-  // second (on the error's path only).
+  // A peer's socket closes a moment before its process is gone, and a process may take a
+  // while to end (a sanitizer's leak check at exit, a loaded machine): looked for during two
+  // seconds (on the error's path only).
   std::string gone() const {
     std::string out;
-    for (int tries = 0; tries < 10 && out.empty(); ++tries) {
+    for (int tries = 0; tries < 40 && out.empty(); ++tries) {
       if (tries > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       }
