@@ -299,14 +299,7 @@ TEST(CudaOptim4bit, TheTensorOpsStepOnCudaAgreesWithTheFusedCpuStep) {
   // Nearest codes: stochastic ones draw their bits from CUDA's generator there, other bits
   // than the CPU's hash.
   const auto agree = cuda_against_fused_cpu(fo::four_bit_states().stochastic_codes(false));
-  // CUDA may contract a multiply and an add into one rounding (FMA) where the CPU rounds
-  // twice: a state's code then flips to its neighbour, which moves its weight by about 1e-4
-  // of the largest over the remaining steps. Such weights are as rare as flipped codes;
-  // the others agree within float32 rounding.
-  EXPECT_LE(agree.weights, 1e-3);
-  EXPECT_LE(agree.weights_differing, agree.codes / 100);
-  EXPECT_LE(agree.codes_apart, 1);
-  EXPECT_LE(agree.codes_differing, agree.codes / 100);
+  expect_cuda_agrees(agree);
 }
 
 }  // namespace
