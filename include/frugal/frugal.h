@@ -19,6 +19,7 @@
 #include "frugal/memory/probe.h"
 #include "frugal/memory/recorder.h"
 #include "frugal/nn/checkpoint.h"
+#include "frugal/nn/int8_weights.h"
 #include "frugal/nn/linear_cross_entropy.h"
 #include "frugal/nn/module_pointer.h"
 #include "frugal/optim/adam.h"

@@ -9,29 +9,20 @@
 
 #include "compat.h"
 #include "frugal/error.h"
+#include "memory/storage_bytes.h"
 
 namespace frugal::distributed::detail {
 namespace {
 
-// A unit's flat buffer gives its bytes back and takes new ones later as the same storage:
-// the views autograd saved in forward (a Linear keeps its weight transposed) then see the
-// bytes gathered again for backward, and hold none in between.
-void drop_bytes(const torch::Tensor& t) {
-  auto* storage = t.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  storage->set_nbytes(0);
-}
+// A unit's flat buffer gives its bytes back and takes new ones later as the same storage
+// (frugal::detail::drop_bytes, take_bytes): the views autograd saved in forward (a Linear
+// keeps its weight transposed) then see the bytes gathered again for backward, and hold
+// none in between.
+using frugal::detail::drop_bytes;
+using frugal::detail::take_bytes;
 
 c10::Stream current_stream(const c10::Device& device) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-}
-
-void take_bytes(const torch::Tensor& t) {
-  const c10::DeviceGuard on(t.device());
-  const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
-  auto* storage = t.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(bytes));
-  storage->set_nbytes(bytes);
 }
 
 }  // namespace

@@ -30,7 +30,8 @@ void adam_update(ParamUpdate& u, const Options& o, bool decoupled) {
   state.step(state.step() + 1);
   const auto step = detail::adam_chunk_step(o, state.step(), decoupled, u.fresh);
   // bfloat16 weights and moments on the CPU: one fused pass (AMSGrad: tensor operations).
-  if (u.param.scalar_type() == torch::kBFloat16 && !o.amsgrad() && detail::fused_cpu(u) &&
+  if (u.param.scalar_type() == torch::kBFloat16 && !o.amsgrad() &&
+      detail::fused_cpu(u, detail::kAdamBf16Block) &&
       state.exp_avg().scalar_type() == torch::kBFloat16 && state.exp_avg().is_contiguous() &&
       state.exp_avg_sq().scalar_type() == torch::kBFloat16 && state.exp_avg_sq().is_contiguous()) {
     const auto bits = [](const torch::Tensor& t) {

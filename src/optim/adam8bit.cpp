@@ -17,6 +17,7 @@
 #include "factored.h"
 #include "frugal/error.h"
 #include "rounding.h"
+#include "weight_codes.h"
 
 namespace frugal::optim {
 namespace detail {
@@ -168,10 +169,11 @@ std::int64_t Adam8bitBase<Options>::pending_state_bytes(const StateFormat& forma
   std::int64_t bytes = 0;
   std::set<std::tuple<c10::DeviceType, c10::DeviceIndex, int>> devices;
   for (auto& group : param_groups()) {
-    for (const auto& p : group.params()) {
-      if (state().count(compat::optimizer_state_key(p)) != 0) {
+    for (const auto& param : group.params()) {
+      if (state().count(compat::optimizer_state_key(param)) != 0) {
         continue;
       }
+      const auto p = detail::update_target(param);
       const auto n = p.numel();
       const auto f = detail::new_state_format<Options>(p, group.options(), format.quantized(), q);
       if (f.quantized) {
@@ -280,7 +282,8 @@ int Adam8bitBase<Options>::scratch_buffers(const torch::Tensor& param, bool flat
   if (format.factored) {
     return detail::factored_buffers(quantized_.stochastic_codes()) + copies;
   }
-  const bool fused = detail::fused_cpu(param, flat, this->in_place_options().rounding());
+  const bool fused =
+      detail::fused_cpu(param, flat, this->in_place_options().rounding(), quantized_.block());
   return fused ? 0 : scratch_buffers(options) + copies;
 }
 
@@ -309,7 +312,7 @@ void Adam8bitBase<Options>::update(ParamUpdate& u) const {
   const bool first_moment = s.exp_avg().defined();  // else beta1 is 0: m is the gradient
   // float32 and bfloat16 on the CPU: the fused loop; elsewhere (CUDA, other dtypes,
   // strided, compensated rounding) tensor ops.
-  const bool fused = b != nullptr && detail::fused_cpu(u);
+  const bool fused = b != nullptr && detail::fused_cpu(u, s.block());
   if (fused) {  // the whole parameter at once: it needs no scratch
     detail::adam8bit_cpu(
         detail::fused_weights(u), first_moment ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,

@@ -12,6 +12,7 @@
 #include "frugal/optim/blockwise.h"
 #include "rounding.h"
 #include "vector_clones.h"
+#include "weight_codes.h"
 
 // The loops are written to vectorize; on x86-64 a second copy is built for AVX2 and chosen
 // at load time. Both round alike: the file is compiled without FMA contraction (and without
@@ -223,7 +224,7 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
   const auto& m_book = nearest_code(true, s.bits);
   const auto& v_book = nearest_code(false, s.bits);
   const bool has_m = s.m_codes != nullptr, factored = s.rows != nullptr;
-  const bool bf16 = w.p16 != nullptr, packed = s.bits == 4;
+  const bool wide = w.widened(), wide_grad = w.g16 != nullptr, packed = s.bits == 4;
   const auto update = factored ? (has_m ? update_block_factored : update_block_factored_no_first)
                                : (has_m ? update_block : update_block_no_first);
   for (std::int64_t b = first; b < last; ++b) {
@@ -253,16 +254,18 @@ void step_blocks(const FusedWeights& w, const Moments& s, std::int64_t n, std::i
     if (factored) {
       factored_moments(s.rows, s.col_hat, s.cols, begin, count, buf.v_new);
     }
-    float* p = bf16 ? buf.p : w.p + begin;
-    const float* g = bf16 ? buf.g : w.g + begin;
-    if (bf16) {
-      from_bfloat16_bits(w.p16 + begin, count, buf.p);
+    float* p = wide ? buf.p : w.p + begin;
+    const float* g = wide_grad ? buf.g : w.g + begin;
+    if (wide) {
+      load_weights(w, begin, count, buf.p);
+    }
+    if (wide_grad) {
       from_bfloat16_bits(w.g16 + begin, count, buf.g);
     }
     update(p, g, m_read, v_read, m_book.values(), v_book.values(), buf.m_new, buf.v_new, count,
            a.fresh || !has_m ? 0.0F : s.m_scales[b], a.fresh || factored ? 0.0F : s.v_scales[b], a);
-    if (bf16) {
-      store_bf16_weights(w, buf.p, begin, count);
+    if (wide) {
+      store_weights(w, buf.p, begin, count);
     }
     if (has_m) {
       encode(buf.m_new, begin, count, m_book, s.bits, a.codes.stochastic, a.codes.m_key, buf.wide,
@@ -307,34 +310,60 @@ void step_all(const FusedWeights& w, const Moments& s, std::int64_t n, std::int6
 
 }  // namespace
 
-bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding) {
+bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding, std::int64_t block) {
   const auto dtype = param.scalar_type();
-  return flat && param.device().is_cpu() &&
-         (dtype == at::kFloat || (dtype == at::kBFloat16 && rounding != Rounding::Compensated));
+  if (!flat || !param.device().is_cpu()) {
+    return false;
+  }
+  if (const auto stored = stored_weights(param)) {
+    return block % stored->group == 0 && rounding != Rounding::Compensated;
+  }
+  return dtype == at::kFloat || (dtype == at::kBFloat16 && rounding != Rounding::Compensated);
 }
 
-bool fused_cpu(const ParamUpdate& u) {
-  return fused_cpu(u.param, u.flat, u.low != nullptr ? u.low->rounding : Rounding::Nearest);
+bool fused_cpu(const ParamUpdate& u, std::int64_t block) {
+  if (u.low != nullptr && u.low->stored != nullptr) {
+    return u.flat && u.param.device().is_cpu() && block % u.low->stored->group == 0;
+  }
+  return fused_cpu(u.param, u.flat, u.low != nullptr ? u.low->rounding : Rounding::Nearest, block);
 }
 
 FusedWeights fused_weights(ParamUpdate& u) {
   FusedWeights w;
-  if (u.param.scalar_type() == at::kFloat) {  // (the gradient's dtype is the parameter's)
-    w.p = u.param.data_ptr<float>();
-    w.g = u.grad.data_ptr<float>();
-    return w;
-  }
-  // bfloat16's bits, as 16-bit integers.
-  w.p16 = reinterpret_cast<std::uint16_t*>(u.param.data_ptr<at::BFloat16>());
-  w.g16 = reinterpret_cast<const std::uint16_t*>(u.grad.data_ptr<at::BFloat16>());
   w.stochastic = u.low != nullptr && u.low->rounding == Rounding::Stochastic;
   w.key = u.low != nullptr ? u.low->key : 0;
+  const bool float_grad = u.grad.scalar_type() == at::kFloat;
+  if (float_grad) {
+    w.g = u.grad.data_ptr<float>();
+  } else {  // bfloat16's bits, as 16-bit integers
+    w.g16 = reinterpret_cast<const std::uint16_t*>(u.grad.data_ptr<at::BFloat16>());
+  }
+  if (u.low != nullptr && u.low->stored != nullptr) {
+    auto& s = *u.low->stored;
+    w.codes = s.codes.data_ptr<std::uint8_t>();
+    w.qparams = reinterpret_cast<std::uint16_t*>(s.qparams.data_ptr<at::BFloat16>());
+    w.group = s.group;
+    s.written = true;
+  } else if (float_grad) {  // (the gradient's dtype is the parameter's)
+    w.p = u.param.data_ptr<float>();
+  } else {
+    w.p16 = reinterpret_cast<std::uint16_t*>(u.param.data_ptr<at::BFloat16>());
+  }
   return w;
 }
 
-void store_bf16_weights(const FusedWeights& w, const float* p, std::int64_t begin,
-                        std::int64_t count) {
-  if (w.stochastic) {
+void load_weights(const FusedWeights& w, std::int64_t begin, std::int64_t count, float* p) {
+  if (w.codes != nullptr) {
+    dequantize_weights_cpu(w.codes, w.qparams, w.group, begin, count, p);
+  } else {
+    from_bfloat16_bits(w.p16 + begin, count, p);
+  }
+}
+
+void store_weights(const FusedWeights& w, const float* p, std::int64_t begin, std::int64_t count) {
+  if (w.codes != nullptr) {
+    quantize_weights_cpu(p, w.group, begin, count, w.stochastic, w.key, w.codes, w.qparams);
+  } else if (w.stochastic) {
     to_bfloat16_bits_stochastic(p, count, w.key, begin, w.p16 + begin);
   } else {
     to_bfloat16_bits(p, count, w.p16 + begin);

@@ -53,6 +53,10 @@ inline AdamScalars adam_scalars(const AdamChunkStep& step, const CodeRounding& c
 /// time and written back as ParamUpdate::store_weights would: rounded stochastically (the
 /// random bits of round_stochastic_cpu under `key`, element k's from its index) or to
 /// nearest, ties to even.
+///
+/// Weights stored in 8 bits (`codes` set, p and p16 null): each group of `group` elements
+/// decoded from its codes, zero point and scale (`qparams`), and encoded again after the
+/// update with fresh statistics, rounded as above; the gradient is `g` or `g16`.
 struct FusedWeights {
   float* p = nullptr;
   const float* g = nullptr;
@@ -60,23 +64,32 @@ struct FusedWeights {
   const std::uint16_t* g16 = nullptr;
   bool stochastic = false;
   std::uint64_t key = 0;
+  std::uint8_t* codes = nullptr;
+  std::uint16_t* qparams = nullptr;
+  std::int64_t group = 0;
+  /// The weights come widened into a buffer (bfloat16 or 8-bit ones).
+  bool widened() const { return p16 != nullptr || codes != nullptr; }
 };
 
-/// Whether the fused loop takes a parameter of this dtype, device and layout (flat:
-/// contiguous) whose low-precision weights round as `rounding` says: float32 ones, and
-/// bfloat16 ones rounded stochastically or to nearest, on the CPU.
-bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding);
+/// Whether the fused loop, taking `block` elements at a time, takes a parameter of this
+/// dtype, device and layout (flat: contiguous) whose low-precision weights round as
+/// `rounding` says: float32 ones, and bfloat16 ones rounded stochastically or to nearest, on
+/// the CPU; and weights stored in 8 bits whose groups divide the block.
+bool fused_cpu(const at::Tensor& param, bool flat, Rounding rounding, std::int64_t block);
 
 /// The same for one update.
-bool fused_cpu(const ParamUpdate& u);
+bool fused_cpu(const ParamUpdate& u, std::int64_t block);
 
 /// The fused loop's view of `u` (fused_cpu must hold for it).
 FusedWeights fused_weights(ParamUpdate& u);
 
-/// Elements [begin, begin + count) of `w`'s bfloat16 weights (`p16`) from their updated
-/// float32 values `p`, rounded as `w` says.
-void store_bf16_weights(const FusedWeights& w, const float* p, std::int64_t begin,
-                        std::int64_t count);
+/// Elements [begin, begin + count) of `w`'s widened weights (bfloat16 or 8-bit) in float32,
+/// into `p`.
+void load_weights(const FusedWeights& w, std::int64_t begin, std::int64_t count, float* p);
+
+/// Elements [begin, begin + count) of `w`'s widened weights (bfloat16 `p16`, or 8-bit codes)
+/// from their updated float32 values `p`, rounded as `w` says.
+void store_weights(const FusedWeights& w, const float* p, std::int64_t begin, std::int64_t count);
 
 /// A parameter of `n` elements (`w`) and moments as codes (`m_codes`, `v_codes`: 8-bit, or
 /// 4-bit two to a byte as quantize_into packs them, as `bits` says) with one scale per block

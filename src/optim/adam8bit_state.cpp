@@ -11,6 +11,7 @@
 #include "factored.h"
 #include "frugal/error.h"
 #include "frugal/optim/adam8bit.h"
+#include "weight_codes.h"
 
 namespace frugal::optim {
 namespace {
@@ -111,8 +112,9 @@ template <typename Options>
 void Adam8bitBase<Options>::adopt_loaded() {
   std::int64_t index = 0;
   for (const auto& group : param_groups()) {
-    for (const auto& p : group.params()) {
-      const auto it = state().find(compat::optimizer_state_key(p));
+    for (const auto& param : group.params()) {
+      const auto it = state().find(compat::optimizer_state_key(param));
+      const auto p = detail::update_target(param);
       ++index;
       if (it == state().end()) {
         continue;

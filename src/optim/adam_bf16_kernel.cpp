@@ -15,7 +15,7 @@
 namespace frugal::optim::detail {
 namespace {
 
-constexpr std::int64_t kBlock = 2048;  // elements widened at a time
+constexpr std::int64_t kBlock = kAdamBf16Block;
 
 FRUGAL_VECTOR_CLONES
 void adam_block(float* __restrict p, const float* __restrict g, float* __restrict m,
@@ -27,7 +27,8 @@ void adam_block(float* __restrict p, const float* __restrict g, float* __restric
     const float grad = g[i] + l2 * p[i];
     const float mi = m[i] * a.beta1 + a.one_minus_beta1 * grad;
     const float vi = v[i] * a.beta2 + a.one_minus_beta2 * grad * grad;
-    p[i] = p[i] * shrink + a.neg_step_size * (mi / (std::sqrt(vi) / a.bias_correction2_sqrt + a.eps));
+    p[i] =
+        p[i] * shrink + a.neg_step_size * (mi / (std::sqrt(vi) / a.bias_correction2_sqrt + a.eps));
     m[i] = mi;
     v[i] = vi;
   }
@@ -47,7 +48,7 @@ void adam_bf16_cpu(const FusedWeights& w, std::uint16_t* m, std::uint16_t* v, st
     float* vf = mf + kBlock;
     for (std::int64_t b = first; b < last; ++b) {
       const std::int64_t begin = b * kBlock, count = std::min(n, begin + kBlock) - begin;
-      from_bfloat16_bits(w.p16 + begin, count, p);
+      load_weights(w, begin, count, p);
       from_bfloat16_bits(w.g16 + begin, count, g);
       if (a.fresh) {  // LibTorch starts the moments from zeros
         std::fill(mf, mf + count, 0.0F);
@@ -59,7 +60,7 @@ void adam_bf16_cpu(const FusedWeights& w, std::uint16_t* m, std::uint16_t* v, st
       adam_block(p, g, mf, vf, count, a);
       to_bfloat16_bits(mf, count, m + begin);
       to_bfloat16_bits(vf, count, v + begin);
-      store_bf16_weights(w, p, begin, count);
+      store_weights(w, p, begin, count);
     }
   });
 }

@@ -9,7 +9,11 @@
 
 namespace frugal::optim::detail {
 
-/// Adam's (or AdamW's) step for `n` bfloat16 weights `w` (FusedWeights::p16 and g16) and
+/// Elements the step widens at a time.
+constexpr std::int64_t kAdamBf16Block = 2048;
+
+/// Adam's (or AdamW's) step for `n` bfloat16 weights `w` (FusedWeights::p16 and g16, or
+/// 8-bit codes and g16) and
 /// their moments `m`, `v` (bfloat16 bits, shaped like the weights): in float32, in
 /// LibTorch's order of operations; the moments are written back rounded to nearest, the
 /// weights as `w` says (stochastically or to nearest). Blocks are shared out among

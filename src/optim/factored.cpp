@@ -116,7 +116,7 @@ void factored_adam_update(ParamUpdate& u, Adam8bitParamState& s, const AdamChunk
   at::div_out(columns, col, row_mean);
 
   const bool has_m = m_book != nullptr;
-  if (fused_cpu(u)) {
+  if (fused_cpu(u, s.block())) {
     // The second pass fused, as Adam8bit's step on the CPU.
     adam8bit_factored_cpu(fused_weights(u), has_m ? s.exp_avg().data_ptr<std::uint8_t>() : nullptr,
                           has_m ? s.exp_avg_scales().data_ptr<float>() : nullptr,

@@ -6,12 +6,14 @@
 
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <tuple>
 
 #include "chunk_size.h"
 #include "compat.h"
 #include "frugal/error.h"
 #include "rounding.h"
+#include "weight_codes.h"
 
 namespace frugal::optim {
 
@@ -40,13 +42,27 @@ bool low_precision(const torch::Tensor& t) {
 }  // namespace
 
 torch::Tensor ParamUpdate::weights(std::int64_t offset, std::int64_t length) {
-  auto p = part(param, offset, length);
   if (low == nullptr) {
-    return p;
+    return part(param, offset, length);
   }
   auto w = low->buffers.at(0).narrow(0, 0, length);
   w = flat ? w : w.view(param.sizes());
-  w.copy_(p);
+  if (low->stored != nullptr) {
+    const auto& s = *low->stored;
+    if (w.device().is_cpu()) {
+      detail::dequantize_weights_cpu(
+          s.codes.data_ptr<std::uint8_t>(),
+          reinterpret_cast<const std::uint16_t*>(s.qparams.data_ptr<at::BFloat16>()), s.group,
+          offset, length, w.data_ptr<float>());
+    } else {
+      detail::dequantize_weights_ops(
+          s.codes.narrow(0, offset, length),
+          s.qparams.narrow(0, offset / s.group, detail::weight_groups(length, s.group)), s.group,
+          w);
+    }
+    return w;
+  }
+  w.copy_(part(param, offset, length));
   if (low->rounding == Rounding::Compensated) {
     w.add_(part(low->compensation, offset, length));
   }
@@ -55,6 +71,21 @@ torch::Tensor ParamUpdate::weights(std::int64_t offset, std::int64_t length) {
 
 void ParamUpdate::store_weights(torch::Tensor& w, std::int64_t offset, std::int64_t length) {
   if (low == nullptr) {
+    return;
+  }
+  if (low->stored != nullptr) {
+    auto& s = *low->stored;
+    const bool stochastic = low->rounding == Rounding::Stochastic;
+    if (w.device().is_cpu()) {
+      detail::quantize_weights_cpu(
+          w.data_ptr<float>(), s.group, offset, length, stochastic, low->key,
+          s.codes.data_ptr<std::uint8_t>(),
+          reinterpret_cast<std::uint16_t*>(s.qparams.data_ptr<at::BFloat16>()));
+    } else {
+      detail::quantize_weights_ops(w, s.group, offset, stochastic, low->key, s.codes, s.qparams,
+                                   low->buffers.at(1), low->buffers.at(2));
+    }
+    s.written = true;
     return;
   }
   auto p = part(param, offset, length);
@@ -72,11 +103,19 @@ void ParamUpdate::store_weights(torch::Tensor& w, std::int64_t offset, std::int6
 
 struct InPlaceOptimizer::Planned {
   Planned(torch::Tensor p, torch::optim::OptimizerParamGroup* g)
-      : param(std::move(p)), group(g), key(compat::optimizer_state_key(param)) {}
+      : param(std::move(p)),
+        group(g),
+        key(compat::optimizer_state_key(param)),
+        stored(detail::stored_weights(param)),
+        target(stored != nullptr ? stored->whole : param) {}
   torch::Tensor param;
   torch::optim::OptimizerParamGroup* group = nullptr;
   compat::OptimizerStateKey key;  // computed once: text formatting on LibTorch 1.13
-  std::uint64_t place = 0;        // among all the groups' parameters, in order
+  // Weights stored in 8 bits: the codes, and `target` the tensor of the parameter's shape
+  // and dtype (without bytes between uses) that the update is given; else the parameter.
+  std::shared_ptr<detail::StoredWeights> stored;
+  torch::Tensor target;
+  std::uint64_t place = 0;  // among all the groups' parameters, in order
   std::unique_ptr<torch::optim::OptimizerParamState> new_state;
   bool has_state = false;
   bool flat = true;
@@ -141,8 +180,8 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
   };
   const torch::optim::OptimizerParamGroup* checked = nullptr;
   for (auto& w : work) {
-    const auto& p = w.param;
-    const auto& g = p.grad();
+    const auto& p = w.target;
+    const auto& g = w.param.grad();
     if (w.group != checked) {  // a group's parameters come together: its rate once a step
       // A learning rate set after construction (a schedule, a user) is checked here too.
       const double lr = w.group->options().get_lr();
@@ -169,7 +208,7 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     auto& size = sizes[kind_of(p, scratch_type(p))];
     size.first = std::max(size.first, w.chunk);
     size.second = std::max(size.second, w.buffers);
-    if (low_precision(p)) {
+    if (low_precision(p) || w.stored != nullptr) {
       plan_low_precision(w);
       // The float32 weights (and random bits off the CPU) follow the update's own buffers
       // where those are float32 too.
@@ -200,10 +239,10 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
     }
   }
   for (auto& w : work) {
-    const auto& p = w.param;
+    const auto& p = w.target;
     const auto found = state.find(w.key);
     ParamUpdate u{p,
-                  p.grad(),
+                  w.param.grad(),
                   w.group->options(),
                   found == state.end() ? nullptr : found->second.get(),
                   !w.has_state,
@@ -229,6 +268,15 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
 void InPlaceOptimizer::plan_low_precision(Planned& w) {
   auto& low = w.low_precision;
   low.rounding = in_place_.rounding();
+  if (w.stored != nullptr) {
+    FRUGAL_CHECK(low.rounding != Rounding::Compensated, "frugal: a parameter of shape ",
+                 w.target.sizes(),
+                 " is stored in 8 bits; its update rounds Stochastic or Nearest, not Compensated");
+    low.stored = w.stored.get();
+    // Off the CPU, random fractions and each group's statistics have buffers too.
+    low.buffers.resize(w.target.device().is_cpu() ? 1 : 3);
+    return;
+  }
   if (low.rounding == Rounding::Stochastic && w.param.scalar_type() != torch::kBFloat16) {
     low.rounding = Rounding::Nearest;  // float16: see Rounding::Stochastic
   }
@@ -275,6 +323,9 @@ std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
   request.bytes_per_element = std::max(1, scratch_buffers(param, flat, state, options)) *
                               static_cast<std::int64_t>(c10::elementSize(scratch_type(param)));
   request.multiple = chunk_multiple(param, state, options);
+  if (const auto stored = detail::stored_weights(param)) {  // whole groups of 8-bit weights
+    request.multiple = std::lcm(request.multiple, stored->group);
+  }
   request.numel = param.numel();
   request.flat = flat;
   return frugal::detail::chunk_elements(request);
@@ -283,8 +334,10 @@ std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
 std::int64_t InPlaceOptimizer::scratch_bytes() {
   std::int64_t most = 0;
   for (auto& group : optimizer().param_groups()) {
-    for (const auto& p : group.params()) {
-      const auto it = optimizer().state().find(compat::optimizer_state_key(p));
+    for (const auto& param : group.params()) {
+      const auto stored = detail::stored_weights(param);
+      const auto& p = stored != nullptr ? stored->whole : param;
+      const auto it = optimizer().state().find(compat::optimizer_state_key(param));
       const auto* param_state = it == optimizer().state().end() ? nullptr : it->second.get();
       const int buffers = scratch_buffers(p, p.is_contiguous(), param_state, group.options());
       const auto elements = chunk_of(p, p.is_contiguous(), param_state, group.options());

@@ -16,6 +16,9 @@
 #include "frugal/memory/ledger.h"
 
 namespace frugal::optim {
+namespace detail {
+struct StoredWeights;
+}  // namespace detail
 
 /// How the update of a bfloat16 (or float16) parameter, computed in float32, is written back.
 /// An update smaller than half the gap between two bfloat16 values around the weight (2^-9
@@ -89,12 +92,15 @@ struct ParamUpdate {
   /// The first `length` elements of scratch buffer `i`, shaped like `part` returns.
   torch::Tensor scratch_part(std::size_t i, std::int64_t length) const;
 
-  /// Set by the optimizer for a bfloat16 or float16 parameter.
+  /// Set by the optimizer for a bfloat16 or float16 parameter, and for one whose weights
+  /// are stored in 8 bits (frugal::nn::Int8Weights): then weights() decodes them and
+  /// store_weights encodes them again, and `param` only gives the shape and dtype.
   struct LowPrecision {
     Rounding rounding = Rounding::Nearest;
-    std::uint64_t key = 0;               ///< this update's stream of random bits (Stochastic)
-    torch::Tensor compensation;          ///< shaped like the parameter (Compensated)
-    std::vector<torch::Tensor> buffers;  ///< float32 weights; random bits off the CPU
+    std::uint64_t key = 0;                    ///< this update's stream of random bits (Stochastic)
+    torch::Tensor compensation;               ///< shaped like the parameter (Compensated)
+    std::vector<torch::Tensor> buffers;       ///< float32 weights; random bits off the CPU
+    detail::StoredWeights* stored = nullptr;  ///< the 8-bit codes, or null
   };
   LowPrecision* low = nullptr;  ///< null: the parameter is updated in place
 };

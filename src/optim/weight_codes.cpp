@@ -1,0 +1,139 @@
+#include "weight_codes.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+#include <mutex>
+#include <unordered_map>
+
+#include "frugal/error.h"
+#include "rounding.h"
+
+namespace frugal::optim::detail {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<const void*, std::shared_ptr<StoredWeights>> map;
+};
+
+Registry& registry() {
+  // Never destroyed: optimizers may outlive static teardown.
+  static auto* r = new Registry();
+  return *r;
+}
+
+// The float32 bits of `t` (float32, contiguous) rounded to bfloat16 values: toward minus
+// infinity (`up` false), or a positive t toward plus infinity, in place, through `carry`
+// (an int32 buffer of t's elements).
+void round_to_bfloat16(const at::Tensor& t, const at::Tensor& carry, bool up) {
+  auto b = t.view(at::kInt);
+  if (up) {
+    carry.fill_(0xFFFF);
+  } else {  // a negative value's magnitude rounds up: its int32 view is negative
+    carry.copy_(b).__irshift__(31).bitwise_and_(0xFFFF);
+  }
+  b.add_(carry).bitwise_and_(static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)));
+}
+
+// quantize_weights_ops over `x` holding whole groups of `group` elements (or one shorter).
+void quantize_groups(const at::Tensor& x, std::int64_t group, bool stochastic,
+                     const at::Tensor& noise, const at::Tensor& stats, const at::Tensor& codes,
+                     const at::Tensor& qparams) {
+  const auto n = x.numel();
+  const auto groups = weight_groups(n, group);
+  const auto rows = x.view({groups, group});
+  auto zero = stats.narrow(0, 0, groups);
+  auto scale = stats.narrow(0, groups, groups);
+  const auto carry = stats.narrow(0, 2 * groups, groups).view(at::kInt);
+  at::amin_out(zero, rows, {1});
+  at::amax_out(scale, rows, {1});
+  round_to_bfloat16(zero, carry, false);
+  scale.sub_(zero).div_(255.0).clamp_min_(std::numeric_limits<float>::min());
+  round_to_bfloat16(scale, carry, true);
+  rows.sub_(zero.unsqueeze(1)).div_(scale.unsqueeze(1));
+  if (stochastic) {
+    x.add_(noise.narrow(0, 0, n)).floor_();
+  } else {
+    x.round_();
+  }
+  x.nan_to_num_(0.0, 255.0, 0.0).clamp_(0.0, 255.0);
+  codes.copy_(x);
+  qparams.select(1, 0).copy_(zero);
+  qparams.select(1, 1).copy_(scale);
+}
+
+}  // namespace
+
+void add_stored_weights(const at::Tensor& param, std::shared_ptr<StoredWeights> stored) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto* impl : {static_cast<const void*>(param.unsafeGetTensorImpl()),
+                           static_cast<const void*>(stored->whole.unsafeGetTensorImpl())}) {
+    FRUGAL_CHECK(r.map.count(impl) == 0, "frugal: a parameter of shape ", stored->whole.sizes(),
+                 " is stored in 8 bits already (by another Int8Weights)");
+  }
+  r.map.emplace(param.unsafeGetTensorImpl(), stored);
+  r.map.emplace(stored->whole.unsafeGetTensorImpl(), std::move(stored));
+}
+
+void remove_stored_weights(const at::Tensor& param, const StoredWeights& stored) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.map.erase(param.unsafeGetTensorImpl());
+  r.map.erase(stored.whole.unsafeGetTensorImpl());
+}
+
+std::shared_ptr<StoredWeights> stored_weights(const at::Tensor& t) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.map.empty() || !t.defined()) {
+    return nullptr;
+  }
+  const auto found = r.map.find(t.unsafeGetTensorImpl());
+  return found == r.map.end() ? nullptr : found->second;
+}
+
+void dequantize_weights_ops(const at::Tensor& codes, const at::Tensor& qparams, std::int64_t group,
+                            const at::Tensor& out) {
+  const auto n = out.numel();
+  const auto full = n / group * group;
+  const auto decode = [&](std::int64_t begin, std::int64_t count, std::int64_t width) {
+    if (count == 0) {
+      return;
+    }
+    const auto rows = count / width;
+    auto o = out.view(-1).narrow(0, begin, count).view({rows, width});
+    const auto q = qparams.narrow(0, begin / group, rows);
+    o.copy_(codes.view(-1).narrow(0, begin, count).view({rows, width}));
+    o.mul_(q.select(1, 1).unsqueeze(1)).add_(q.select(1, 0).unsqueeze(1));
+  };
+  decode(0, full, group);
+  decode(full, n - full, n - full);
+}
+
+void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t begin,
+                          bool stochastic, std::uint64_t key, const at::Tensor& codes,
+                          const at::Tensor& qparams, const at::Tensor& noise,
+                          const at::Tensor& stats) {
+  const auto n = x.numel();
+  FRUGAL_CHECK(begin % group == 0, "frugal: 8-bit weights are requantized from element ", begin,
+               ", not the start of a group of ", group);
+  const auto flat = x.view(-1);
+  if (stochastic) {
+    uniform16(noise.narrow(0, 0, n), key, begin);
+  }
+  const auto full = n / group * group;
+  const auto part = [&](std::int64_t at, std::int64_t count, std::int64_t width) {
+    if (count == 0) {
+      return;
+    }
+    quantize_groups(flat.narrow(0, at, count), width, stochastic, noise.narrow(0, at, count), stats,
+                    codes.view(-1).narrow(0, at, count),
+                    qparams.narrow(0, at / group, weight_groups(count, width)));
+  };
+  part(0, full, group);
+  part(full, n - full, n - full);
+}
+
+}  // namespace frugal::optim::detail

@@ -1,0 +1,388 @@
+// Weights stored in 8 bits, materialised one unit at a time, updated in their codes.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "frugal/frugal.h"
+#include "helpers.h"
+#include "optim/weight_codes.h"
+
+namespace {
+namespace int8_weights_test {
+
+namespace fo = frugal::optim;
+using frugal::nn::Int8Weights;
+using frugal::nn::Int8WeightsOptions;
+
+// Two matrices (stored) and two biases (kept in bfloat16); records the stored bytes that
+// are materialised while it runs, forward and backward.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(std::int64_t dim, const Int8Weights* int8)
+      : up(register_module("up", torch::nn::Linear(dim, 4 * dim))),
+        down(register_module("down", torch::nn::Linear(4 * dim, dim))),
+        int8(int8) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen.push_back(materialised());
+    auto h = up(x);
+    if (h.requires_grad()) {
+      h.register_hook([this](const torch::Tensor&) { seen.push_back(materialised()); });
+    }
+    return x + down(torch::gelu(h));
+  }
+  std::int64_t materialised() const { return int8 != nullptr ? int8->materialised_bytes() : 0; }
+  torch::nn::Linear up, down;
+  const Int8Weights* int8;
+  std::vector<std::int64_t> seen;
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  // Built unit by unit: each block is stored as soon as it is made (when `int8` is given).
+  NetImpl(std::int64_t dim, int layers, Int8Weights* int8)
+      : blocks(register_module("blocks", torch::nn::ModuleList())),
+        head(register_module("head", torch::nn::Linear(dim, 1))) {
+    for (int i = 0; i < layers; ++i) {
+      Block block(dim, int8);
+      blocks->push_back(int8 != nullptr ? int8->add(block) : block);
+    }
+    head->to(torch::kBFloat16);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < blocks->size(); ++i) {
+      x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x);
+    }
+    return head(x);
+  }
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Net);
+
+constexpr std::int64_t kDim = 64;
+
+struct Model {
+  explicit Model(Int8WeightsOptions o = {}, int layers = 3, std::uint64_t seed = 11)
+      : int8(o), net((torch::manual_seed(seed), Net(kDim, layers, &int8))) {}
+  Int8Weights int8;
+  Net net;
+};
+
+// A regression batch in bfloat16.
+std::pair<torch::Tensor, torch::Tensor> batch(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto x = torch::randn({32, kDim});
+  const auto y = x.sum(1, true).sin();
+  return {x.to(torch::kBFloat16), y};
+}
+
+torch::Tensor loss_of(Net& net, const torch::Tensor& x, const torch::Tensor& y) {
+  return torch::mse_loss(net->forward(x).to(torch::kFloat), y);
+}
+
+std::vector<torch::Tensor> codes_of(Net& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& b : net->named_buffers()) {
+    out.push_back(b.value().clone());
+  }
+  return out;
+}
+
+bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i].view(torch::kUInt8), b[i].view(torch::kUInt8))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A unit's stored bytes when materialised in bfloat16.
+std::int64_t unit_bytes() { return 2 * (kDim * 4 * kDim) * 2; }
+
+TEST(Int8Weights, StoresMatricesAsCodesAndKeepsVectorsInBfloat16) {
+  Model m;
+  EXPECT_EQ(m.int8.stored_elements(), 3 * 2 * kDim * 4 * kDim);
+  // 1 byte a code, 4 bytes (zero point, scale) a group of 128.
+  EXPECT_EQ(m.int8.stored_bytes(), m.int8.stored_elements() + m.int8.stored_elements() / 128 * 4);
+  auto block = m.net->blocks->ptr<BlockImpl>(0);
+  EXPECT_EQ(block->up->weight.numel(), 0);  // released: no bytes, same tensor
+  EXPECT_EQ(block->up->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(block->up->bias.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(block->up->bias.numel(), 4 * kDim);
+  EXPECT_TRUE(block->named_buffers().contains("up.weight_codes"));
+  EXPECT_TRUE(block->named_buffers().contains("up.weight_qparams"));
+  EXPECT_EQ(m.int8.materialised_bytes(), 0);
+}
+
+TEST(Int8Weights, AUnitIsMaterialisedOnlyWhileItRunsForwardAndBackward) {
+  for (const bool checkpointed : {false, true}) {
+    Model m;
+    fo::SGD none(m.net->parameters(), torch::optim::SGDOptions(0.0));
+    const auto [x, y] = batch(1);
+    frugal::Trainer trainer(m.net, none, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out.to(torch::kFloat), t);
+    });
+    if (checkpointed) {
+      trainer.add_policy(std::make_shared<frugal::CheckpointPolicy>(
+          frugal::CheckpointSelect().names({"blocks.0", "blocks.1", "blocks.2"})));
+    }
+    trainer.step(frugal::Batch(x, y));
+    for (std::size_t i = 0; i < 3; ++i) {
+      const auto& seen = m.net->blocks->ptr<BlockImpl>(i)->seen;
+      // forward, its recompute when checkpointed, and the hook in backward
+      ASSERT_EQ(seen.size(), checkpointed ? 3U : 2U) << i;
+      for (const auto bytes : seen) {
+        EXPECT_EQ(bytes, unit_bytes()) << "block " << i << (checkpointed ? " checkpointed" : "");
+      }
+    }
+    EXPECT_EQ(m.int8.materialised_bytes(), 0);
+  }
+}
+
+TEST(Int8Weights, BetweenStepsTheLedgerCountsCodesAndStatisticsAsTheWeights) {
+  frugal::MemoryProbe probe(torch::kCPU);
+  Model m;
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3));
+  frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::mse_loss(out.to(torch::kFloat), t);
+  });
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  const auto [x, y] = batch(2);
+  trainer.step(frugal::Batch(x, y));
+  std::int64_t vectors = 0;  // the parameters kept in bfloat16 (released ones hold nothing)
+  for (const auto& p : m.net->parameters()) {
+    vectors += static_cast<std::int64_t>(p.nbytes());
+  }
+  const auto ledger = frugal::measure_ledger(probe, *m.net, &adamw);
+  EXPECT_EQ(ledger.weights, m.int8.stored_bytes() + vectors);
+  EXPECT_EQ(ledger.gradients, 0);  // stepped in backward: each went at once
+  // AdamW's two bfloat16 moments of every element, stored or not.
+  EXPECT_EQ(ledger.optimizer, 2 * 2 * (m.int8.stored_elements() + vectors / 2));
+}
+
+// Trains `m` for `steps` steps of AdamW stepped in backward; the losses.
+std::vector<float> train(Net& net, fo::Rounding rounding, int steps, double lr = 3e-3) {
+  fo::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(lr),
+                  fo::InPlaceOptions().rounding(rounding).seed(3));
+  frugal::Trainer trainer(net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::mse_loss(out.to(torch::kFloat), t);
+  });
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  std::vector<float> losses;
+  for (int s = 0; s < steps; ++s) {
+    const auto [x, y] = batch(100 + s % 4);
+    losses.push_back(static_cast<float>(trainer.step(frugal::Batch(x, y)).loss));
+  }
+  return losses;
+}
+
+TEST(Int8Weights, TrainsAsBfloat16WeightsDo) {
+  Model m;
+  torch::manual_seed(11);
+  Net plain(kDim, 3, nullptr);
+  plain->to(torch::kBFloat16);
+  const auto coded = train(m.net, fo::Rounding::Stochastic, 60);
+  const auto reference = train(plain, fo::Rounding::Stochastic, 60);
+  const auto tail = [](const std::vector<float>& l) {
+    return (l[l.size() - 1] + l[l.size() - 2] + l[l.size() - 3] + l[l.size() - 4]) / 4;
+  };
+  EXPECT_LT(tail(coded), 0.3 * coded.front());
+  EXPECT_LT(tail(coded), 1.5 * tail(reference)) << tail(coded) << " vs " << tail(reference);
+}
+
+TEST(Int8Weights, StochasticRoundingKeepsUpdatesTooSmallForAStep) {
+  // SGD on the sum of the first block's weights: every element moves by -lr a step, a
+  // tenth of a code's step or less; nearest rounding loses what stochastic rounding keeps.
+  std::vector<double> moved;
+  double lr = 0;
+  for (const auto rounding : {fo::Rounding::Stochastic, fo::Rounding::Nearest}) {
+    Model m;
+    auto block = m.net->blocks->ptr<BlockImpl>(0);
+    const auto& stored = *fo::detail::stored_weights(block->up->weight);
+    lr = stored.qparams.select(1, 1).to(torch::kFloat).min().item<double>() / 10;
+    const auto mean = [&] {
+      auto decoded = torch::empty({4 * kDim, kDim});
+      fo::detail::dequantize_into(stored, decoded);
+      return decoded.to(torch::kDouble).mean().item<double>();
+    };
+    const double before = mean();
+    fo::SGD sgd(std::vector<torch::Tensor>{block->up->weight}, torch::optim::SGDOptions(lr),
+                fo::InPlaceOptions().rounding(rounding));
+    for (int s = 0; s < 20; ++s) {
+      block->up->weight.mutable_grad() = torch::ones({4 * kDim, kDim}, torch::kBFloat16);
+      sgd.step();
+    }
+    moved.push_back(mean() - before);
+  }
+  const double expected = -20 * lr;
+  EXPECT_NEAR(moved[0], expected, 0.1 * std::abs(expected)) << moved[0];
+  EXPECT_GT(std::abs(moved[1] - expected), 3 * std::abs(moved[0] - expected)) << moved[1];
+}
+
+TEST(Int8Weights, TheStepInBackwardWritesTheCodesTheStepAfterBackwardWrites) {
+  std::vector<std::vector<torch::Tensor>> codes;
+  for (const bool in_backward : {false, true}) {
+    Model m;
+    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                        fo::QuantizedStateOptions(),
+                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
+    frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out.to(torch::kFloat), t);
+    });
+    if (in_backward) {
+      trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+    }
+    for (int s = 0; s < 3; ++s) {
+      const auto [x, y] = batch(200 + s);
+      trainer.step(frugal::Batch(x, y));
+    }
+    codes.push_back(codes_of(m.net));
+  }
+  EXPECT_TRUE(same(codes[0], codes[1]));
+}
+
+TEST(Int8Weights, TheFusedAdam8bitStepIsTheFloat32StepOfTheDecodedWeightsEncodedAgain) {
+  Model m(Int8WeightsOptions(), 1);
+  auto block = m.net->blocks->ptr<BlockImpl>(0);
+  const auto [x, y] = batch(3);
+  loss_of(m.net, x, y).backward();
+  auto& w = block->up->weight;
+  const auto& stored = *fo::detail::stored_weights(w);
+  // The reference: float32 weights decoded from the codes, the bfloat16 gradient widened.
+  auto reference = torch::empty({4 * kDim, kDim});
+  fo::detail::dequantize_into(stored, reference);
+  reference.set_requires_grad(true);
+  reference.mutable_grad() = w.grad().to(torch::kFloat);
+  for (int s = 0; s < 2; ++s) {
+    fo::AdamW8bit coded(std::vector<torch::Tensor>{w}, torch::optim::AdamWOptions(1e-2),
+                        fo::QuantizedStateOptions().min_elements(1),
+                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
+    fo::AdamW8bit wide(std::vector<torch::Tensor>{reference}, torch::optim::AdamWOptions(1e-2),
+                       fo::QuantizedStateOptions().min_elements(1));
+    coded.step();
+    wide.step();
+    const auto [codes, qparams] = fo::detail::quantize_weights(reference.detach(), 128);
+    EXPECT_TRUE(torch::equal(codes, stored.codes)) << "step " << s;
+    EXPECT_TRUE(torch::equal(qparams.view(torch::kInt16), stored.qparams.view(torch::kInt16)));
+    fo::detail::dequantize_into(stored, reference.detach());
+  }
+}
+
+TEST(Int8Weights, SgdWritesTheCodesOfItsFloat32Result) {
+  Model m(Int8WeightsOptions().group(96), 1);  // groups that divide no kernel's block
+  auto block = m.net->blocks->ptr<BlockImpl>(0);
+  const auto [x, y] = batch(4);
+  loss_of(m.net, x, y).backward();
+  auto& w = block->down->weight;
+  const auto& stored = *fo::detail::stored_weights(w);
+  auto expected = torch::empty({kDim, 4 * kDim});
+  fo::detail::dequantize_into(stored, expected);
+  expected.sub_(w.grad().to(torch::kFloat), 0.5);
+  fo::SGD sgd(std::vector<torch::Tensor>{w}, torch::optim::SGDOptions(0.5),
+              fo::InPlaceOptions().rounding(fo::Rounding::Nearest).chunk(200));
+  sgd.step();
+  const auto [codes, qparams] = fo::detail::quantize_weights(expected, 96);
+  EXPECT_TRUE(torch::equal(codes, stored.codes));
+  EXPECT_TRUE(torch::equal(qparams.view(torch::kInt16), stored.qparams.view(torch::kInt16)));
+}
+
+TEST(Int8Weights, ResumingFromASavedStateContinuesBitForBit) {
+  // `first` steps, a save, `second` steps; batches from number 300 + `skip` on.
+  const auto run = [](int first, int second, int skip, std::stringstream* save,
+                      std::stringstream* load) {
+    Model m;
+    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                        fo::QuantizedStateOptions().min_elements(1), fo::InPlaceOptions().seed(4));
+    frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out.to(torch::kFloat), t);
+    });
+    trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+    if (load != nullptr) {
+      torch::serialize::InputArchive model_in, optimizer_in, both;
+      both.load_from(*load);
+      both.read("model", model_in);
+      both.read("optimizer", optimizer_in);
+      m.net->load(model_in);
+      adamw.load(optimizer_in);
+    }
+    for (int s = 0; s < first + second; ++s) {
+      if (s == first && save != nullptr) {
+        torch::serialize::OutputArchive model_out, optimizer_out, both;
+        m.net->save(model_out);
+        adamw.save(optimizer_out);
+        both.write("model", model_out);
+        both.write("optimizer", optimizer_out);
+        both.save_to(*save);
+      }
+      const auto [x, y] = batch(300 + skip + s);
+      trainer.step(frugal::Batch(x, y));
+    }
+    return codes_of(m.net);
+  };
+  std::stringstream saved;
+  const auto straight = run(3, 3, 0, &saved, nullptr);
+  const auto resumed = run(0, 3, 3, nullptr, &saved);  // batches 303.. as the straight run's
+  EXPECT_TRUE(same(straight, resumed));
+}
+
+TEST(Int8Weights, AStepThatFailsLeavesCodesStatisticsAndStatesAsTheyWere) {
+  Model m;
+  const auto [x, y] = batch(5);
+  loss_of(m.net, x, y).backward();
+  const auto before = codes_of(m.net);
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-2));
+  {
+    // Too little room for the moments: the step fails before it changes anything.
+    frugal::MemoryProbe probe(torch::kCPU);
+    frugal::ScopedMemoryCap cap(torch::kCPU, probe.allocated() + 4096);
+    EXPECT_THROW(adamw.step(), c10::Error);
+  }
+  EXPECT_TRUE(same(before, codes_of(m.net)));
+  EXPECT_TRUE(adamw.state().empty());
+  adamw.step();  // and then it goes through
+  EXPECT_FALSE(same(before, codes_of(m.net)));
+}
+
+TEST(Int8Weights, BadOptionsAndSecondAddsAreRefusedNamingThem) {
+  frugal::testing::expect_error_contains([] { Int8Weights w(Int8WeightsOptions().group(0)); },
+                                         "group must be 1 to 4096 elements, got 0");
+  frugal::testing::expect_error_contains(
+      [] { Int8Weights w(Int8WeightsOptions().dtype(torch::kHalf)); }, "got Half");
+  Model m;
+  Int8Weights other;
+  frugal::testing::expect_error_contains([&] { other.add(m.net->blocks->ptr<BlockImpl>(0)); },
+                                         "is a unit already");
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                  fo::InPlaceOptions().rounding(fo::Rounding::Compensated));
+  const auto [x, y] = batch(6);
+  loss_of(m.net, x, y).backward();
+  const auto before = codes_of(m.net);
+  frugal::testing::expect_error_contains([&] { adamw.step(); }, "not Compensated");
+  EXPECT_TRUE(same(before, codes_of(m.net)));
+}
+
+TEST(Int8Weights, WhenItGoesTheModelIsAnOrdinaryBfloat16OneWithItsTrainedWeights) {
+  torch::Tensor expected, got;
+  const auto [x, y] = batch(7);
+  torch::manual_seed(11);
+  Net net(kDim, 2, nullptr);
+  {
+    Int8Weights int8;
+    for (const auto& block : *net->blocks) {
+      int8.add_module(block);
+    }
+    torch::NoGradGuard no_grad;
+    expected = net->forward(x);
+  }
+  EXPECT_EQ(net->blocks->ptr<BlockImpl>(0)->up->weight.numel(), 4 * kDim * kDim);
+  torch::NoGradGuard no_grad;
+  got = net->forward(x);
+  EXPECT_TRUE(torch::equal(expected, got));
+}
+
+}  // namespace int8_weights_test
+}  // namespace
