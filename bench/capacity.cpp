@@ -46,6 +46,7 @@ struct Args {
   std::string only;
   std::string trial;  // a configuration's name: run one trial
   std::int64_t dim = 0;
+  bool report = false;  // a trial prints its steps' reports (peak, ledger)
 };
 
 constexpr std::int64_t kStep = 32;  // the width's step, and a head's dimensions
@@ -158,11 +159,29 @@ int trial(const Args& a) {
   const auto targets = torch::randint(0, 256, {a.batch, a.seq}).to(device);
   const auto padding = torch::zeros({a.batch, a.seq}, torch::kBool).to(device);
   try {
-    // The cap counts the model: built first (and cast, as one loaded in bf16 would be),
-    // it must fit with everything else.
-    tiny_lm::TinyLM model(decoder(a, a.dim));
-    model->to(device, config.bf16_weights ? torch::kBFloat16 : torch::kFloat32);
-    frugal::ScopedMemoryCap cap(device, frugal::MiB(a.cap_mib));
+    // With 8-bit weights the cap holds from the model's first tensor on: each block is
+    // stored as it is made, the rest (embeddings, norm, head) cast to bfloat16.
+    std::unique_ptr<frugal::ScopedMemoryCap> cap;
+    std::unique_ptr<frugal::nn::Int8Weights> int8;
+    auto options = decoder(a, a.dim);
+    if (config.int8) {
+      cap = std::make_unique<frugal::ScopedMemoryCap>(device, frugal::MiB(a.cap_mib));
+      int8 = std::make_unique<frugal::nn::Int8Weights>();
+      options.int8 = int8.get();
+    }
+    // Otherwise the cap counts the model: built first (and cast, as one loaded in bf16
+    // would be), it must fit with everything else.
+    tiny_lm::TinyLM model(options);
+    if (config.int8) {
+      for (auto* m : std::initializer_list<torch::nn::Module*>{
+               model->tokens.get(), model->positions.get(), model->norm.get(), model->head.get()}) {
+        m->to(device, torch::kBFloat16);
+      }
+      model->blocks->to(device);  // codes and statistics (uint8, bfloat16) as they are
+    } else {
+      model->to(device, config.bf16_weights ? torch::kBFloat16 : torch::kFloat32);
+      cap = std::make_unique<frugal::ScopedMemoryCap>(device, frugal::MiB(a.cap_mib));
+    }
     float loss = 0;
     if (!config.frugal) {
       torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-4));
@@ -183,12 +202,19 @@ int trial(const Args& a) {
       trainer->add_policy(std::make_shared<frugal::StepInBackward>());
       frugal::Batch batch(tokens, targets);
       batch.set("padding", padding);
+      if (a.report) {
+        fmt::print("built: {}\n", frugal::MemoryProbe(device).snapshot().summary());
+      }
       for (int step = 0; step < 2; ++step) {
-        loss = static_cast<float>(trainer->step(batch).loss);
+        const auto report = trainer->step(batch);
+        loss = static_cast<float>(report.loss);
+        if (a.report) {
+          fmt::print("{}\n", report.summary());
+        }
       }
     }
     fmt::print("{} dim {}: {} parameters, trained (loss {:.3f})\n", config.name, a.dim,
-               count_params(*model), loss);
+               count_params(*model) + (int8 != nullptr ? int8->stored_elements() : 0), loss);
     return 0;
   } catch (const c10::OutOfMemoryError&) {
   } catch (const frugal::PartialStepError& e) {  // out of memory once the step in backward began
@@ -289,6 +315,7 @@ int main(int argc, char** argv) {
                  "Add the ZeRO-3 row: this many processes, each under the cap (1: a group of one)")
       ->check(CLI::Range(1, 64));
   app.add_option("--trial", a.trial, "Run one trial of this configuration (internal)");
+  app.add_flag("--report", a.report, "A trial prints each step's report");
   app.add_option("--dim", a.dim, "The trial's width (a multiple of 32)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);

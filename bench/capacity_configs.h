@@ -20,6 +20,7 @@ struct Config {
   double beta1;
   int bits;              // the quantized states' codes
   bool sharded = false;  // ZeRO-3 over --ranks processes, each block a unit
+  bool int8 = false;     // the blocks' weights in 8 bits (Int8Weights), built under the cap
 };
 
 inline const std::vector<Config>& configs() {
@@ -34,6 +35,11 @@ inline const std::vector<Config>& configs() {
       {"factored-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0, 8},
       {"factored-4bit", "(instead of the row before) a 4-bit first moment (AdamW4bit's states)",
        true, false, true, true, 0.9, 4},
+      {"int8",
+       "+ 8-bit weights (frugal::nn::Int8Weights, stochastic rounding), the model built into "
+       "them under the cap",
+       true, false, true, true, 0.9, 4, false, true},
+      {"int8-b0", "+ no first moment (beta1 0)", true, false, true, true, 0.0, 4, false, true},
       {"zero3",
        "frugal over --ranks processes, per rank: ZeRO-3 with each block a unit gathered in "
        "bf16 (no prefetch), checkpointed blocks, bf16 autocast, AdamW8bit",

@@ -23,17 +23,29 @@ torch::Tensor cross_entropy(const torch::Tensor& out, const torch::Tensor& y) {
 // An optimizer over the CNN's parameters, with gradients set once, ready to be stepped.
 struct Stepper {
   torch::nn::Sequential model;
+  std::unique_ptr<frugal::nn::Int8Weights> int8;  // the model's matrices, in 8 bits
   std::unique_ptr<torch::optim::Optimizer> optimizer;
 };
 
-// `make` builds the optimizer over the parameters; `dtype` is the weights' (and gradients').
+// `make` builds the optimizer over the parameters; `dtype` is the weights' (and gradients');
+// `int8`: the model is one unit of an Int8Weights (its matrices in 8 bits, the rest bf16).
 template <typename Make>
-Stepper make_stepper(Make make, torch::Dtype dtype = torch::kFloat32) {
+Stepper make_stepper(Make make, torch::Dtype dtype = torch::kFloat32, bool int8 = false) {
   torch::manual_seed(0);
-  Stepper s{fashion::make_cnn(0.0), nullptr};
+  Stepper s{fashion::make_cnn(0.0), nullptr, nullptr};
   s.model->to(dtype);
-  for (auto& p : s.model->parameters()) {
-    p.mutable_grad() = torch::randn_like(p) * 1e-3;
+  if (int8) {
+    s.int8 = std::make_unique<frugal::nn::Int8Weights>();
+    s.int8->add(s.model);
+  }
+  {
+    std::unique_ptr<frugal::nn::Int8Weights::Materialised> shaped;  // stored ones: their shape
+    if (int8) {
+      shaped = std::make_unique<frugal::nn::Int8Weights::Materialised>(*s.int8);
+    }
+    for (auto& p : s.model->parameters()) {
+      p.mutable_grad() = torch::randn_like(p) * 1e-3;
+    }
   }
   s.optimizer = make(s.model->parameters());
   s.optimizer->step();  // the state exists: what is timed is the steady step
@@ -108,6 +120,17 @@ int main(int argc, char** argv) {
   rows.push_back({"adam8bit_bf16_weights",
                   "Adam8bit on bf16 weights (stochastic rounding) vs LibTorch's Adam (float32)",
                   make_stepper(adam8bit({}), torch::kBFloat16)});
+  rows.push_back({"adam_int8_weights",
+                  "Adam on 8-bit weights (stochastic rounding) vs LibTorch's Adam (float32)",
+                  make_stepper(
+                      [](std::vector<torch::Tensor> params) {
+                        return std::make_unique<frugal::optim::Adam>(
+                            std::move(params), torch::optim::AdamOptions(1e-4));
+                      },
+                      torch::kBFloat16, true)});
+  rows.push_back({"adam8bit_int8_weights",
+                  "Adam8bit on 8-bit weights (stochastic rounding) vs LibTorch's Adam (float32)",
+                  make_stepper(adam8bit({}), torch::kBFloat16, true)});
   rows.push_back({"adam4bit", "Adam4bit step (4-bit states, blocks of 128) vs LibTorch's Adam",
                   make_stepper(adam8bit(four_bit))});
   rows.push_back({"adam4bit_factored", "Adam4bit, factored second moments, vs LibTorch's Adam",
@@ -149,6 +172,15 @@ int main(int argc, char** argv) {
     const double ms = bench::median(steps.at(rows[r].key));
     fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", rows[r].label, torch_ms, ms, ms / torch_ms);
     table.push_back({{"what", rows[r].key}, {"libtorch_ms", torch_ms}, {"frugal_ms", ms}});
+  }
+  // 8-bit weights against bfloat16 ones, the same states.
+  for (const auto& [int8, bf16, label] :
+       {std::tuple<const char*, const char*, const char*>{"adam_int8_weights", "adam_bf16_weights",
+                                                          "Adam: 8-bit weights vs bf16 weights"},
+        {"adam8bit_int8_weights", "adam8bit_bf16_weights",
+         "Adam8bit: 8-bit weights vs bf16 weights"}}) {
+    const double a = bench::median(steps.at(bf16)), b = bench::median(steps.at(int8));
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", label, a, b, b / a);
   }
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <iostream>
 #include <sstream>
 
 #include "frugal/frugal.h"
@@ -94,6 +96,9 @@ bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>&
   }
   for (std::size_t i = 0; i < a.size(); ++i) {
     if (!torch::equal(a[i].view(torch::kUInt8), b[i].view(torch::kUInt8))) {
+      std::cout << "buffer " << i << " of " << a.size() << " differs in "
+                << a[i].view(torch::kUInt8).ne(b[i].view(torch::kUInt8)).sum().item<std::int64_t>()
+                << " bytes\n";
       return false;
     }
   }
@@ -245,6 +250,56 @@ TEST(Int8Weights, TheStepInBackwardWritesTheCodesTheStepAfterBackwardWrites) {
   EXPECT_TRUE(same(codes[0], codes[1]));
 }
 
+TEST(Int8Weights, TheLoopsBackwardStepWritesTheCodesOfTheTrainersStepInBackward) {
+  std::vector<std::vector<torch::Tensor>> codes;
+  for (const bool loop : {false, true}) {
+    Model m;
+    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                        fo::QuantizedStateOptions(),
+                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
+    frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+      return torch::mse_loss(out.to(torch::kFloat), t);
+    });
+    trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+    frugal::Loop frugal_loop;
+    auto& model = frugal_loop.prepare(m.net, adamw, "net");
+    for (int s = 0; s < 3; ++s) {
+      const auto [x, y] = batch(400 + s);
+      if (loop) {
+        EXPECT_TRUE(frugal_loop.backward_step(loss_of(m.net, x, y), model));
+      } else {
+        trainer.step(frugal::Batch(x, y));
+      }
+    }
+    codes.push_back(codes_of(m.net));
+    EXPECT_EQ(m.int8.materialised_bytes(), 0);
+  }
+  EXPECT_TRUE(same(codes[0], codes[1]));
+}
+
+TEST(Int8Weights, MicroBatchesMaterialiseOneUnitAtATimeAndTrain) {
+  Model m;
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(3e-3));
+  frugal::Trainer trainer(
+      m.net, adamw,
+      [](const torch::Tensor& out, const torch::Tensor& t) {
+        return torch::mse_loss(out.to(torch::kFloat), t);
+      },
+      frugal::TrainerOptions().micro_batches(4));
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  std::vector<double> losses;
+  for (int s = 0; s < 30; ++s) {
+    const auto [x, y] = batch(500 + s % 4);
+    losses.push_back(trainer.step(frugal::Batch(x, y)).loss);
+  }
+  for (std::size_t i = 0; i < 3; ++i) {
+    for (const auto bytes : m.net->blocks->ptr<BlockImpl>(i)->seen) {
+      ASSERT_EQ(bytes, unit_bytes()) << "block " << i;
+    }
+  }
+  EXPECT_LT(losses.back(), 0.5 * losses.front());
+}
+
 TEST(Int8Weights, TheFusedAdam8bitStepIsTheFloat32StepOfTheDecodedWeightsEncodedAgain) {
   Model m(Int8WeightsOptions(), 1);
   auto block = m.net->blocks->ptr<BlockImpl>(0);
@@ -290,10 +345,10 @@ TEST(Int8Weights, SgdWritesTheCodesOfItsFloat32Result) {
   EXPECT_TRUE(torch::equal(qparams.view(torch::kInt16), stored.qparams.view(torch::kInt16)));
 }
 
-TEST(Int8Weights, ResumingFromASavedStateContinuesBitForBit) {
+TEST(Int8Weights, ResumingFromASavedTrainingStateContinuesBitForBit) {
+  const auto path = ::testing::TempDir() + "int8_weights_resume.pt";
   // `first` steps, a save, `second` steps; batches from number 300 + `skip` on.
-  const auto run = [](int first, int second, int skip, std::stringstream* save,
-                      std::stringstream* load) {
+  const auto run = [&](int first, int second, int skip, bool save, bool load) {
     Model m;
     fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
                         fo::QuantizedStateOptions().min_elements(1), fo::InPlaceOptions().seed(4));
@@ -301,32 +356,22 @@ TEST(Int8Weights, ResumingFromASavedStateContinuesBitForBit) {
       return torch::mse_loss(out.to(torch::kFloat), t);
     });
     trainer.add_policy(std::make_shared<frugal::StepInBackward>());
-    if (load != nullptr) {
-      torch::serialize::InputArchive model_in, optimizer_in, both;
-      both.load_from(*load);
-      both.read("model", model_in);
-      both.read("optimizer", optimizer_in);
-      m.net->load(model_in);
-      adamw.load(optimizer_in);
+    if (load) {
+      frugal::load_training_state(trainer, path);
     }
     for (int s = 0; s < first + second; ++s) {
-      if (s == first && save != nullptr) {
-        torch::serialize::OutputArchive model_out, optimizer_out, both;
-        m.net->save(model_out);
-        adamw.save(optimizer_out);
-        both.write("model", model_out);
-        both.write("optimizer", optimizer_out);
-        both.save_to(*save);
+      if (s == first && save) {
+        frugal::save_training_state(trainer, path);
       }
       const auto [x, y] = batch(300 + skip + s);
       trainer.step(frugal::Batch(x, y));
     }
     return codes_of(m.net);
   };
-  std::stringstream saved;
-  const auto straight = run(3, 3, 0, &saved, nullptr);
-  const auto resumed = run(0, 3, 3, nullptr, &saved);  // batches 303.. as the straight run's
+  const auto straight = run(3, 3, 0, true, false);
+  const auto resumed = run(0, 3, 3, false, true);  // batches 303.. as the straight run's
   EXPECT_TRUE(same(straight, resumed));
+  std::remove(path.c_str());
 }
 
 TEST(Int8Weights, AStepThatFailsLeavesCodesStatisticsAndStatesAsTheyWere) {
@@ -356,6 +401,13 @@ TEST(Int8Weights, BadOptionsAndSecondAddsAreRefusedNamingThem) {
   Int8Weights other;
   frugal::testing::expect_error_contains([&] { other.add(m.net->blocks->ptr<BlockImpl>(0)); },
                                          "is a unit already");
+  frugal::testing::expect_error_contains(
+      [&] {
+        Model cast;
+        cast.net->to(torch::kFloat32);
+        cast.net->forward(torch::zeros({1, kDim}));
+      },
+      "were cast to Float (Module::to(dtype) casts every buffer)");
   fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
                   fo::InPlaceOptions().rounding(fo::Rounding::Compensated));
   const auto [x, y] = batch(6);
@@ -385,4 +437,62 @@ TEST(Int8Weights, WhenItGoesTheModelIsAnOrdinaryBfloat16OneWithItsTrainedWeights
 }
 
 }  // namespace int8_weights_test
+}  // namespace
+
+namespace {
+namespace int8_weights_cuda_test {
+
+namespace fo = frugal::optim;
+using int8_weights_test::batch;
+using int8_weights_test::BlockImpl;
+using int8_weights_test::Model;
+
+TEST(CudaInt8Weights, NearestCodesOnTheGpuAreTheCpuKernels) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  torch::manual_seed(6);
+  const auto x = torch::cat({torch::randn({4096}) * 0.02, torch::randn({77}) * 3});
+  const auto [codes, qparams] = fo::detail::quantize_weights(x, 128);
+  const auto [gpu_codes, gpu_qparams] = fo::detail::quantize_weights(x.cuda(), 128);
+  EXPECT_TRUE(torch::equal(codes, gpu_codes.cpu()));
+  EXPECT_TRUE(torch::equal(qparams.view(torch::kInt16), gpu_qparams.cpu().view(torch::kInt16)));
+  fo::detail::StoredWeights stored;
+  stored.codes = gpu_codes;
+  stored.qparams = gpu_qparams;
+  auto wide = torch::empty({x.numel()}, torch::kCUDA);
+  fo::detail::dequantize_into(stored, wide);
+  stored.codes = codes;
+  stored.qparams = qparams;
+  auto cpu = torch::empty({x.numel()});
+  fo::detail::dequantize_into(stored, cpu);
+  EXPECT_TRUE(torch::equal(wide.cpu(), cpu));
+}
+
+TEST(CudaInt8Weights, UnitsTrainOnTheGpuMaterialisedOnlyWhileTheyRun) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  Model m;
+  m.net->to(torch::kCUDA);  // codes and statistics move; units materialise there
+  fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(3e-3),
+                      fo::QuantizedStateOptions().factored(true));
+  frugal::Trainer trainer(
+      m.net, adamw,
+      [](const torch::Tensor& out, const torch::Tensor& t) {
+        return torch::mse_loss(out.to(torch::kFloat), t);
+      },
+      frugal::TrainerOptions().device(torch::kCUDA));
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  std::vector<double> losses;
+  for (int s = 0; s < 30; ++s) {
+    const auto [x, y] = batch(600 + s % 4);
+    losses.push_back(trainer.step(frugal::Batch(x.cuda(), y.cuda())).loss);
+  }
+  for (std::size_t i = 0; i < 3; ++i) {
+    for (const auto bytes : m.net->blocks->ptr<BlockImpl>(i)->seen) {
+      ASSERT_EQ(bytes, int8_weights_test::unit_bytes()) << "block " << i;
+    }
+  }
+  EXPECT_EQ(m.int8.materialised_bytes(), 0);
+  EXPECT_LT(losses.back(), 0.5 * losses.front());
+}
+
+}  // namespace int8_weights_cuda_test
 }  // namespace

@@ -17,6 +17,9 @@ struct ModelOptions {
   std::int64_t heads = 4;
   std::int64_t layers = 4;
   double dropout = 0.1;
+  // Given, each block is stored in 8 bits as soon as it is made (frugal::nn::Int8Weights),
+  // so that the model never exists whole in float32; the other parameters stay float32.
+  frugal::nn::Int8Weights* int8 = nullptr;
 };
 
 // One Transformer layer (post-norm, as LibTorch builds it) over [batch, time, dim], with an
@@ -50,7 +53,13 @@ struct TinyLMImpl : torch::nn::Module {
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim})))),
         head(register_module("head", torch::nn::Linear(o.dim, o.vocab))) {
     for (std::int64_t i = 0; i < o.layers; ++i) {
-      blocks->push_back(Block(o.dim, o.heads, o.dropout));
+      if (o.int8 == nullptr) {
+        blocks->push_back(Block(o.dim, o.heads, o.dropout));
+        continue;
+      }
+      // Made in the dtype it is stored from: one block exists in 16 bits for a moment.
+      frugal::nn::DefaultDtypeGuard made_in(o.int8->options().dtype());
+      blocks->push_back(o.int8->add(Block(o.dim, o.heads, o.dropout)));
     }
   }
 

@@ -44,6 +44,12 @@ struct Int8State {
       if (unit.whole && !stored->written) {
         continue;  // whole, and its codes unchanged since
       }
+      FRUGAL_CHECK(stored->codes.scalar_type() == torch::kUInt8 &&
+                       stored->qparams.scalar_type() == torch::kBFloat16,
+                   "frugal: the 8-bit codes of a parameter of shape ", stored->whole.sizes(),
+                   " were cast to ", stored->codes.scalar_type(),
+                   " (Module::to(dtype) casts every buffer): cast the modules that are not "
+                   "Int8Weights units, not the whole model");
       auto& whole = stored->whole;
       if (whole.device() != stored->codes.device()) {  // the model moved since
         whole.set_data(torch::empty(whole.sizes(), stored->codes.options().dtype(dtype)));
@@ -174,6 +180,12 @@ bool stored_kind(const torch::Tensor& p, const Int8WeightsOptions& o) {
 
 }  // namespace
 }  // namespace detail
+
+DefaultDtypeGuard::DefaultDtypeGuard(torch::Dtype dtype) : before_(torch::get_default_dtype()) {
+  torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+}
+
+DefaultDtypeGuard::~DefaultDtypeGuard() { torch::set_default_dtype(before_); }
 
 Int8Weights::Int8Weights(Int8WeightsOptions options)
     : options_(options), state_(std::make_shared<detail::Int8State>()) {

@@ -116,10 +116,21 @@ std::pair<at::Tensor, at::Tensor> quantize_weights(const at::Tensor& w, std::int
   auto codes = at::empty({n}, w.options().dtype(at::kByte));
   auto qparams = at::empty({weight_groups(n, group), 2}, w.options().dtype(at::kBFloat16));
   if (w.device().is_cpu()) {
-    const auto x = w.detach().reshape(-1).to(at::kFloat).contiguous();
+    // A range of groups at a time in float32: no whole float32 copy of a wider tensor.
+    const auto flat = w.detach().reshape(-1);
+    const bool direct = flat.scalar_type() == at::kFloat && flat.is_contiguous();
     at::parallel_for(0, weight_groups(n, group), 64, [&](std::int64_t first, std::int64_t last) {
       const auto begin = first * group, count = std::min(n, last * group) - begin;
-      quantize_weights_cpu(x.data_ptr<float>() + begin, group, begin, count, false, 0,
+      thread_local std::vector<float> wide;
+      const float* x = nullptr;
+      if (direct) {
+        x = flat.data_ptr<float>() + begin;
+      } else {
+        wide.resize(static_cast<std::size_t>(count));
+        at::from_blob(wide.data(), {count}).copy_(flat.narrow(0, begin, count));
+        x = wide.data();
+      }
+      quantize_weights_cpu(x, group, begin, count, false, 0,
                            codes.data_ptr<std::uint8_t>(),
                            reinterpret_cast<std::uint16_t*>(qparams.data_ptr<at::BFloat16>()));
     });

@@ -30,6 +30,21 @@ namespace detail {
 struct Int8State;
 }  // namespace detail
 
+/// LibTorch's default dtype set to `dtype` while this lives (and restored after): modules
+/// made meanwhile get parameters of that dtype. A block made under
+/// DefaultDtypeGuard(torch::kBFloat16) to be added to an Int8Weights exists, for a moment,
+/// in 2 bytes a parameter instead of 4.
+class DefaultDtypeGuard {
+ public:
+  explicit DefaultDtypeGuard(torch::Dtype dtype);
+  ~DefaultDtypeGuard();
+  DefaultDtypeGuard(const DefaultDtypeGuard&) = delete;
+  DefaultDtypeGuard& operator=(const DefaultDtypeGuard&) = delete;
+
+ private:
+  caffe2::TypeMeta before_;
+};
+
 /// A model's matrices stored as 8-bit codes, per group of `group` elements an unsigned code
 /// each with a zero point and a scale (Q-GaLore's weights), about 1.03 bytes a parameter
 /// instead of 2 (bfloat16) or 4. The codes live in buffers of the module that owns the
@@ -52,11 +67,13 @@ struct Int8State;
 /// weights and gradients.
 ///
 /// The model never needs to exist whole in a wider dtype: build it unit by unit, adding each
-/// block as it is made; its float32 weights go as soon as it is stored.
+/// block as it is made (under a DefaultDtypeGuard of bfloat16, so that one block exists in
+/// 16 bits for a moment); its weights go as soon as it is stored.
 ///
 /// Example:
 ///   frugal::nn::Int8Weights int8;
 ///   for (int i = 0; i < layers; ++i) {
+///     frugal::nn::DefaultDtypeGuard bf16(torch::kBFloat16);
 ///     blocks->push_back(int8.add(Block(dim)));  // stored in 8 bits at once
 ///   }
 ///   ... x = frugal::nn::call(blocks->ptr<BlockImpl>(i), x);  in the model's forward
