@@ -82,6 +82,14 @@ torch::Tensor loss_of(Net& net, const torch::Tensor& x, const torch::Tensor& y) 
   return torch::mse_loss(net->forward(x).to(torch::kFloat), y);
 }
 
+// A Trainer of `net` by `optimizer` on the mean squared error (computed in float32).
+std::unique_ptr<frugal::Trainer> mse_trainer(Net& net, torch::optim::Optimizer& optimizer) {
+  return std::make_unique<frugal::Trainer>(net, optimizer,
+                                           [](const torch::Tensor& out, const torch::Tensor& t) {
+                                             return torch::mse_loss(out.to(torch::kFloat), t);
+                                           });
+}
+
 std::vector<torch::Tensor> codes_of(Net& net) {
   std::vector<torch::Tensor> out;
   for (const auto& b : net->named_buffers()) {
@@ -228,53 +236,40 @@ TEST(Int8Weights, StochasticRoundingKeepsUpdatesTooSmallForAStep) {
   EXPECT_GT(std::abs(moved[1] - expected), 3 * std::abs(moved[0] - expected)) << moved[1];
 }
 
-TEST(Int8Weights, TheStepInBackwardWritesTheCodesTheStepAfterBackwardWrites) {
-  std::vector<std::vector<torch::Tensor>> codes;
-  for (const bool in_backward : {false, true}) {
-    Model m;
-    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
-                        fo::QuantizedStateOptions(),
-                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
-    frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
-      return torch::mse_loss(out.to(torch::kFloat), t);
-    });
-    if (in_backward) {
-      trainer.add_policy(std::make_shared<frugal::StepInBackward>());
-    }
-    for (int s = 0; s < 3; ++s) {
-      const auto [x, y] = batch(200 + s);
-      trainer.step(frugal::Batch(x, y));
-    }
-    codes.push_back(codes_of(m.net));
+enum class Stepping { AfterBackward, InBackward, LoopBackwardStep };
+
+// The codes after three steps of AdamW8bit (nearest rounding) taken as `how` says.
+std::vector<torch::Tensor> codes_after_three_steps(Stepping how) {
+  Model m;
+  fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                      fo::QuantizedStateOptions(),
+                      fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
+  auto trainer = mse_trainer(m.net, adamw);
+  if (how == Stepping::InBackward) {
+    trainer->add_policy(std::make_shared<frugal::StepInBackward>());
   }
-  EXPECT_TRUE(same(codes[0], codes[1]));
+  frugal::Loop loop;
+  auto& model = loop.prepare(m.net, adamw, "net");
+  for (int s = 0; s < 3; ++s) {
+    const auto [x, y] = batch(200 + s);
+    if (how == Stepping::LoopBackwardStep) {
+      EXPECT_TRUE(loop.backward_step(loss_of(m.net, x, y), model));
+    } else {
+      trainer->step(frugal::Batch(x, y));
+    }
+  }
+  EXPECT_EQ(m.int8.materialised_bytes(), 0);
+  return codes_of(m.net);
+}
+
+TEST(Int8Weights, TheStepInBackwardWritesTheCodesTheStepAfterBackwardWrites) {
+  EXPECT_TRUE(same(codes_after_three_steps(Stepping::AfterBackward),
+                   codes_after_three_steps(Stepping::InBackward)));
 }
 
 TEST(Int8Weights, TheLoopsBackwardStepWritesTheCodesOfTheTrainersStepInBackward) {
-  std::vector<std::vector<torch::Tensor>> codes;
-  for (const bool loop : {false, true}) {
-    Model m;
-    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
-                        fo::QuantizedStateOptions(),
-                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
-    frugal::Trainer trainer(m.net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
-      return torch::mse_loss(out.to(torch::kFloat), t);
-    });
-    trainer.add_policy(std::make_shared<frugal::StepInBackward>());
-    frugal::Loop frugal_loop;
-    auto& model = frugal_loop.prepare(m.net, adamw, "net");
-    for (int s = 0; s < 3; ++s) {
-      const auto [x, y] = batch(400 + s);
-      if (loop) {
-        EXPECT_TRUE(frugal_loop.backward_step(loss_of(m.net, x, y), model));
-      } else {
-        trainer.step(frugal::Batch(x, y));
-      }
-    }
-    codes.push_back(codes_of(m.net));
-    EXPECT_EQ(m.int8.materialised_bytes(), 0);
-  }
-  EXPECT_TRUE(same(codes[0], codes[1]));
+  EXPECT_TRUE(same(codes_after_three_steps(Stepping::InBackward),
+                   codes_after_three_steps(Stepping::LoopBackwardStep)));
 }
 
 TEST(Int8Weights, MicroBatchesMaterialiseOneUnitAtATimeAndTrain) {

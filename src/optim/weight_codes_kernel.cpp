@@ -130,8 +130,7 @@ std::pair<at::Tensor, at::Tensor> quantize_weights(const at::Tensor& w, std::int
         at::from_blob(wide.data(), {count}).copy_(flat.narrow(0, begin, count));
         x = wide.data();
       }
-      quantize_weights_cpu(x, group, begin, count, false, 0,
-                           codes.data_ptr<std::uint8_t>(),
+      quantize_weights_cpu(x, group, begin, count, false, 0, codes.data_ptr<std::uint8_t>(),
                            reinterpret_cast<std::uint16_t*>(qparams.data_ptr<at::BFloat16>()));
     });
     return {codes, qparams};
