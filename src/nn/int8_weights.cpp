@@ -223,7 +223,7 @@ void Int8Weights::add_module(const std::shared_ptr<torch::nn::Module>& module) {
                "' is a unit already (of an Int8Weights or a ZeroOptimizer)");
   const auto found = detail::owners(*module);
   for (const auto& [owner, name] : found) {
-    const auto& p = owner->named_parameters(false)[name];
+    const auto p = owner->named_parameters(false)[name];  // a copy: the dict is a temporary
     FRUGAL_CHECK(optim::detail::stored_weights(p) == nullptr, "frugal: parameter '", name,
                  "' of module '", module->name(), "' is stored in 8 bits already");
   }
