@@ -118,6 +118,21 @@ TEST(WeightCodes, TensorOperationsGiveTheKernelsCodesBitForBit) {
   }
 }
 
+TEST(WeightCodes, TensorOperationsEncodeARangeWhereItStarts) {
+  torch::manual_seed(7);
+  const auto x = torch::randn({640});
+  const auto whole = kernel_codes(x, 128, true, 9);
+  Coded c{torch::zeros({640}, torch::kUInt8), torch::zeros({5, 2}, torch::kBFloat16)};
+  for (const std::int64_t begin : {0, 256}) {
+    const std::int64_t n = begin == 0 ? 256 : 384;
+    auto work = x.narrow(0, begin, n).clone();
+    fd::quantize_weights_ops(work, 128, begin, true, 9, c.codes, c.qparams, torch::empty({n}),
+                             torch::empty({n}));
+  }
+  EXPECT_TRUE(torch::equal(whole.codes, c.codes));
+  EXPECT_TRUE(torch::equal(whole.qparams.view(torch::kInt16), c.qparams.view(torch::kInt16)));
+}
+
 TEST(WeightCodes, TheKernelsCodesDoNotDependOnWhereARangeStarts) {
   torch::manual_seed(4);
   const auto x = torch::randn({1000});

@@ -48,18 +48,7 @@ torch::Tensor ParamUpdate::weights(std::int64_t offset, std::int64_t length) {
   auto w = low->buffers.at(0).narrow(0, 0, length);
   w = flat ? w : w.view(param.sizes());
   if (low->stored != nullptr) {
-    const auto& s = *low->stored;
-    if (w.device().is_cpu()) {
-      detail::dequantize_weights_cpu(
-          s.codes.data_ptr<std::uint8_t>(),
-          reinterpret_cast<const std::uint16_t*>(s.qparams.data_ptr<at::BFloat16>()), s.group,
-          offset, length, w.data_ptr<float>());
-    } else {
-      detail::dequantize_weights_ops(
-          s.codes.narrow(0, offset, length),
-          s.qparams.narrow(0, offset / s.group, detail::weight_groups(length, s.group)), s.group,
-          w);
-    }
+    detail::decode_range(*low->stored, offset, length, w);
     return w;
   }
   w.copy_(part(param, offset, length));
@@ -74,18 +63,10 @@ void ParamUpdate::store_weights(torch::Tensor& w, std::int64_t offset, std::int6
     return;
   }
   if (low->stored != nullptr) {
-    auto& s = *low->stored;
-    const bool stochastic = low->rounding == Rounding::Stochastic;
-    if (w.device().is_cpu()) {
-      detail::quantize_weights_cpu(
-          w.data_ptr<float>(), s.group, offset, length, stochastic, low->key,
-          s.codes.data_ptr<std::uint8_t>(),
-          reinterpret_cast<std::uint16_t*>(s.qparams.data_ptr<at::BFloat16>()));
-    } else {
-      detail::quantize_weights_ops(w, s.group, offset, stochastic, low->key, s.codes, s.qparams,
-                                   low->buffers.at(1), low->buffers.at(2));
-    }
-    s.written = true;
+    const auto no_buffer = torch::Tensor();  // the CPU needs none
+    detail::encode_range(*low->stored, w, offset, low->rounding == Rounding::Stochastic, low->key,
+                         low->buffers.size() > 1 ? low->buffers[1] : no_buffer,
+                         low->buffers.size() > 2 ? low->buffers[2] : no_buffer);
     return;
   }
   auto p = part(param, offset, length);

@@ -129,11 +129,39 @@ void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t 
       return;
     }
     quantize_groups(flat.narrow(0, at, count), width, stochastic, noise.narrow(0, at, count), stats,
-                    codes.view(-1).narrow(0, at, count),
-                    qparams.narrow(0, at / group, weight_groups(count, width)));
+                    codes.view(-1).narrow(0, begin + at, count),
+                    qparams.narrow(0, (begin + at) / group, weight_groups(count, width)));
   };
   part(0, full, group);
   part(full, n - full, n - full);
+}
+
+void decode_range(const StoredWeights& stored, std::int64_t offset, std::int64_t length,
+                  const at::Tensor& out) {
+  if (out.device().is_cpu()) {
+    dequantize_weights_cpu(
+        stored.codes.data_ptr<std::uint8_t>(),
+        reinterpret_cast<const std::uint16_t*>(stored.qparams.data_ptr<at::BFloat16>()),
+        stored.group, offset, length, out.data_ptr<float>());
+    return;
+  }
+  dequantize_weights_ops(
+      stored.codes.narrow(0, offset, length),
+      stored.qparams.narrow(0, offset / stored.group, weight_groups(length, stored.group)),
+      stored.group, out);
+}
+
+void encode_range(StoredWeights& stored, const at::Tensor& w, std::int64_t offset, bool stochastic,
+                  std::uint64_t key, const at::Tensor& noise, const at::Tensor& stats) {
+  if (w.device().is_cpu()) {
+    quantize_weights_cpu(w.data_ptr<float>(), stored.group, offset, w.numel(), stochastic, key,
+                         stored.codes.data_ptr<std::uint8_t>(),
+                         reinterpret_cast<std::uint16_t*>(stored.qparams.data_ptr<at::BFloat16>()));
+  } else {
+    quantize_weights_ops(w, stored.group, offset, stochastic, key, stored.codes, stored.qparams,
+                         noise, stats);
+  }
+  stored.written = true;
 }
 
 }  // namespace frugal::optim::detail

@@ -66,13 +66,25 @@ void dequantize_weights_ops(const at::Tensor& codes, const at::Tensor& qparams, 
                             const at::Tensor& out);
 
 /// quantize_weights_cpu as tensor operations on any device, `x` (float32, overwritten) of
-/// the range starting at element `begin`; `noise` and `stats`: float32 buffers of at least
-/// x's elements (the random fractions, off the CPU drawn from a generator of the device;
-/// each group's statistics). No allocation. On the CPU the same codes as the CPU kernel.
+/// the range starting at element `begin`, into `codes` and `qparams` (the whole parameter's);
+/// `noise` and `stats`: float32 buffers of at least x's elements (the random fractions, off the CPU
+/// drawn from a generator of the device; each group's statistics). No allocation. On the CPU the
+/// same codes as the CPU kernel.
 void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t begin,
                           bool stochastic, std::uint64_t key, const at::Tensor& codes,
                           const at::Tensor& qparams, const at::Tensor& noise,
                           const at::Tensor& stats);
+
+/// Elements [offset, offset + length) of `stored`'s weights decoded into `out` (float32,
+/// contiguous, `length` elements): the CPU kernel on the CPU, tensor operations elsewhere.
+void decode_range(const StoredWeights& stored, std::int64_t offset, std::int64_t length,
+                  const at::Tensor& out);
+
+/// Elements [offset, offset + length) of `stored`'s weights encoded from `w` (float32,
+/// contiguous, overwritten off the CPU), rounded as quantize_weights_cpu says; `noise` and
+/// `stats` as quantize_weights_ops takes them (unused on the CPU). Marks `stored` written.
+void encode_range(StoredWeights& stored, const at::Tensor& w, std::int64_t offset, bool stochastic,
+                  std::uint64_t key, const at::Tensor& noise, const at::Tensor& stats);
 
 /// The codes and qparams of a whole tensor `w` (any floating dtype, any device), rounded to
 /// nearest: new tensors on w's device.
