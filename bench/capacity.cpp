@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,8 @@ struct Args {
   std::string only;
   std::string trial;  // a configuration's name: run one trial
   std::int64_t dim = 0;
-  bool report = false;  // a trial prints its steps' reports (peak, ledger)
+  bool report = false;   // a trial prints its steps' reports (peak, ledger)
+  std::string timeline;  // with report: the second step's recording goes here
 };
 
 constexpr std::int64_t kStep = 32;  // the width's step, and a head's dimensions
@@ -206,10 +208,23 @@ int trial(const Args& a) {
         fmt::print("built: {}\n", frugal::MemoryProbe(device).snapshot().summary());
       }
       for (int step = 0; step < 2; ++step) {
+        // With --report, the second step is recorded: what is alive at its peak.
+        std::optional<frugal::MemoryRecorder> recorder;
+        if (a.report && step == 1) {
+          recorder.emplace(frugal::MemoryRecorderOptions().device(device));
+          recorder->watch(*model, &adamw);
+        }
         const auto report = trainer->step(batch);
         loss = static_cast<float>(report.loss);
         if (a.report) {
           fmt::print("{}\n", report.summary());
+        }
+        if (recorder) {
+          recorder->stop();
+          fmt::print("{}\n", recorder->peak().summary(24));
+          if (!a.timeline.empty()) {
+            recorder->write(a.timeline);
+          }
         }
       }
     }
@@ -315,7 +330,10 @@ int main(int argc, char** argv) {
                  "Add the ZeRO-3 row: this many processes, each under the cap (1: a group of one)")
       ->check(CLI::Range(1, 64));
   app.add_option("--trial", a.trial, "Run one trial of this configuration (internal)");
-  app.add_flag("--report", a.report, "A trial prints each step's report");
+  app.add_flag("--report", a.report,
+               "A trial prints each step's report, and what is alive at the second step's peak");
+  app.add_option("--timeline", a.timeline,
+                 "With --report: write the second step's recording here (.html, .json, .pickle)");
   app.add_option("--dim", a.dim, "The trial's width (a multiple of 32)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);

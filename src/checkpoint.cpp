@@ -3,6 +3,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -14,6 +15,7 @@
 #include "frugal/autocast_guard.h"
 #include "frugal/error.h"
 #include "frugal/memory/memory_context.h"
+#include "optim/weight_codes.h"
 
 namespace frugal {
 namespace {
@@ -127,6 +129,30 @@ std::set<int> cuda_devices_of(at::TensorList a, at::TensorList b) {
     }
   }
   return devices;
+}
+
+// Whether the backward running now will accumulate into each of `params` (an ordinary
+// backward, or one whose `inputs` name them) rather than capture their gradients
+// (torch::autograd::grad) or leave them alone.
+bool accumulates_into(const std::vector<torch::Tensor>& params) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr) {
+    return false;
+  }
+  if (exec_info->empty()) {
+    return true;
+  }
+  for (const auto& p : params) {
+    const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(p);
+    if (accumulator == nullptr) {
+      return false;
+    }
+    const auto it = exec_info->find(accumulator.get());
+    if (it == exec_info->end() || !it->second.needed_ || it->second.captures_) {
+      return false;
+    }
+  }
+  return true;
 }
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -245,10 +271,31 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                  " of its inputs and "
                  "parameters do: the block detaches its outputs, or checkpointing it is "
                  "unnecessary");
-    const auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
-                                             /*create_graph=*/false, /*allow_unused=*/true);
-    for (std::size_t k = 0; k < grads.size(); ++k) {
-      result[1 + target_slots[k]] = grads[k];
+    std::vector<torch::Tensor> trained;
+    for (std::size_t k = 0; k < targets.size(); ++k) {
+      if (target_slots[k] >= state->inputs) {
+        trained.push_back(targets[k]);
+      }
+    }
+    if (accumulates_into(trained)) {
+      // Each parameter's gradient is accumulated into its .grad as
+      // soon as the recompute's backward produces it (its hooks, the step in backward among
+      // them, see it then), not all of the block's at its end. The parameters' slots stay
+      // empty, and the outer accumulators, given nothing, add nothing.
+      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false,
+                                /*create_graph=*/false, targets);
+      for (std::size_t k = 0; k < targets.size() && target_slots[k] < state->inputs; ++k) {
+        result[1 + target_slots[k]] = targets[k].grad();
+      }
+    } else {
+      // torch::autograd::grad from outside, or a backward whose `inputs` leave some
+      // parameter out: the gradients go back through the graph, which captures them or
+      // accumulates them as it was asked.
+      const auto grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+      for (std::size_t k = 0; k < grads.size(); ++k) {
+        result[1 + target_slots[k]] = grads[k];
+      }
     }
     observe(CheckpointPhase::BackwardEnd, state->name);
     return result;
@@ -296,7 +343,11 @@ std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module) {
   auto add = [&buffers](const torch::nn::Module& m) {
     if (m.is_training()) {
       for (const auto& b : m.buffers(/*recurse=*/false)) {
-        buffers.push_back(b);
+        // Not 8-bit weights' codes: the recompute reads them, and the step in backward
+        // writes them while the block's backward runs.
+        if (!optim::detail::holds_stored_weights(b)) {
+          buffers.push_back(b);
+        }
       }
     }
   };

@@ -140,9 +140,10 @@ std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,
                                                          GradAccumulatedHook::Fn fn);
 
 /// After `leaf.set_data` gave the leaf another shape: its gradient accumulator, if one is
-/// alive, expects gradients of the new shape. LibTorch before 2.1 keeps the accumulator a
-/// gradient-ready hook holds, with the shape the leaf had when it was made; later versions
-/// make a new one for each graph (nothing to do).
+/// alive, expects gradients of the new shape. An accumulator keeps the shape the leaf had
+/// when it was made: before LibTorch 2.1 a gradient-ready hook holds it across steps, and
+/// in any version a graph that reached the leaf while it was released (a checkpoint of a
+/// block whose parts are units) holds it until its backward.
 void refresh_grad_accumulator(const at::Tensor& leaf);
 
 /// The CUDA caching allocator's figures for one device, aggregated over pool kinds.

@@ -21,7 +21,7 @@ using torch::autograd::variable_list;
 
 void check_leaf(const at::Tensor& leaf) {
   FRUGAL_CHECK(leaf.defined() && leaf.requires_grad() && leaf.is_leaf(),
-              "frugal: a gradient-ready hook needs a leaf tensor that requires grad");
+               "frugal: a gradient-ready hook needs a leaf tensor that requires grad");
 }
 
 #if FRUGAL_TORCH_AT_LEAST(2, 1)
@@ -82,8 +82,12 @@ class Installed : public GradAccumulatedHook {
 struct AccumulatorPostHook : torch::autograd::FunctionPostHook {
   AccumulatorPostHook(at::Tensor leaf, GradAccumulatedHook::Fn fn)
       : leaf(std::move(leaf)), fn(std::move(fn)) {}
-  variable_list operator()(const variable_list& outputs, const variable_list&) override {
-    fn(leaf);
+  variable_list operator()(const variable_list& outputs, const variable_list& inputs) override {
+    // Given no gradient (a checkpoint that accumulated its parameters' gradients itself),
+    // the accumulator added nothing: as LibTorch 2 does, the hook does not run.
+    if (!inputs.empty() && inputs[0].defined()) {
+      fn(leaf);
+    }
     return outputs;
   }
   at::Tensor leaf;
@@ -109,9 +113,6 @@ class Installed : public GradAccumulatedHook {
 }  // namespace
 
 void refresh_grad_accumulator(const at::Tensor& leaf) {
-#if FRUGAL_TORCH_AT_LEAST(2, 1)
-  (void)leaf;
-#else
   const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(leaf);
   if (accumulator == nullptr || accumulator->num_inputs() != 1) {
     return;
@@ -120,7 +121,6 @@ void refresh_grad_accumulator(const at::Tensor& leaf) {
   auto& metadata = const_cast<torch::autograd::InputMetadata&>(accumulator->input_metadata(0));
   metadata.~InputMetadata();
   new (&metadata) torch::autograd::InputMetadata(leaf);
-#endif
 }
 
 std::unique_ptr<GradAccumulatedHook> on_grad_accumulated(const at::Tensor& leaf,

@@ -287,6 +287,77 @@ TEST(Checkpoint, BlockThatDetachesItsOutputIsNamed) {
   }
 }
 
+// Two Linear layers with a ReLU between, checkpointed with their parameters named; while
+// the recompute's backward reaches the hidden activation, `seen` records whether the
+// second layer's weight already has its gradient.
+struct TwoLayers {
+  torch::nn::Linear first{8, 16}, second{16, 4};
+  bool seen = false;
+
+  TwoLayers() {
+    torch::manual_seed(11);
+    first = torch::nn::Linear(8, 16);
+    second = torch::nn::Linear(16, 4);
+  }
+  std::vector<torch::Tensor> params() const {
+    auto p = first->parameters();
+    const auto q = second->parameters();
+    p.insert(p.end(), q.begin(), q.end());
+    return p;
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto hidden = torch::relu(first(x));
+    if (hidden.requires_grad()) {
+      hidden.register_hook(
+          [this](const torch::Tensor&) { seen = second->weight.grad().defined(); });
+    }
+    return second(hidden);
+  }
+  torch::Tensor checkpointed(const torch::Tensor& x) {
+    return frugal::checkpoint([this](const torch::Tensor& t) { return forward(t); },
+                              frugal::CheckpointOptions().params(params()), x);
+  }
+};
+
+TEST(Checkpoint, EachParameterAccumulatesAsTheRecomputesBackwardReachesIt) {
+  const auto x = torch::randn({5, 8});
+  TwoLayers plain_run;
+  plain_run.forward(x).square().sum().backward();
+  ASSERT_TRUE(plain_run.seen);  // the reference: an ordinary backward accumulates at once
+
+  TwoLayers block;
+  block.checkpointed(x).square().sum().backward();
+  EXPECT_TRUE(block.seen);  // not at the block's end
+  expect_all_close(grads_of(*block.first), grads_of(*plain_run.first));
+  expect_all_close(grads_of(*block.second), grads_of(*plain_run.second));
+}
+
+TEST(Checkpoint, GradOfTheParametersThroughABlockCapturesThemAndLeavesGradAlone) {
+  const auto x = torch::randn({5, 8});
+  TwoLayers plain_run, block;
+  const auto expected = torch::autograd::grad({plain_run.forward(x).square().sum()},
+                                              {plain_run.first->weight, plain_run.second->weight});
+  const auto got = torch::autograd::grad({block.checkpointed(x).square().sum()},
+                                         {block.first->weight, block.second->weight});
+  expect_all_close(got, expected);
+  EXPECT_FALSE(block.seen);
+  for (const auto& p : block.params()) {
+    EXPECT_FALSE(p.grad().defined());
+  }
+}
+
+TEST(Checkpoint, BackwardWithInputsAccumulatesOnlyThoseNamed) {
+  const auto x = torch::randn({5, 8});
+  TwoLayers plain_run, block;
+  plain_run.forward(x).square().sum().backward();
+  torch::autograd::backward({block.checkpointed(x).square().sum()}, {}, c10::nullopt, false,
+                            {block.second->weight});
+  EXPECT_FALSE(block.first->weight.grad().defined());
+  EXPECT_FALSE(block.second->bias.grad().defined());
+  ASSERT_TRUE(block.second->weight.grad().defined());
+  EXPECT_TRUE(torch::allclose(block.second->weight.grad(), plain_run.second->weight.grad()));
+}
+
 TEST(CudaCheckpoint, DropoutMasksMatchThePlainRun) {
   FRUGAL_SKIP_WITHOUT_CUDA();
   auto grad = [](bool checkpointed) {

@@ -19,34 +19,46 @@ using frugal::nn::Int8WeightsOptions;
 
 // Two matrices (stored) and two biases (kept in bfloat16); records the stored bytes that
 // are materialised while it runs, forward and backward.
+// With `parts`, the two Linear layers are called through frugal::nn::call (each may be a
+// unit of its own).
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(std::int64_t dim, const Int8Weights* int8)
+  BlockImpl(std::int64_t dim, const Int8Weights* int8, bool parts = false)
       : up(register_module("up", torch::nn::Linear(dim, 4 * dim))),
         down(register_module("down", torch::nn::Linear(4 * dim, dim))),
-        int8(int8) {}
+        int8(int8),
+        parts(parts) {}
   torch::Tensor forward(const torch::Tensor& x) {
     seen.push_back(materialised());
-    auto h = up(x);
+    auto h = parts ? frugal::nn::call(up, x) : up(x);
     if (h.requires_grad()) {
       h.register_hook([this](const torch::Tensor&) { seen.push_back(materialised()); });
     }
-    return x + down(torch::gelu(h));
+    const auto g = torch::gelu(h);
+    return x + (parts ? frugal::nn::call(down, g) : down(g));
   }
   std::int64_t materialised() const { return int8 != nullptr ? int8->materialised_bytes() : 0; }
   torch::nn::Linear up, down;
   const Int8Weights* int8;
+  bool parts;
   std::vector<std::int64_t> seen;
 };
 TORCH_MODULE(Block);
 
 struct NetImpl : torch::nn::Module {
-  // Built unit by unit: each block is stored as soon as it is made (when `int8` is given).
-  NetImpl(std::int64_t dim, int layers, Int8Weights* int8)
+  // Built unit by unit: each block is stored as soon as it is made (when `int8` is given),
+  // as one unit, or with `parts` as two (its layers).
+  NetImpl(std::int64_t dim, int layers, Int8Weights* int8, bool parts = false)
       : blocks(register_module("blocks", torch::nn::ModuleList())),
         head(register_module("head", torch::nn::Linear(dim, 1))) {
     for (int i = 0; i < layers; ++i) {
-      Block block(dim, int8);
-      blocks->push_back(int8 != nullptr ? int8->add(block) : block);
+      Block block(dim, int8, parts);
+      if (int8 != nullptr && parts) {
+        int8->add(block->up);
+        int8->add(block->down);
+      } else if (int8 != nullptr) {
+        int8->add(block);
+      }
+      blocks->push_back(block);
     }
     head->to(torch::kBFloat16);
   }
@@ -64,8 +76,9 @@ TORCH_MODULE(Net);
 constexpr std::int64_t kDim = 64;
 
 struct Model {
-  explicit Model(Int8WeightsOptions o = {}, int layers = 3, std::uint64_t seed = 11)
-      : int8(o), net((torch::manual_seed(seed), Net(kDim, layers, &int8))) {}
+  explicit Model(Int8WeightsOptions o = {}, int layers = 3, std::uint64_t seed = 11,
+                 bool parts = false)
+      : int8(o), net((torch::manual_seed(seed), Net(kDim, layers, &int8, parts))) {}
   Int8Weights int8;
   Net net;
 };
@@ -177,6 +190,34 @@ TEST(Int8Weights, BetweenStepsTheLedgerCountsCodesAndStatisticsAsTheWeights) {
   EXPECT_EQ(ledger.optimizer, 2 * 2 * (m.int8.stored_elements() + vectors / 2));
 }
 
+TEST(Int8Weights, ARecordedStepCountsAWholeUnitAsMaterialisedWeights) {
+  Model m;
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto trainer = mse_trainer(m.net, adamw);
+  trainer->add_policy(std::make_shared<frugal::StepInBackward>());
+  const auto [x, y] = batch(2);
+  trainer->step(frugal::Batch(x, y));  // the optimizer's state exists
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*m.net, &adamw);
+  trainer->step(frugal::Batch(x, y));
+  recorder.stop();
+  const auto peak = recorder.peak();
+  std::int64_t materialised = 0, weights = 0;
+  for (const auto& g : peak.groups) {
+    materialised += g.category == frugal::MemoryCategory::MaterialisedWeights ? g.bytes : 0;
+    weights += g.category == frugal::MemoryCategory::Weights ? g.bytes : 0;
+  }
+  std::int64_t vectors = 0;
+  for (const auto& p : m.net->parameters()) {
+    vectors += static_cast<std::int64_t>(p.nbytes());
+  }
+  // One block is whole at the step's peak, and only its bytes are materialised weights;
+  // the weights are the codes, statistics and vectors.
+  EXPECT_EQ(materialised, unit_bytes()) << peak.summary();
+  EXPECT_EQ(weights, m.int8.stored_bytes() + vectors) << peak.summary();
+  EXPECT_NE(peak.summary().find("weights (materialised)"), std::string::npos);
+}
+
 // Trains `m` for `steps` steps of AdamW stepped in backward; the losses.
 std::vector<float> train(Net& net, fo::Rounding rounding, int steps, double lr = 3e-3) {
   fo::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(lr),
@@ -236,7 +277,7 @@ TEST(Int8Weights, StochasticRoundingKeepsUpdatesTooSmallForAStep) {
   EXPECT_GT(std::abs(moved[1] - expected), 3 * std::abs(moved[0] - expected)) << moved[1];
 }
 
-enum class Stepping { AfterBackward, InBackward, LoopBackwardStep };
+enum class Stepping { AfterBackward, InBackward, LoopBackwardStep, InBackwardCheckpointed };
 
 // The codes after three steps of AdamW8bit (nearest rounding) taken as `how` says.
 std::vector<torch::Tensor> codes_after_three_steps(Stepping how) {
@@ -245,8 +286,12 @@ std::vector<torch::Tensor> codes_after_three_steps(Stepping how) {
                       fo::QuantizedStateOptions(),
                       fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
   auto trainer = mse_trainer(m.net, adamw);
-  if (how == Stepping::InBackward) {
+  if (how == Stepping::InBackward || how == Stepping::InBackwardCheckpointed) {
     trainer->add_policy(std::make_shared<frugal::StepInBackward>());
+  }
+  if (how == Stepping::InBackwardCheckpointed) {
+    trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
+        frugal::CheckpointSelect().names({"blocks.0", "blocks.1", "blocks.2"})));
   }
   frugal::Loop loop;
   auto& model = loop.prepare(m.net, adamw, "net");
@@ -265,6 +310,15 @@ std::vector<torch::Tensor> codes_after_three_steps(Stepping how) {
 TEST(Int8Weights, TheStepInBackwardWritesTheCodesTheStepAfterBackwardWrites) {
   EXPECT_TRUE(same(codes_after_three_steps(Stepping::AfterBackward),
                    codes_after_three_steps(Stepping::InBackward)));
+}
+
+// The checkpoint keeps what the recompute would change twice (running statistics), not
+// the codes, which the step writes during the block's backward.
+TEST(Int8Weights, CheckpointedBlocksKeepTheCodesTheStepInBackwardWrites) {
+  const auto plain = codes_after_three_steps(Stepping::InBackward);
+  Model untrained;
+  EXPECT_FALSE(same(plain, codes_of(untrained.net)));  // the steps moved them
+  EXPECT_TRUE(same(codes_after_three_steps(Stepping::InBackwardCheckpointed), plain));
 }
 
 TEST(Int8Weights, TheLoopsBackwardStepWritesTheCodesOfTheTrainersStepInBackward) {
@@ -293,6 +347,39 @@ TEST(Int8Weights, MicroBatchesMaterialiseOneUnitAtATimeAndTrain) {
     }
   }
   EXPECT_LT(losses.back(), 0.5 * losses.front());
+}
+
+// A checkpointed block whose layers are units: in the recompute's backward each layer is
+// released as soon as its gradient is in (taken by the step), so when the gradient reaches
+// the first layer's output only that layer is whole; and the codes are those of blocks
+// that are units.
+TEST(Int8Weights, LayersOfACheckpointedBlockAreUnitsOneWholeAtATime) {
+  const auto codes_after = [](bool parts) {
+    Model m(Int8WeightsOptions(), 3, 11, parts);
+    fo::AdamW8bit adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-3),
+                        fo::QuantizedStateOptions(),
+                        fo::InPlaceOptions().rounding(fo::Rounding::Nearest));
+    auto trainer = mse_trainer(m.net, adamw);
+    trainer->add_policy(std::make_shared<frugal::StepInBackward>());
+    trainer->add_policy(std::make_shared<frugal::CheckpointPolicy>(
+        frugal::CheckpointSelect().names({"blocks.0", "blocks.1", "blocks.2"})));
+    for (int s = 0; s < 3; ++s) {
+      const auto [x, y] = batch(300 + s);
+      trainer->step(frugal::Batch(x, y));
+    }
+    for (std::size_t i = 0; i < 3; ++i) {
+      const auto& seen = m.net->blocks->ptr<BlockImpl>(i)->seen;
+      // each step: the forward (nothing whole yet when parts), the recompute, the hook
+      EXPECT_EQ(seen.size(), 3U * 3U) << i;
+      for (std::size_t k = 0; k < seen.size(); ++k) {
+        const auto expected = !parts ? unit_bytes() : k % 3 == 2 ? unit_bytes() / 2 : 0;
+        EXPECT_EQ(seen[k], expected) << "block " << i << " record " << k;
+      }
+    }
+    EXPECT_EQ(m.int8.materialised_bytes(), 0);
+    return codes_of(m.net);
+  };
+  EXPECT_TRUE(same(codes_after(true), codes_after(false)));
 }
 
 TEST(Int8Weights, TheFusedAdam8bitStepIsTheFloat32StepOfTheDecodedWeightsEncodedAgain) {

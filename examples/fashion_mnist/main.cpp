@@ -69,8 +69,13 @@ int run(Args args) {
 
   auto model =
       args.model == "cnn" ? fashion::make_cnn(args.dropout) : fashion::make_mlp(args.dropout);
+  // With --weights int8: the codes, as the model's buffers.
+  frugal::nn::Int8Weights int8(frugal::nn::Int8WeightsOptions().dtype(
+      args.materialise == "float32" ? torch::kFloat32 : torch::kBFloat16));
   if (args.weights == "bf16") {
     model = fashion::with_bf16_weights(model);
+  } else if (args.weights == "int8") {
+    model = fashion::with_int8_weights(model, int8);
   }
   model->to(device);
   std::unique_ptr<torch::optim::Optimizer> optimizer;
@@ -99,7 +104,9 @@ int run(Args args) {
   }
   frugal::Trainer trainer(
       model.ptr(), *optimizer,
-      [&model](const frugal::Batch& b) { return model->forward(frugal::data::to_unit_floats(b.inputs)); },
+      [&model](const frugal::Batch& b) {
+        return model->forward(frugal::data::to_unit_floats(b.inputs));
+      },
       [](const torch::Tensor& out, const frugal::Batch& b) {
         return torch::nn::functional::cross_entropy(out, b.targets);
       },
@@ -138,7 +145,10 @@ int run(Args args) {
         "{} weights, autocast {}, checkpoint {}, {} {}{}, {} threads{}, LibTorch {}.{}\n",
         args.model, device.str(), n, test.inputs.size(0), args.batch,
         args.micro_batch > 0 ? std::to_string(args.micro_batch) : "off",
-        args.weights == "bf16" ? "bf16 (" + args.rounding + " rounding)" : args.weights,
+        args.weights == "bf16" ? "bf16 (" + args.rounding + " rounding)"
+        : args.weights == "int8"
+            ? "int8 (" + args.rounding + " rounding, " + args.materialise + " while a layer runs)"
+            : args.weights,
         args.autocast, args.checkpoint ? "on" : "off",
         args.torch_optimizer ? "LibTorch's" : "frugal's", args.optimizer,
         args.step_in_backward ? " stepped in backward" : "", torch::get_num_threads(),
@@ -193,8 +203,7 @@ int run(Args args) {
                       report.loss, at.step, args.lr));
     }
     peak = std::max(peak, report.peak);
-    if (timeline && !timeline->written().empty() && at.step == args.timeline.step &&
-        !args.quiet) {
+    if (timeline && !timeline->written().empty() && at.step == args.timeline.step && !args.quiet) {
       fmt::print("step {}: {}\nstep {}: ledger {}\n", at.step, report.memory.summary(), at.step,
                  report.ledger.summary());
       examples::print_timeline("fashion_mnist", *timeline->recorder(), timeline->written(),
@@ -346,14 +355,20 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"off", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--weights", args.weights,
-                 "The weights' dtype: float32|bf16 (bf16: gradients and Adam's moments too, "
-                 "inputs cast on the way in)")
-      ->check(CLI::IsMember({"float32", "bf16"}))
+                 "The weights' dtype: float32|bf16|int8 (bf16: gradients and Adam's moments "
+                 "too, inputs cast on the way in; int8: the matrices stored as 8-bit codes, "
+                 "materialised in bf16 one layer at a time, the rest bf16)")
+      ->check(CLI::IsMember({"float32", "bf16", "int8"}))
       ->capture_default_str();
   app.add_option("--rounding", args.rounding,
-                 "How bf16 weights take frugal's optimizer updates: "
+                 "How bf16 and int8 weights take frugal's optimizer updates: "
                  "stochastic|nearest|compensated")
       ->check(CLI::IsMember({"stochastic", "nearest", "compensated"}))
+      ->capture_default_str();
+  app.add_option("--materialise", args.materialise,
+                 "The dtype --weights int8 gives a layer's weights while it runs, and keeps "
+                 "the other parameters in: bf16|float32")
+      ->check(CLI::IsMember({"bf16", "float32"}))
       ->capture_default_str();
   app.add_flag("--checkpoint", args.checkpoint, "Checkpoint the model's blocks");
   app.add_option("--report", args.report, "Write a JSON-lines report to this file");
@@ -385,6 +400,13 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (args.zero > 0 && !args.distributed) {
     fmt::print(stderr, "fashion_mnist: --zero {} needs --distributed\n", args.zero);
+    return 2;
+  }
+  if (args.weights == "int8" && (args.torch_optimizer || args.zero > 0)) {
+    fmt::print(stderr,
+               "fashion_mnist: --weights int8 takes frugal's optimizers without --zero, "
+               "got {}\n",
+               args.torch_optimizer ? "--torch-optimizer" : fmt::format("--zero {}", args.zero));
     return 2;
   }
   if ((args.resume || args.save_every > 0) && args.save_dir.empty()) {

@@ -37,6 +37,7 @@ struct Args {
   std::string autocast = "off";
   std::string weights = "float32";
   std::string rounding = "stochastic";
+  std::string materialise = "bf16";  // --weights int8: the dtype a layer runs in
   bool checkpoint = false;
   std::string optimizer = "adam";
   double beta1 = 0.9;
@@ -56,7 +57,7 @@ struct Args {
 
 // frugal's optimizer (in place), or LibTorch's own of the same name for comparison.
 inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
-                                                        std::vector<torch::Tensor> params) {
+                                                               std::vector<torch::Tensor> params) {
   namespace to = torch::optim;
   // How bfloat16 weights (--weights bf16) take their updates.
   const auto in_place = frugal::optim::InPlaceOptions().seed(args.seed).rounding(
@@ -111,7 +112,7 @@ inline std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& args,
 // The schedule --lr-schedule names: linear and cosine decay to 0 at the run's last step,
 // step halves the rate every epoch; all after --warmup-steps.
 inline frugal::LrScheduleOptions lr_schedule(const Args& args, std::int64_t per_epoch,
-                                      std::int64_t total) {
+                                             std::int64_t total) {
   auto options = frugal::LrScheduleOptions().warmup_steps(args.warmup_steps).total_steps(total);
   if (args.lr_schedule == "linear") {
     options.decay(frugal::LrDecay::Linear);

@@ -52,15 +52,19 @@ struct Args {
   double beta1 = 0.9;
   bool factored = false;
   std::string weights = "float32";
+  std::string rounding = "stochastic";
+  std::string materialise = "bf16";
   examples::TimelineFlags timeline;
 };
 
-// frugal's AdamW, on float32 states or 8-bit ones (factored or not); bfloat16 weights take
-// its updates stochastically rounded, seeded by --seed.
+// frugal's AdamW, on float32 states or 8-bit ones (factored or not); bfloat16 and 8-bit
+// weights take its updates rounded as --rounding says (stochastically: seeded by --seed).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& a,
                                                         std::vector<torch::Tensor> params) {
   const auto options = torch::optim::AdamWOptions(a.lr).weight_decay(0.01).betas({a.beta1, 0.999});
-  const auto in_place = frugal::optim::InPlaceOptions().seed(a.seed);
+  const auto in_place = frugal::optim::InPlaceOptions().seed(a.seed).rounding(
+      a.rounding == "nearest" ? frugal::optim::Rounding::Nearest
+                              : frugal::optim::Rounding::Stochastic);
   if (a.optimizer == "adamw8bit" || a.optimizer == "adamw4bit") {
     auto states = a.optimizer == "adamw4bit" ? frugal::optim::four_bit_states()
                                              : frugal::optim::QuantizedStateOptions();
@@ -114,9 +118,16 @@ int main(int argc, char** argv) {
                "adamw8bit, adamw4bit: keep a matrix's second moment as row and column "
                "statistics");
   app.add_option("--weights", a.weights,
-                 "The weights' dtype: float32 or bf16 (bf16: gradients too; updates rounded "
-                 "stochastically)")
-      ->check(CLI::IsMember({"float32", "bf16"}));
+                 "The weights' dtype: float32, bf16 (gradients too) or int8 (the blocks' "
+                 "matrices as 8-bit codes, materialised one layer at a time; the rest in "
+                 "--materialise's dtype)")
+      ->check(CLI::IsMember({"float32", "bf16", "int8"}));
+  app.add_option("--rounding", a.rounding,
+                 "How bf16 and int8 weights take the updates: stochastic or nearest")
+      ->check(CLI::IsMember({"stochastic", "nearest"}));
+  app.add_option("--materialise", a.materialise,
+                 "With --weights int8, the dtype a layer runs in: bf16 or float32")
+      ->check(CLI::IsMember({"bf16", "float32"}));
   app.add_option("--dropout", a.dropout, "Dropout in the embeddings and blocks")
       ->check(CLI::Range(0.0, 0.99));
   app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every Transformer block");
@@ -174,9 +185,25 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> train;
     const auto test = held_out(seqs, a.eval_samples, &train);
 
-    tiny_lm::TinyLM model(
-        tiny_lm::ModelOptions{tokenizer.size(), a.max_len, a.dim, a.heads, a.layers, a.dropout});
-    model->to(device, a.weights == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+    tiny_lm::ModelOptions model_options{tokenizer.size(), a.max_len, a.dim,
+                                        a.heads,          a.layers,  a.dropout};
+    const auto runs_in = a.materialise == "float32" ? torch::kFloat32 : torch::kBFloat16;
+    std::unique_ptr<frugal::nn::Int8Weights> int8;  // with --weights int8
+    if (a.weights == "int8") {
+      int8 = std::make_unique<frugal::nn::Int8Weights>(
+          frugal::nn::Int8WeightsOptions().dtype(runs_in));
+      model_options.int8 = int8.get();
+    }
+    tiny_lm::TinyLM model(model_options);
+    if (int8 != nullptr) {  // the blocks are stored; the rest runs in their dtype
+      for (auto* m : std::initializer_list<torch::nn::Module*>{
+               model->tokens.get(), model->positions.get(), model->norm.get(), model->head.get()}) {
+        m->to(device, runs_in);
+      }
+      model->blocks->to(device);  // codes and statistics as they are
+    } else {
+      model->to(device, a.weights == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+    }
     const auto optimizer = make_optimizer(a, model->parameters());
     auto& adamw = *optimizer;
     auto options = frugal::TrainerOptions().device(device).count(tiny_lm::tokens).eval_batch(250);

@@ -18,7 +18,8 @@ struct ModelOptions {
   std::int64_t layers = 4;
   double dropout = 0.1;
   // Given, each block is stored in 8 bits as soon as it is made (frugal::nn::Int8Weights),
-  // so that the model never exists whole in float32; the other parameters stay float32.
+  // so that the model never exists whole in float32: its attention and feed-forward layers
+  // as three units, its norms in the store's dtype. The other parameters stay float32.
   frugal::nn::Int8Weights* int8 = nullptr;
 };
 
@@ -37,10 +38,31 @@ struct BlockImpl : torch::nn::Module {
     // no_grad (a checkpointed block's forward) a Linear over the transposed view runs as a
     // batched matmul against one copy of the weight per time step (576 MiB for a 768 x 3072
     // weight and 128 steps); the contiguous copy is the activation's size.
-    return layer->forward(x.transpose(0, 1).contiguous(), mask).transpose(0, 1);
+    const auto src = x.transpose(0, 1).contiguous();
+    if (!units) {
+      return layer->forward(src, mask).transpose(0, 1);
+    }
+    // The layer's own forward, step for step, with the attention and the two feed-forward
+    // layers called through frugal::nn::call: each may then be a unit of its own.
+    const auto attended = std::get<0>(frugal::nn::call(
+        layer->self_attn, src, src, src, torch::Tensor(), /*need_weights=*/true, mask));
+    const auto mid = layer->norm1(src + layer->dropout1(attended));
+    const auto fed = frugal::nn::call(
+        layer->linear2, layer->dropout(torch::gelu(frugal::nn::call(layer->linear1, mid))));
+    return layer->norm2(mid + layer->dropout2(fed)).transpose(0, 1);
+  }
+
+  // The attention and the two feed-forward layers, each a unit of `int8` (the norms keep
+  // the dtype the block was made in). Its forward stays the layer's.
+  void store_in(frugal::nn::Int8Weights& int8) {
+    int8.add(layer->self_attn);
+    int8.add(layer->linear1);
+    int8.add(layer->linear2);
+    units = true;
   }
 
   torch::nn::TransformerEncoderLayer layer;
+  bool units = false;  // the sublayers are reached through frugal::nn::call
 };
 TORCH_MODULE(Block);
 
@@ -58,8 +80,12 @@ struct TinyLMImpl : torch::nn::Module {
         continue;
       }
       // Made in the dtype it is stored from: one block exists in 16 bits for a moment.
+      // Its attention and feed-forward layers are three units, so that in a step at most
+      // one of them (a third of the block) is whole in 16 bits.
       frugal::nn::DefaultDtypeGuard made_in(o.int8->options().dtype());
-      blocks->push_back(o.int8->add(Block(o.dim, o.heads, o.dropout)));
+      Block block(o.dim, o.heads, o.dropout);
+      block->store_in(*o.int8);
+      blocks->push_back(block);
     }
   }
 

@@ -182,7 +182,8 @@ auto checkpoint(Fn fn, const Args&... args) {
 
 /// The buffers of `module` and its descendants that are in training mode: what a
 /// recompute of it would change a second time (BatchNorm's running statistics), for
-/// CheckpointOptions::buffers.
+/// CheckpointOptions::buffers. Not the codes of weights stored in 8 bits (nn::Int8Weights):
+/// the step in backward writes them while the block's backward runs.
 std::vector<torch::Tensor> training_buffers(const torch::nn::Module& module);
 
 /// Runs a Sequential in `segments` parts, PyTorch's rule: segments-1 checkpointed chunks of

@@ -9,6 +9,7 @@ namespace {
 
 thread_local MemoryPhase t_phase = MemoryPhase::Other;
 thread_local const torch::nn::Module* t_unit = nullptr;
+thread_local int t_materialising = 0;
 
 }  // namespace
 
@@ -19,8 +20,8 @@ const char* to_string(MemoryPhase phase) {
 }
 
 const char* to_string(MemoryCategory category) {
-  static constexpr const char* kNames[] = {"weights", "gradients", "optimizer state", "activations",
-                                           "other"};
+  static constexpr const char* kNames[] = {"weights",     "gradients", "optimizer state",
+                                           "activations", "other",     "weights (materialised)"};
   return kNames[static_cast<std::size_t>(category)];
 }
 
@@ -42,6 +43,14 @@ UnitScope::UnitScope(const torch::nn::Module* module) : before_(t_unit) { t_unit
 UnitScope::~UnitScope() { t_unit = before_; }
 
 const torch::nn::Module* current_unit() { return t_unit; }
+
+}  // namespace detail
+
+namespace detail {
+
+MaterialiseScope::MaterialiseScope() { ++t_materialising; }
+MaterialiseScope::~MaterialiseScope() { --t_materialising; }
+bool materialising() { return t_materialising > 0; }
 
 }  // namespace detail
 

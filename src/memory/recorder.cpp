@@ -107,6 +107,9 @@ void MemoryRecorder::Impl::classify_locked() {
             live_[address] = detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, category};
             return;
           }
+          if (it->second.category == MemoryCategory::MaterialisedWeights) {
+            return;  // a unit's parameter while it is whole: its store holds the weights
+          }
           it->second.category = category;
           const auto seq = it->second.seq;
           if (kept(seq)) {

@@ -50,7 +50,8 @@ detail::MemoryEvent& MemoryRecorder::Impl::push(detail::EventAction action, cons
   e.allocated = allocated;
   if (action != detail::EventAction::Free) {  // a free takes its block's
     e.phase = e.at;
-    e.category = category_made_in(e.at);
+    e.category =
+        detail::materialising() ? MemoryCategory::MaterialisedWeights : category_made_in(e.at);
     e.unit = unit_index(detail::current_unit());
   }
   return e;

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 
+#include "frugal/memory/memory_context.h"
+
 namespace frugal::detail {
 
 /// `t`'s storage keeps its identity and holds no bytes.
@@ -15,9 +17,10 @@ inline void drop_bytes(const at::Tensor& t) {
 }
 
 /// `t`'s storage takes new bytes (uninitialised) for t's elements, from its device's
-/// allocator.
+/// allocator: a unit's weights made whole, which a MemoryRecorder counts as such.
 inline void take_bytes(const at::Tensor& t) {
   const c10::DeviceGuard on(t.device());
+  const MaterialiseScope materialising;
   const auto bytes = static_cast<std::size_t>(t.numel()) * t.element_size();
   auto* storage = t.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(bytes));

@@ -14,7 +14,6 @@
 namespace frugal::detail {
 namespace {
 
-constexpr std::size_t kCategories = 5;
 constexpr std::size_t kMostPoints = 4000;  // a page a browser draws at once
 
 std::size_t index_of(MemoryCategory c) { return static_cast<std::size_t>(c); }

@@ -11,9 +11,12 @@
 
 namespace frugal::detail {
 
+/// MemoryCategory's values.
+inline constexpr std::size_t kCategories = 6;
+
 struct TimelinePoint {
-  std::size_t event = 0;                // index into Recording::events
-  std::array<std::int64_t, 5> bytes{};  // by MemoryCategory, after the event
+  std::size_t event = 0;                          // index into Recording::events
+  std::array<std::int64_t, kCategories> bytes{};  // by MemoryCategory, after the event
   std::int64_t total() const {
     return std::accumulate(bytes.begin(), bytes.end(), std::int64_t{0});
   }

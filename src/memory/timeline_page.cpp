@@ -32,7 +32,7 @@ body { font: 14px sans-serif; margin: 16px; color: #222; }
 const char* timeline_page_script() {
   return R"js(
 (function () {
-  const colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac"];
+  const colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac", "#76b7b2"];
   const svg = document.getElementById("chart");
   const ns = "http://www.w3.org/2000/svg";
   const W = 960, H = 420, left = 70, right = 10, top = 10, bottom = 30;

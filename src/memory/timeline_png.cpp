@@ -27,11 +27,12 @@ constexpr int kLeft = 84, kRight = 12, kTop = 70, kBottom = 30;
 constexpr Rgb kWhite{255, 255, 255}, kInk{34, 34, 34}, kGrid{228, 228, 228}, kAxis{85, 85, 85},
     kRed{221, 0, 0};
 // The page's colours, by MemoryCategory.
-constexpr std::array<Rgb, 5> kColours{{{0x4e, 0x79, 0xa7},
-                                       {0xf2, 0x8e, 0x2b},
-                                       {0x59, 0xa1, 0x4f},
-                                       {0xe1, 0x57, 0x59},
-                                       {0xba, 0xb0, 0xac}}};
+constexpr std::array<Rgb, kCategories> kColours{{{0x4e, 0x79, 0xa7},
+                                                 {0xf2, 0x8e, 0x2b},
+                                                 {0x59, 0xa1, 0x4f},
+                                                 {0xe1, 0x57, 0x59},
+                                                 {0xba, 0xb0, 0xac},
+                                                 {0x76, 0xb7, 0xb2}}};
 
 class Canvas {
  public:

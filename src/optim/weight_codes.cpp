@@ -94,6 +94,22 @@ std::shared_ptr<StoredWeights> stored_weights(const at::Tensor& t) {
   return found == r.map.end() ? nullptr : found->second;
 }
 
+bool holds_stored_weights(const at::Tensor& buffer) {
+  if (!buffer.defined() || !buffer.has_storage()) {
+    return false;
+  }
+  const auto* storage = buffer.storage().unsafeGetStorageImpl();
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& [impl, stored] : r.map) {
+    if (stored->codes.storage().unsafeGetStorageImpl() == storage ||
+        stored->qparams.storage().unsafeGetStorageImpl() == storage) {
+      return true;
+    }
+  }
+  return false;
+}
+
 void dequantize_weights_ops(const at::Tensor& codes, const at::Tensor& qparams, std::int64_t group,
                             const at::Tensor& out) {
   const auto n = out.numel();

@@ -30,6 +30,8 @@ void add_stored_weights(const at::Tensor& param, std::shared_ptr<StoredWeights> 
 void remove_stored_weights(const at::Tensor& param, const StoredWeights& stored);
 /// The codes of `t` (a parameter stored in 8 bits, or the `whole` of one), or null.
 std::shared_ptr<StoredWeights> stored_weights(const at::Tensor& t);
+/// Whether `buffer` holds a stored parameter's codes or group statistics.
+bool holds_stored_weights(const at::Tensor& buffer);
 
 /// `param` as an update sees it: the `whole` of a parameter stored in 8 bits (its shape and
 /// dtype whether or not it is materialised), else `param` itself.

@@ -54,6 +54,19 @@ class UnitScope {
   const torch::nn::Module* before_;
 };
 
+/// Marks what the calling thread allocates meanwhile as a unit's weights being made whole
+/// (MemoryCategory::MaterialisedWeights); nests.
+class MaterialiseScope {
+ public:
+  MaterialiseScope();
+  ~MaterialiseScope();
+  MaterialiseScope(const MaterialiseScope&) = delete;
+  MaterialiseScope& operator=(const MaterialiseScope&) = delete;
+};
+
+/// Whether the calling thread is in a MaterialiseScope.
+bool materialising();
+
 }  // namespace detail
 
 }  // namespace frugal

@@ -24,6 +24,10 @@ enum class MemoryCategory : std::uint8_t {
   OptimizerState,
   Activations,
   Other,
+  /// A unit's weights while they are whole: an 8-bit unit's (nn::Int8Weights) or a ZeRO-3
+  /// unit's, made from their compact or sharded store for the unit's forward, recompute
+  /// and backward, and freed after.
+  MaterialisedWeights,
 };
 const char* to_string(MemoryCategory category);
 

@@ -5,6 +5,7 @@
 #include <torch/types.h>
 
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +38,23 @@ void remove_unit_hook(const torch::nn::Module* module);
 inline std::vector<torch::Tensor> unit_outputs(const torch::Tensor& out) { return {out}; }
 inline std::vector<torch::Tensor> unit_outputs(const std::vector<torch::Tensor>& out) {
   return out;
+}
+/// A tuple's Tensor elements (MultiheadAttention's output and weights).
+template <typename... T>
+std::vector<torch::Tensor> unit_outputs(const std::tuple<T...>& out) {
+  std::vector<torch::Tensor> tensors;
+  std::apply(
+      [&tensors](const auto&... element) {
+        (
+            [&tensors](const auto& e) {
+              if constexpr (std::is_same_v<std::decay_t<decltype(e)>, torch::Tensor>) {
+                tensors.push_back(e);
+              }
+            }(element),
+            ...);
+      },
+      out);
+  return tensors;
 }
 template <typename T>
 std::vector<torch::Tensor> unit_outputs(const T& /*out*/) {
