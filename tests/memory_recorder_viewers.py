@@ -68,7 +68,8 @@ dom = subprocess.run([chromium, *flags, "--dump-dom", page], check=True, capture
                      text=True, timeout=120).stdout
 drawn = re.findall(r'class="area" data-category="([^"]+)"', dom)
 held = []
-for name in ["weights", "gradients", "optimizer state", "activations", "other"]:
+for name in ["weights", "gradients", "optimizer state", "activations", "other",
+             "weights (materialised)"]:
     if any(e["category"] == name for e in recorded["events"]) or any(
             g["category"] == name for g in recorded["peak"]["groups"]):
         held.append(name)
