@@ -181,6 +181,7 @@ int main(int argc, char** argv) {
          "Adam8bit: 8-bit weights vs bf16 weights"}}) {
     const double a = bench::median(steps.at(bf16)), b = bench::median(steps.at(int8));
     fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} |\n", label, a, b, b / a);
+    table.push_back({{"what", std::string(int8) + "_vs_bf16"}, {"bf16_ms", a}, {"int8_ms", b}});
   }
   fmt::print("| whole step, frugal Adam: ordinary vs in backward | {:.2f} | {:.2f} | {:.2f} |\n",
              plain_ms, fused_ms, fused_ms / plain_ms);

@@ -118,6 +118,34 @@ TEST(WeightCodes, TensorOperationsGiveTheKernelsCodesBitForBit) {
   }
 }
 
+// The kernel finds a group's least and greatest value eight lanes at a time, then the
+// elements left over; which of two equal zeros it keeps is not defined, so a least zero
+// is taken as +0 by both codecs.
+TEST(WeightCodes, GroupsWithSignedZerosAndShortTailsCodeAlikeInBothCodecs) {
+  torch::manual_seed(6);
+  for (const std::int64_t group : {13, 128, 131}) {
+    auto x = torch::rand({4 * group});  // in [0, 1): the least of each group set below
+    x[0] = -0.0F;                       // a -0 first, a +0 later
+    x[5] = 0.0F;
+    x[group + 3] = 0.0F;  // a +0 first, a -0 in the tail
+    x[2 * group - 1] = -0.0F;
+    x[2 * group + 9] = -0.5F;  // a least and a greatest value, the last element the greatest
+    x[3 * group - 1] = 2.0F;
+    for (const bool stochastic : {false, true}) {
+      const auto k = kernel_codes(x, group, stochastic, 3);
+      const auto o = ops_codes(x, group, stochastic, 3);
+      EXPECT_TRUE(torch::equal(k.codes, o.codes)) << group;
+      const auto bits = k.qparams.view(torch::kInt16);
+      EXPECT_TRUE(torch::equal(bits, o.qparams.view(torch::kInt16))) << group;
+      EXPECT_EQ(bits[0][0].item<std::int16_t>(), 0) << group;  // +0, not -0
+      EXPECT_EQ(bits[1][0].item<std::int16_t>(), 0) << group;
+      EXPECT_EQ(k.qparams[2][0].item<float>(), -0.5F) << group;
+      // Its scale spans the greatest value, which lies in the tail of group 13 and 131.
+      EXPECT_GE(-0.5F + 255 * k.qparams[2][1].item<float>(), 2.0F) << group;
+    }
+  }
+}
+
 TEST(WeightCodes, TensorOperationsEncodeARangeWhereItStarts) {
   torch::manual_seed(7);
   const auto x = torch::randn({640});

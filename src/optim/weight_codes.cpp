@@ -47,6 +47,7 @@ void quantize_groups(const at::Tensor& x, std::int64_t group, bool stochastic,
   auto scale = stats.narrow(0, groups, groups);
   const auto carry = stats.narrow(0, 2 * groups, groups).view(at::kInt);
   at::amin_out(zero, rows, {1});
+  zero.add_(0.0);  // a least -0 as +0, as the CPU kernel takes it
   at::amax_out(scale, rows, {1});
   round_to_bfloat16(zero, carry, false);
   scale.sub_(zero).div_(255.0).clamp_min_(std::numeric_limits<float>::min());

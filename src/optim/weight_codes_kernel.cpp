@@ -42,17 +42,41 @@ float bfloat16_up(float x) { return float_of((bits_of(x) + 0xFFFFU) & 0xFFFF0000
 
 std::uint16_t high_bits(float x) { return static_cast<std::uint16_t>(bits_of(x) >> 16); }
 
-// The codes of one group: t = (x - zero) / scale, rounded, clamped to [0, 255] (a NaN to 0).
+// t clamped to [0, 255] (a NaN to 0).
+inline float clamp_code(float t) {
+  t = t >= 0.0F ? t : 0.0F;
+  return t <= 255.0F ? t : 255.0F;
+}
+
+// The codes of one group, t = (x - zero) / scale rounded to nearest (ties to even).
 FRUGAL_VECTOR_CLONES
-void encode_group(const float* __restrict x, std::int64_t n, float zero, float scale,
-                  const std::uint16_t* __restrict noise, std::uint8_t* __restrict codes) {
+void encode_nearest(const float* __restrict x, std::int64_t n, float zero, float scale,
+                    std::uint8_t* __restrict codes) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    codes[i] = static_cast<std::uint8_t>(clamp_code(std::nearbyint((x[i] - zero) / scale)));
+  }
+}
+
+// The codes of one group, t = (x - zero) / scale rounded down after adding noise[i] / 2^16.
+// Clamped first, then cut toward zero: the floor of a value in [0, 255], and the same code
+// as floor then clamp everywhere else (cut rather than floor: GCC vectorizes the conversion).
+FRUGAL_VECTOR_CLONES
+void encode_stochastic(const float* __restrict x, std::int64_t n, float zero, float scale,
+                       const std::uint16_t* __restrict noise, std::uint8_t* __restrict codes) {
   constexpr float kUnit = 1.0F / 65536.0F;
   for (std::int64_t i = 0; i < n; ++i) {
-    float t = (x[i] - zero) / scale;
-    t = noise != nullptr ? std::floor(t + static_cast<float>(noise[i]) * kUnit) : std::nearbyint(t);
-    t = t >= 0.0F ? t : 0.0F;  // a NaN too
-    t = t <= 255.0F ? t : 255.0F;
-    codes[i] = static_cast<std::uint8_t>(t);
+    const float fraction = static_cast<float>(static_cast<std::int32_t>(noise[i])) * kUnit;
+    const float t = clamp_code((x[i] - zero) / scale + fraction);
+    codes[i] = static_cast<std::uint8_t>(static_cast<std::int32_t>(t));
+  }
+}
+
+void encode_group(const float* x, std::int64_t n, float zero, float scale,
+                  const std::uint16_t* noise, std::uint8_t* codes) {
+  if (noise != nullptr) {
+    encode_stochastic(x, n, zero, scale, noise, codes);
+  } else {
+    encode_nearest(x, n, zero, scale, codes);
   }
 }
 
@@ -62,6 +86,83 @@ void decode_group(const std::uint8_t* __restrict codes, std::int64_t n, float ze
   for (std::int64_t i = 0; i < n; ++i) {
     out[i] = zero + static_cast<float>(codes[i]) * scale;
   }
+}
+
+// The least and the greatest of v[0..n), n > 0, and whether all are finite (an infinity or
+// a NaN makes the group's zero point a NaN, whatever the two are then).
+struct Range {
+  float lo, hi;
+  bool finite;
+};
+
+// Eight floats (and their bits) as one vector: AVX2's register in the AVX2 copy.
+typedef float Floats8 __attribute__((vector_size(32)));
+typedef std::int32_t Ints8 __attribute__((vector_size(32)));
+
+// Eight running minima and maxima, and the sum of v * 0, a NaN exactly when some v is an
+// infinity or a NaN. The minimum keeps the earlier of two values unless the later one is
+// less (a < lo), as the scalar loop for the last elements does.
+FRUGAL_VECTOR_CLONES
+Range group_range(const float* __restrict v, std::int64_t n) {
+  constexpr std::int64_t kLanes = 8;
+  Range r{v[0], v[0], true};
+  std::int64_t i = 0;
+  if (n >= kLanes) {
+    Floats8 lo, hi, nonfinite = {};
+    std::memcpy(&lo, v, sizeof lo);
+    hi = lo;
+    for (; i + kLanes <= n; i += kLanes) {
+      Floats8 a;
+      std::memcpy(&a, v + i, sizeof a);
+      const Ints8 less = (a < lo);
+      const Ints8 greater = (a > hi);
+      lo = reinterpret_cast<Floats8>((reinterpret_cast<Ints8>(a) & less) |
+                                     (reinterpret_cast<Ints8>(lo) & ~less));
+      hi = reinterpret_cast<Floats8>((reinterpret_cast<Ints8>(a) & greater) |
+                                     (reinterpret_cast<Ints8>(hi) & ~greater));
+      nonfinite += a * 0.0F;
+    }
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      r.lo = lo[l] < r.lo ? lo[l] : r.lo;
+      r.hi = hi[l] > r.hi ? hi[l] : r.hi;
+      r.finite = r.finite && nonfinite[l] == 0.0F;
+    }
+  }
+  for (; i < n; ++i) {
+    r.lo = v[i] < r.lo ? v[i] : r.lo;
+    r.hi = v[i] > r.hi ? v[i] : r.hi;
+    r.finite = r.finite && v[i] * 0.0F == 0.0F;
+  }
+  return r;
+}
+
+// One group of n elements, the first being element `first` of the weights, into its codes
+// and statistics; `noise`: its elements' random bits, or null (drawn here when stochastic).
+void encode_one_group(const float* v, std::int64_t n, std::int64_t first, std::int64_t group,
+                      bool stochastic, std::uint64_t key, const std::uint16_t* noise,
+                      std::uint8_t* codes, std::uint16_t* qparams) {
+  const std::int64_t g = first / group;
+  const Range r = group_range(v, n);
+  // +0 for a least -0: which of two equal zeros a reduction keeps is not defined.
+  const float zero =
+      r.finite ? bfloat16_down(r.lo + 0.0F) : std::numeric_limits<float>::quiet_NaN();
+  const float scale =
+      r.finite ? bfloat16_up(std::max((r.hi - zero) / 255.0F, std::numeric_limits<float>::min()))
+               : zero;
+  if (!stochastic) {
+    encode_group(v, n, zero, scale, nullptr, codes + first);
+  } else if (noise != nullptr) {
+    encode_group(v, n, zero, scale, noise, codes + first);
+  } else {  // a group wider than the stack's bits
+    std::uint16_t bits[kMaxGroup];
+    for (std::int64_t done = 0; done < n; done += kMaxGroup) {
+      const std::int64_t k = std::min(kMaxGroup, n - done);
+      draw_bits16(key, first + done, k, bits);
+      encode_group(v + done, k, zero, scale, bits, codes + first + done);
+    }
+  }
+  qparams[2 * g] = r.finite ? high_bits(zero) : std::uint16_t{0x7FC0};
+  qparams[2 * g + 1] = r.finite ? high_bits(scale) : std::uint16_t{0x7FC0};
 }
 
 }  // namespace
@@ -80,31 +181,20 @@ void dequantize_weights_cpu(const std::uint8_t* codes, const std::uint16_t* qpar
 void quantize_weights_cpu(const float* x, std::int64_t group, std::int64_t begin,
                           std::int64_t count, bool stochastic, std::uint64_t key,
                           std::uint8_t* codes, std::uint16_t* qparams) {
+  // The random bits are drawn for whole pieces of up to kMaxGroup elements (a whole number
+  // of groups where a group fits), each element's bits depending on its index alone.
   std::uint16_t noise[kMaxGroup];
-  for (std::int64_t at = 0; at < count; at += group) {
-    const std::int64_t g = (begin + at) / group, n = std::min(group, count - at);
-    const float* v = x + at;
-    float lo = v[0], hi = v[0];
-    bool finite = true;
-    for (std::int64_t i = 0; i < n; ++i) {
-      lo = std::min(lo, v[i]);
-      hi = std::max(hi, v[i]);
-      finite = finite && std::isfinite(v[i]);
+  const std::int64_t piece = group <= kMaxGroup ? kMaxGroup / group * group : kMaxGroup;
+  for (std::int64_t at = 0; at < count; at += piece) {
+    const std::int64_t length = std::min(piece, count - at);
+    if (stochastic && group <= kMaxGroup) {
+      draw_bits16(key, begin + at, length, noise);
     }
-    const float zero = finite ? bfloat16_down(lo) : std::numeric_limits<float>::quiet_NaN();
-    const float scale =
-        bfloat16_up(std::max((hi - zero) / 255.0F, std::numeric_limits<float>::min()));
-    if (stochastic) {
-      for (std::int64_t done = 0; done < n; done += kMaxGroup) {
-        draw_bits16(key, begin + at + done, std::min(kMaxGroup, n - done), noise);
-        encode_group(v + done, std::min(kMaxGroup, n - done), zero, scale, noise,
-                     codes + begin + at + done);
-      }
-    } else {
-      encode_group(v, n, zero, scale, nullptr, codes + begin + at);
+    for (std::int64_t in = 0; in < length; in += group) {
+      encode_one_group(x + at + in, std::min(group, length - in), begin + at + in, group,
+                       stochastic, key, stochastic && group <= kMaxGroup ? noise + in : nullptr,
+                       codes, qparams);
     }
-    qparams[2 * g] = finite ? high_bits(zero) : std::uint16_t{0x7FC0};
-    qparams[2 * g + 1] = high_bits(scale);
   }
 }
 
