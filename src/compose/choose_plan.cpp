@@ -22,13 +22,13 @@ int states_rank(const PlanOption& o) {
 
 int policies_in(const PlanOption& o) {
   return (o.checkpoint ? 1 : 0) + (o.autocast ? 1 : 0) + (o.micro_batches > 1 ? 1 : 0) +
-         (o.step_in_backward ? 1 : 0) + (o.states ? 1 : 0);
+         (o.step_in_backward ? 1 : 0) + (o.states ? 1 : 0) + (o.int8_weights ? 1 : 0);
 }
 
 bool same_plan(const PlanOption& a, const PlanOption& b) {
   return a.micro_batch == b.micro_batch && a.checkpoint == b.checkpoint &&
          a.autocast == b.autocast && a.step_in_backward == b.step_in_backward &&
-         a.states == b.states;
+         a.states == b.states && a.int8_weights == b.int8_weights;
 }
 
 // "8-bit states", "factored 4-bit states", ...
@@ -55,6 +55,9 @@ std::string PlanOption::describe() const {
   if (states) {
     out += " + " + states_name(*states);
   }
+  if (int8_weights) {
+    out += " + 8-bit weights";
+  }
   return out;
 }
 
@@ -76,6 +79,12 @@ std::string MemoryPlan::table() const {
   for (const auto& cost : state_costs) {
     out += fmt::format("; with {}: {}, step peak {}", states_name(cost.format),
                        format_bytes(cost.bytes), format_bytes(cost.step_peak));
+  }
+  if (int8_cost) {
+    out += fmt::format(
+        "; with 8-bit weights: {} of matrices in {} units as {}, the largest unit whole {}",
+        format_bytes(int8_cost->bytes), int8_cost->units, format_bytes(int8_cost->stored_bytes),
+        format_bytes(int8_cost->unit_bytes));
   }
   out += "\n\n| plan | predicted peak | predicted time (ms) | fits |\n|---|---|---|---|\n";
   for (const auto& o : options) {
@@ -100,27 +109,31 @@ const PlanOption* choose_plan(const std::vector<PlanOption>& options, double tim
     return std::make_tuple(policies_in(o), o.micro_batches, o.checkpoint, o.step_in_backward);
   };
   // Numerics kept longest: float32 states, then 8-bit states, 4-bit ones, factored ones
-  // (8-bit, or 4-bit where those are an option), then the same with autocast.
-  for (const bool autocast : {false, true}) {
-    for (int rank = 0; rank <= 4; ++rank) {
-      const auto candidate = [&](const PlanOption& o) {
-        return o.fits && o.autocast == autocast && states_rank(o) == rank;
-      };
-      double fastest = -1;
-      for (const auto& o : options) {
-        if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
-          fastest = o.predicted_ms;
+  // (8-bit, or 4-bit where those are an option), then the same with autocast; then all of
+  // these again with 8-bit weights.
+  for (const bool int8_weights : {false, true}) {
+    for (const bool autocast : {false, true}) {
+      for (int rank = 0; rank <= 4; ++rank) {
+        const auto candidate = [&](const PlanOption& o) {
+          return o.fits && o.int8_weights == int8_weights && o.autocast == autocast &&
+                 states_rank(o) == rank;
+        };
+        double fastest = -1;
+        for (const auto& o : options) {
+          if (candidate(o) && (fastest < 0 || o.predicted_ms < fastest)) {
+            fastest = o.predicted_ms;
+          }
         }
-      }
-      const PlanOption* best = nullptr;
-      for (const auto& o : options) {
-        if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
-            (best == nullptr || key(o) < key(*best))) {
-          best = &o;
+        const PlanOption* best = nullptr;
+        for (const auto& o : options) {
+          if (candidate(o) && o.predicted_ms <= fastest * (1 + time_tolerance) &&
+              (best == nullptr || key(o) < key(*best))) {
+            best = &o;
+          }
         }
-      }
-      if (best != nullptr) {
-        return best;
+        if (best != nullptr) {
+          return best;
+        }
       }
     }
   }

@@ -269,6 +269,23 @@ void Int8Weights::add_module(const std::shared_ptr<torch::nn::Module>& module) {
   state_->units.push_back(std::move(unit));
 }
 
+std::vector<torch::Tensor> Int8Weights::storable(torch::nn::Module& unit,
+                                                 const Int8WeightsOptions& options) {
+  std::vector<torch::Tensor> out;
+  for (const auto& [owner, name] : detail::owners(unit)) {
+    auto p = owner->named_parameters(false)[name];
+    if (detail::stored_kind(p, options)) {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+std::int64_t Int8Weights::stored_bytes(std::int64_t elements, std::int64_t group) {
+  // A byte an element, and a bfloat16 zero point and scale a group.
+  return elements + 4 * optim::detail::weight_groups(elements, group);
+}
+
 std::int64_t Int8Weights::stored_elements() const {
   std::int64_t n = 0;
   for (const auto& unit : state_->units) {

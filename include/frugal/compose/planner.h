@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "frugal/compose/checkpoint_budget.h"
+#include "frugal/nn/int8_weights.h"
 #include "frugal/optim/adam8bit.h"
 #include "frugal/policy/autocast.h"
 #include "frugal/policy/checkpoint_policy.h"
@@ -39,6 +40,15 @@ struct MemoryPlannerOptions {
   /// factored ones (which are then factored 4-bit states): chosen only when nothing fits
   /// otherwise. Needs the same optimizers, with no state yet, and an even block.
   TORCH_ARG(bool, four_bit_states) = false;
+  /// Units whose matrices may be stored in 8 bits (nn::Int8Weights), picked as
+  /// CheckpointSelect picks blocks: modules the model reaches through frugal::nn::call. The
+  /// last resort: chosen only when nothing fits otherwise (after every state format and
+  /// autocast). Their weights are materialised in their own dtype while they run; the codes
+  /// round to the nearest when stored and stochastically when updated. No rule: not an
+  /// option. Needs one of frugal's optimizers (they update the codes) with no state yet.
+  TORCH_ARG(CheckpointSelect, int8_weights) = CheckpointSelect();
+  /// The 8-bit weights' group and smallest matrix stored (their dtype is the units' own).
+  TORCH_ARG(nn::Int8WeightsOptions, int8_options) = nn::Int8WeightsOptions();
   /// Plans whose predicted time is within this share of the fastest count as equally fast;
   /// among them a fixed order decides (fewest policies, then fewest micro-batches, then no
   /// checkpointing, then no step in backward), so timing noise on a busy machine does not
@@ -59,6 +69,8 @@ struct PlanOption {
   /// The low-bit states the plan chooses (8-bit, 4-bit, factored); unset: the optimizer's
   /// own format (float32 where MemoryPlannerOptions::quantized_states lets it choose).
   c10::optional<optim::StateFormat> states;
+  /// The units' matrices stored in 8 bits (MemoryPlannerOptions::int8_weights).
+  bool int8_weights = false;
   std::int64_t predicted_peak = 0;  ///< bytes allocated at the step's peak
   double predicted_ms = 0;          ///< forward and backward of the whole batch
   bool fits = false;
@@ -68,7 +80,8 @@ struct PlanOption {
   std::int64_t blocks = 0;
 
   /// "micro-batch 32 (x8) + checkpoint + autocast + step in backward + 8-bit states"
-  /// (or "+ 4-bit states", "+ factored 8-bit states", "+ factored 4-bit states")
+  /// (or "+ 4-bit states", "+ factored 8-bit states", "+ factored 4-bit states"), then
+  /// "+ 8-bit weights"
   std::string describe() const;
 };
 
@@ -90,6 +103,21 @@ struct MemoryPlan {
   std::vector<StateCost> state_costs;
   /// The cost of the format of `bits` bits, factored or not, if the options add it.
   const StateCost* cost_of(int bits, bool factored = false) const;
+  /// With MemoryPlannerOptions::int8_weights: what storing the units' matrices in 8 bits
+  /// changes. A plan with them predicts its peak less (bytes - stored_bytes - unit_bytes):
+  /// the matrices as codes, the largest unit whole while it runs; its ordinary optimizer
+  /// step, which updates the codes, less (bytes - stored_bytes).
+  struct WeightCost {
+    std::int64_t units = 0;
+    std::int64_t elements = 0;      ///< stored in 8 bits
+    std::int64_t bytes = 0;         ///< those matrices' bytes as they are
+    std::int64_t stored_bytes = 0;  ///< their codes and group statistics
+    std::int64_t unit_bytes = 0;    ///< the largest unit's matrices whole
+  };
+  c10::optional<WeightCost> int8_cost;
+  /// A chosen plan's 8-bit weights: the units' storage. The trainer keeps it while it
+  /// lives; read the weights whole through an Int8Weights::Materialised of it.
+  std::shared_ptr<nn::Int8Weights> int8_weights;
   std::vector<PlanOption> options;  ///< everything considered, measured or interpolated
   PlanOption chosen;
   std::int64_t measured_peak = 0;  ///< the chosen plan's peak, measured (with the state)
@@ -126,7 +154,12 @@ struct MemoryPlan {
 /// predicted with 8-bit states (the trials do not depend on the states' format), with
 /// MemoryPlannerOptions::four_bit_states with 4-bit ones, and with
 /// MemoryPlannerOptions::factored_states with factored ones (4-bit where those are an option).
-/// The planner changes only the states' format, never the weights' dtype.
+/// The planner changes the states' format, never the weights' dtype. With
+/// MemoryPlannerOptions::int8_weights it may store the chosen units' matrices in 8 bits,
+/// last of all: predicted from the same trials (the matrices as codes and statistics, the
+/// largest unit whole while it runs; the predicted time leaves out the coding), then
+/// applied (the first trial checked that each unit is reached through frugal::nn::call) and
+/// measured. The codes stay after plan() returns (they round the weights to 8 bits).
 ///
 /// Cheapest: the least predicted time; plans within MemoryPlannerOptions::time_tolerance (25%)
 /// of it count as equal and a fixed order decides among them (the fewest policies wins). 8-bit
@@ -172,6 +205,13 @@ class MemoryPlanner {
   std::shared_ptr<CheckpointPolicy> checkpoint_;
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
+  // The units that may be stored in 8 bits, each with the dtype its matrices run in.
+  void price_weights(MemoryPlan& plan) const;
+  void check_units_reached(const Batch& sample);
+  void store_weights(MemoryPlan& plan);
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> int8_units_;
+  c10::optional<torch::Dtype> int8_dtype_;
+  bool int8_stored_ = false;  ///< a plan stored them: later plans measure them so
   optim::QuantizedStateOptimizer* quantized_ = nullptr;  ///< the trainer's, if 8-bit
   Format base_format_;  ///< float32 where the planner chooses 8-bit; else as made
   optim::StateFormat format_at_start_;

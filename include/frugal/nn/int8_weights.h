@@ -96,6 +96,13 @@ class Int8Weights {
   }
   void add_module(const std::shared_ptr<torch::nn::Module>& unit);
 
+  /// The parameters of `unit` that `add` would store in 8 bits under `options` (its
+  /// floating-point matrices of at least min_elements), each once.
+  static std::vector<torch::Tensor> storable(torch::nn::Module& unit,
+                                             const Int8WeightsOptions& options);
+  /// Bytes of the codes and group statistics of a parameter of `elements` in groups of `group`.
+  static std::int64_t stored_bytes(std::int64_t elements, std::int64_t group);
+
   const Int8WeightsOptions& options() const { return options_; }
   /// Elements stored in 8 bits, over all units.
   std::int64_t stored_elements() const;
