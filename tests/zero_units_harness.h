@@ -168,8 +168,9 @@ struct Run {
 // mode: adam, sgd, micro (micro-batches, an accumulation window, checkpointed blocks, leak
 // guard), bf16 (autocast) or bf16w (autocast, the weights gathered in bf16: ZeRO's
 // param_dtype; without ZeRO a bf16 model trained through MasterCopy); zero: 0 (a plain
-// optimizer), 2, 3 (whole model), 33 (units), 34 (units without prefetch) or 35 (units
-// stepped in backward, frugal's optimizers).
+// optimizer), 2, 3 (whole model), 33 (units), 34 (units without prefetch), 35 (units
+// stepped in backward, frugal's optimizers), 36 (units, each rank's ranges in 8 bits,
+// frugal's optimizers) or 37 (36 stepped in backward).
 inline Run train(const std::string& mode, int zero, const std::shared_ptr<Group>& group) {
   // Peaks count from here: a rank trains several runs and keeps each one's results.
   const std::int64_t before = frugal::MemoryProbe(torch::kCPU).allocated();
@@ -182,7 +183,7 @@ inline Run train(const std::string& mode, int zero, const std::shared_ptr<Group>
   UnitNet model;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   auto make = [mode, zero](std::vector<torch::Tensor> p) {
-    return make_inner(mode, std::move(p), zero == 35);
+    return make_inner(mode, std::move(p), zero >= 35);
   };
   if (zero == 0 && mode == "bf16w") {
     optimizer = std::make_unique<MasterCopy>(model->parameters(), torch::kBFloat16, make);
@@ -191,7 +192,10 @@ inline Run train(const std::string& mode, int zero, const std::shared_ptr<Group>
   } else {
     auto options = ZeroOptimizerOptions().stage(std::min(zero, 3)).gather_bytes(4096);
     if (zero > 3) {
-      options.units(model->blocks->children()).prefetch(zero != 34).step_in_backward(zero == 35);
+      options.units(model->blocks->children())
+          .prefetch(zero != 34)
+          .step_in_backward(zero == 35 || zero == 37)
+          .int8_ranges(zero >= 36);
     }
     if (mode == "bf16w") {
       options.param_dtype(torch::kBFloat16);

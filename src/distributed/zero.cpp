@@ -9,6 +9,8 @@
 #include "frugal/error.h"
 #include "frugal/optim/in_place.h"
 #include "frugal/state/archive.h"
+#include "memory/storage_bytes.h"
+#include "optim/weight_codes.h"
 #include "state/state_parts.h"
 #include "zero_layout.h"
 #include "zero_units.h"
@@ -21,6 +23,25 @@ struct ZeroOptimizer::Parts {
   std::vector<torch::Tensor> targets;
   std::unique_ptr<torch::optim::Optimizer> inner;
 };
+
+namespace {
+
+// int8_ranges: `range` (this rank's range of a unit, float32 or the parameters' dtype) as
+// codes, and the parameter the optimizer updates them through: no bytes of its own, its
+// update target a range-long tensor without bytes either.
+std::pair<torch::Tensor, std::shared_ptr<optim::detail::StoredWeights>> coded_range(
+    const torch::Tensor& range, std::int64_t group) {
+  auto stored = std::make_shared<optim::detail::StoredWeights>();
+  stored->group = group;
+  std::tie(stored->codes, stored->qparams) = optim::detail::quantize_weights(range, group);
+  stored->whole = torch::empty(range.sizes(), range.options());
+  frugal::detail::drop_bytes(stored->whole);
+  auto target = torch::empty({0}, range.options()).requires_grad_(true);
+  optim::detail::add_stored_weights(target, stored);
+  return {target, stored};
+}
+
+}  // namespace
 
 ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
                                           const std::shared_ptr<Group>& group, const Factory& make,
@@ -44,6 +65,10 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
                "frugal: ZeRO's param_dtype needs stage 3; got ", compute, " at stage ", stage);
   FRUGAL_CHECK(c10::isFloatingType(compute),
                "frugal: ZeRO's param_dtype must be a floating-point dtype; got ", compute);
+  FRUGAL_CHECK(!options.int8_ranges() || stage == 3,
+               "frugal: ZeRO's int8_ranges needs stage 3; got stage ", stage);
+  FRUGAL_CHECK(options.int8_group() > 0, "frugal: ZeRO's int8_group must be > 0 elements, got ",
+               options.int8_group());
   const auto members = detail::unit_members(params, options.units());
   Parts parts;
   parts.layout = std::make_shared<detail::ZeroLayout>(std::move(params), members, group->size());
@@ -71,10 +96,18 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
     }
     shares.push_back(unit.flat.narrow(0, group->rank() * unit.range, unit.range));
   }
-  // Stage 3: the ranges outlive the flat buffers, a tensor of their own.
-  auto shard = stage == 3 ? torch::cat(shares) : shares.front();
-  parts.shard = shard.detach().requires_grad_(true);
-  layout.shard = parts.shard;
+  // Stage 3: the ranges outlive the flat buffers, a tensor of their own (or their codes).
+  if (options.int8_ranges()) {
+    for (const auto& share : shares) {
+      auto [target, stored] = coded_range(share, options.int8_group());
+      parts.targets.push_back(target);
+      layout.coded.push_back(stored);
+    }
+  } else {
+    auto shard = stage == 3 ? torch::cat(shares) : shares.front();
+    parts.shard = shard.detach().requires_grad_(true);
+    layout.shard = parts.shard;
+  }
   if (compute != first.scalar_type()) {
     // The parameters take the dtype they are gathered in now, before anything hooks them.
     for (std::size_t u = 0; u < layout.units.size(); ++u) {
@@ -82,7 +115,8 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
       layout.view_flat(u);
     }
   }
-  if (options.step_in_backward()) {
+  if (options.int8_ranges()) {  // the targets are the ranges' codes, made above
+  } else if (options.step_in_backward()) {
     for (const auto& unit : layout.units) {  // a unit's range is updated on its own
       parts.targets.push_back(
           parts.shard.detach().narrow(0, unit.shard_offset, unit.range).requires_grad_(true));
@@ -90,17 +124,30 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
   } else {
     parts.targets = {parts.shard};
   }
-  parts.inner = make(parts.targets);
-  FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
-                   parts.inner->param_groups()[0].params().size() == parts.targets.size(),
-               "frugal: ZeroOptimizer's function must return an optimizer over the ",
-               parts.targets.size(), " tensor(s) it is given, in one parameter group");
-  FRUGAL_CHECK(!options.step_in_backward() ||
-                   dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
-               "frugal: ZeRO's step in backward updates one unit's range at a time and needs "
-               "one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
-               "AdamW8bit); the function returned ",
-               frugal::detail::optimizer_type(*parts.inner));
+  try {  // should the optimizer be refused, the codes go unregistered
+    parts.inner = make(parts.targets);
+    FRUGAL_CHECK(parts.inner != nullptr && parts.inner->param_groups().size() == 1 &&
+                     parts.inner->param_groups()[0].params().size() == parts.targets.size(),
+                 "frugal: ZeroOptimizer's function must return an optimizer over the ",
+                 parts.targets.size(), " tensor(s) it is given, in one parameter group");
+    FRUGAL_CHECK(!options.int8_ranges() ||
+                     dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
+                 "frugal: ZeRO's int8_ranges are updated in their codes by one of frugal's "
+                 "optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, AdamW8bit); the function "
+                 "returned ",
+                 frugal::detail::optimizer_type(*parts.inner));
+    FRUGAL_CHECK(!options.step_in_backward() ||
+                     dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
+                 "frugal: ZeRO's step in backward updates one unit's range at a time and needs "
+                 "one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
+                 "AdamW8bit); the function returned ",
+                 frugal::detail::optimizer_type(*parts.inner));
+  } catch (...) {
+    for (std::size_t u = 0; u < layout.coded.size(); ++u) {
+      optim::detail::remove_stored_weights(parts.targets[u], *layout.coded[u]);
+    }
+    throw;
+  }
   return parts;
 }
 
@@ -125,11 +172,14 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
       shard_size_(layout_->shard_size()),
       shard_(std::move(parts.shard)),
       targets_(std::move(parts.targets)),
+      coded_(layout_->coded),
       inner_(std::move(parts.inner)) {
   FRUGAL_CHECK(options_.stage() >= 1 && options_.stage() <= 3,
                "frugal: ZeRO stage must be 1, 2 or 3, got ", options_.stage());
   if (options_.step_in_backward()) {
     in_place_ = dynamic_cast<optim::InPlaceOptimizer*>(inner_.get());
+  }
+  if (apart()) {
     for (const auto& unit : layout_->units) {
       std::size_t needed = 0;
       for (const auto i : unit.members) {
@@ -141,7 +191,13 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
   }
 }
 
-ZeroOptimizer::~ZeroOptimizer() = default;
+ZeroOptimizer::~ZeroOptimizer() {
+  for (std::size_t u = 0; u < coded_.size(); ++u) {
+    optim::detail::remove_stored_weights(targets_[u], *coded_[u]);
+  }
+}
+
+bool ZeroOptimizer::apart() const { return options_.step_in_backward() || !coded_.empty(); }
 
 Traits ZeroOptimizer::traits() const {
   switch (options_.stage()) {
@@ -207,13 +263,13 @@ void ZeroOptimizer::keep_gradient(const torch::Tensor& param, const torch::Tenso
   torch::NoGradGuard no_grad;
   const auto u = layout.unit_of[it->second];
   const auto& unit = layout.units[u];
-  // The unit's range is the shard's part, or with step_in_backward a parameter of its own.
-  const bool apart = targets_.size() > 1;
-  auto& target = targets_[apart ? u : 0];
-  const auto at = apart ? 0 : unit.shard_offset;
+  // The unit's range is the shard's part, or with step_in_backward or int8_ranges a
+  // parameter of its own (whose update target has the range's shape).
+  auto& target = targets_[apart() ? u : 0];
+  const auto at = apart() ? 0 : unit.shard_offset;
   auto& owned = target.mutable_grad();
   if (!owned.defined()) {
-    owned = torch::zeros_like(target);
+    owned = torch::zeros_like(optim::detail::update_target(target));
   }
   // The parameter's place in its unit, against this rank's range of that unit.
   const auto begin = group_->rank() * unit.range;
@@ -268,7 +324,7 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
   FRUGAL_CHECK(closure == nullptr, "frugal: ZeroOptimizer's step takes no closure");
   torch::NoGradGuard no_grad;
   sync_inner_options();
-  if (in_place_ != nullptr) {
+  if (apart()) {
     return step_rest();
   }
   if (!shard_.grad().defined()) {
@@ -295,7 +351,7 @@ torch::Tensor ZeroOptimizer::step_rest() {
     // as the whole range would.
     for (std::size_t u = 0; u < targets_.size(); ++u) {
       if (!progress_.stepped[u] && !targets_[u].grad().defined()) {
-        targets_[u].mutable_grad() = torch::zeros_like(targets_[u]);
+        targets_[u].mutable_grad() = torch::zeros_like(optim::detail::update_target(targets_[u]));
       }
     }
     inner_->step();  // frugal's optimizers pass over parameters without a gradient
@@ -308,9 +364,16 @@ std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
   if (options_.stage() != 3) {
     return {};
   }
-  // The range, and the flat buffers of units whole or arriving (a buffer the parameters
-  // view is counted once).
-  std::vector<torch::Tensor> out{shard_};
+  // The range (or its codes), and the flat buffers of units whole or arriving (a buffer the
+  // parameters view is counted once).
+  std::vector<torch::Tensor> out;
+  if (coded_.empty()) {
+    out.push_back(shard_);
+  }
+  for (const auto& stored : coded_) {
+    out.push_back(stored->codes);
+    out.push_back(stored->qparams);
+  }
   for (std::size_t u = 0; u < layout_->units.size(); ++u) {
     if (layout_->held(u)) {
       out.push_back(layout_->units[u].flat);
@@ -341,7 +404,15 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   state::write_int(archive, "zero/rank", group_->rank());
   state::write_int(archive, "zero/ranks", group_->size());
   state::write_int(archive, "zero/elements", layout_->total);
-  if (options_.stage() == 3) {
+  if (!coded_.empty()) {
+    std::vector<torch::Tensor> codes, qparams;
+    for (const auto& stored : coded_) {
+      codes.push_back(stored->codes);
+      qparams.push_back(stored->qparams);
+    }
+    archive.write("zero/codes", torch::cat(codes));
+    archive.write("zero/qparams", torch::cat(qparams));
+  } else if (options_.stage() == 3) {
     archive.write("zero/weights", shard_.detach());
   }
   archive.write("zero/inner_type", c10::IValue(frugal::detail::optimizer_type(*inner_)));
@@ -358,8 +429,27 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
                "frugal: the saved ZeRO state is rank ", rank, " of ", ranks, "'s shard of ",
                elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
                " with ", layout_->total, " elements");
-  torch::Tensor weights;
-  if (options_.stage() == 3) {
+  torch::Tensor weights, codes, qparams;
+  if (!coded_.empty()) {
+    std::int64_t code_count = 0, groups = 0;
+    for (const auto& stored : coded_) {
+      code_count += stored->codes.numel();
+      groups += stored->qparams.size(0);
+    }
+    codes = state::read_tensor(archive, "zero/codes");
+    qparams = state::read_tensor(archive, "zero/qparams");
+    FRUGAL_CHECK(codes.numel() == code_count && codes.scalar_type() == torch::kByte &&
+                     qparams.dim() == 2 && qparams.size(0) == groups &&
+                     qparams.scalar_type() == torch::kBFloat16,
+                 "frugal: the saved ZeRO-3 codes are ", codes.numel(), " of ", codes.scalar_type(),
+                 " with ", qparams.sizes(),
+                 " statistics; this rank's "
+                 "ranges are ",
+                 code_count, " codes in ", groups,
+                 " groups (int8_ranges with "
+                 "int8_group ",
+                 options_.int8_group(), ")");
+  } else if (options_.stage() == 3) {
     weights = state::read_tensor(archive, "zero/weights");
     FRUGAL_CHECK(weights.numel() == shard_size_ && weights.scalar_type() == shard_.scalar_type(),
                  "frugal: the saved ZeRO-3 weights are ", weights.numel(), " elements of ",
@@ -381,6 +471,17 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
     torch::NoGradGuard no_grad;
     shard_.detach().copy_(weights);
     release_parameters();  // whole ones would be stale; the next step gathers the loaded ones
+  }
+  if (codes.defined()) {
+    torch::NoGradGuard no_grad;
+    std::int64_t at = 0, group_at = 0;
+    for (const auto& stored : coded_) {
+      stored->codes.copy_(codes.narrow(0, at, stored->codes.numel()));
+      stored->qparams.copy_(qparams.narrow(0, group_at, stored->qparams.size(0)));
+      at += stored->codes.numel();
+      group_at += stored->qparams.size(0);
+    }
+    release_parameters();
   }
   frugal::detail::place_state_with_parameters(*inner_);  // the shard's state beside the shard
 }

@@ -93,7 +93,11 @@ void ZeroLayout::start_gather(std::size_t u) {
   // This rank's share goes into its own place first (rounded to the flat buffer's dtype,
   // FSDP's param_dtype, if it has another) and is sent from there: no copy of it is made.
   const auto mine = unit.flat.narrow(0, group->rank() * unit.range, unit.range);
-  mine.copy_(share(u));
+  if (coded.empty()) {
+    mine.copy_(share(u));
+  } else {
+    optim::detail::dequantize_into(*coded[u], mine);
+  }
   if (n == 1) {
     return;
   }

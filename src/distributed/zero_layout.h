@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "frugal/distributed/group.h"
+#include "optim/weight_codes.h"
 
 namespace frugal::distributed::detail {
 
@@ -39,6 +40,8 @@ struct ZeroLayout {
   std::int64_t total = 0;                              // all parameters' elements
   std::shared_ptr<Group> group;
   torch::Tensor shard;  // this rank's ranges of every unit, in unit order
+  // ZeroOptimizerOptions::int8_ranges: each unit's range as codes instead (no shard).
+  std::vector<std::shared_ptr<optim::detail::StoredWeights>> coded;
   std::int64_t gather_bytes = 0;
   bool pinned = false;  // gathered whole on request: units stay whole after their calls
   bool prefetch = false;

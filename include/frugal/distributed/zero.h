@@ -16,6 +16,9 @@
 
 namespace frugal::optim {
 class InPlaceOptimizer;
+namespace detail {
+struct StoredWeights;
+}  // namespace detail
 }  // namespace frugal::optim
 
 namespace frugal::distributed {
@@ -64,6 +67,17 @@ struct ZeroOptimizerOptions {
   /// under autocast of this dtype (frugal::use_mixed_precision) or feed it inputs of this
   /// dtype; GatheredParameters gives the weights in it. Unset: the parameters' dtype.
   TORCH_ARG(c10::optional<torch::Dtype>, param_dtype) = c10::nullopt;
+  /// Stage 3: each rank's range of each unit is stored as 8-bit codes (per group of
+  /// `int8_group` elements a byte each, with a bfloat16 zero point and scale: 1.03 bytes an
+  /// element for 128, as nn::Int8Weights stores a module's matrices) instead of in the
+  /// parameters' dtype. A gather decodes this rank's range into its place (in param_dtype);
+  /// the optimizer, which must be one of frugal's (frugal::optim::SGD, Adam, AdamW,
+  /// Adam8bit, ...), updates the codes of each unit's range, rounded as its
+  /// InPlaceOptions::rounding says (stochastic: small updates survive in expectation; the
+  /// random bits saved, so a resumed run is bit-exact). The ledger counts the codes and
+  /// statistics as weights; a saved state holds them.
+  TORCH_ARG(bool, int8_ranges) = false;
+  TORCH_ARG(std::int64_t, int8_group) = 128;
 };
 
 /// An optimizer sharded over the ranks of `group` (ZeRO, Rajbhandari et al. 2019; PyTorch's
@@ -151,6 +165,7 @@ class ZeroOptimizer : public torch::optim::Optimizer,
 
  private:
   struct Parts;
+  bool apart() const;  // whether each unit's range is a tensor of its own
   static Parts build(std::vector<torch::Tensor> params, const std::shared_ptr<Group>& group,
                      const Factory& make, const ZeroOptimizerOptions& options);
   ZeroOptimizer(Parts parts, std::shared_ptr<Group> group, ZeroOptimizerOptions options);
@@ -168,6 +183,8 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   // The inner optimizer's parameters: the shard, or with step_in_backward each unit's range
   // of it (a view).
   std::vector<torch::Tensor> targets_;
+  // int8_ranges: each unit's range, as codes (the targets' stored weights).
+  std::vector<std::shared_ptr<optim::detail::StoredWeights>> coded_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
   optim::InPlaceOptimizer* in_place_ = nullptr;  // step_in_backward: steps one unit's range
   struct Progress {                              // step_in_backward, this step's
