@@ -178,7 +178,7 @@ TEST(ZeroInt8Ranges, NeedStage3AndOneOfFrugalsOptimizers) {
   expect_refused(model, ZeroOptimizerOptions().stage(2).int8_ranges(true), "needs stage 3");
   // make_inner("sgd") without in_place: LibTorch's SGD cannot write codes.
   expect_refused(model, ZeroOptimizerOptions().stage(3).int8_ranges(true),
-                 "updated in their codes by one of frugal's optimizers");
+                 "int8_ranges (updated in their codes) needs one of frugal's optimizers");
   // Refused, the ranges' codes are not left registered: 8-bit ranges work afterwards.
   CodedTraining after(1);
   after.steps(0, 1);

@@ -130,16 +130,13 @@ ZeroOptimizer::Parts ZeroOptimizer::build(std::vector<torch::Tensor> params,
                      parts.inner->param_groups()[0].params().size() == parts.targets.size(),
                  "frugal: ZeroOptimizer's function must return an optimizer over the ",
                  parts.targets.size(), " tensor(s) it is given, in one parameter group");
-    FRUGAL_CHECK(!options.int8_ranges() ||
+    // Both update one unit's range at a time, in place (int8_ranges: in its codes).
+    FRUGAL_CHECK(!(options.int8_ranges() || options.step_in_backward()) ||
                      dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
-                 "frugal: ZeRO's int8_ranges are updated in their codes by one of frugal's "
-                 "optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, AdamW8bit); the function "
-                 "returned ",
-                 frugal::detail::optimizer_type(*parts.inner));
-    FRUGAL_CHECK(!options.step_in_backward() ||
-                     dynamic_cast<optim::InPlaceOptimizer*>(parts.inner.get()) != nullptr,
-                 "frugal: ZeRO's step in backward updates one unit's range at a time and needs "
-                 "one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
+                 "frugal: ZeRO's ",
+                 options.int8_ranges() ? "int8_ranges (updated in their codes)"
+                                       : "step in backward (one unit's range at a time)",
+                 " needs one of frugal's optimizers (frugal::optim::SGD, Adam, AdamW, Adam8bit, "
                  "AdamW8bit); the function returned ",
                  frugal::detail::optimizer_type(*parts.inner));
   } catch (...) {
