@@ -169,7 +169,6 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
       shard_size_(layout_->shard_size()),
       shard_(std::move(parts.shard)),
       targets_(std::move(parts.targets)),
-      coded_(layout_->coded),
       inner_(std::move(parts.inner)) {
   FRUGAL_CHECK(options_.stage() >= 1 && options_.stage() <= 3,
                "frugal: ZeRO stage must be 1, 2 or 3, got ", options_.stage());
@@ -189,12 +188,12 @@ ZeroOptimizer::ZeroOptimizer(Parts parts, std::shared_ptr<Group> group,
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
-  for (std::size_t u = 0; u < coded_.size(); ++u) {
-    optim::detail::remove_stored_weights(targets_[u], *coded_[u]);
+  for (std::size_t u = 0; u < layout_->coded.size(); ++u) {
+    optim::detail::remove_stored_weights(targets_[u], *layout_->coded[u]);
   }
 }
 
-bool ZeroOptimizer::apart() const { return options_.step_in_backward() || !coded_.empty(); }
+bool ZeroOptimizer::apart() const { return options_.step_in_backward() || !layout_->coded.empty(); }
 
 Traits ZeroOptimizer::traits() const {
   switch (options_.stage()) {
@@ -364,10 +363,10 @@ std::vector<torch::Tensor> ZeroOptimizer::ledger_weights() const {
   // The range (or its codes), and the flat buffers of units whole or arriving (a buffer the
   // parameters view is counted once).
   std::vector<torch::Tensor> out;
-  if (coded_.empty()) {
+  if (layout_->coded.empty()) {
     out.push_back(shard_);
   }
-  for (const auto& stored : coded_) {
+  for (const auto& stored : layout_->coded) {
     out.push_back(stored->codes);
     out.push_back(stored->qparams);
   }
@@ -401,9 +400,9 @@ void ZeroOptimizer::save(torch::serialize::OutputArchive& archive) const {
   state::write_int(archive, "zero/rank", group_->rank());
   state::write_int(archive, "zero/ranks", group_->size());
   state::write_int(archive, "zero/elements", layout_->total);
-  if (!coded_.empty()) {
+  if (!layout_->coded.empty()) {
     std::vector<torch::Tensor> codes, qparams;
-    for (const auto& stored : coded_) {
+    for (const auto& stored : layout_->coded) {
       codes.push_back(stored->codes);
       qparams.push_back(stored->qparams);
     }
@@ -427,9 +426,9 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
                elements, " elements; this is rank ", group_->rank(), " of ", group_->size(),
                " with ", layout_->total, " elements");
   torch::Tensor weights, codes, qparams;
-  if (!coded_.empty()) {
+  if (!layout_->coded.empty()) {
     std::int64_t code_count = 0, groups = 0;
-    for (const auto& stored : coded_) {
+    for (const auto& stored : layout_->coded) {
       code_count += stored->codes.numel();
       groups += stored->qparams.size(0);
     }
@@ -472,7 +471,7 @@ void ZeroOptimizer::load(torch::serialize::InputArchive& archive) {
   if (codes.defined()) {
     torch::NoGradGuard no_grad;
     std::int64_t at = 0, group_at = 0;
-    for (const auto& stored : coded_) {
+    for (const auto& stored : layout_->coded) {
       stored->codes.copy_(codes.narrow(0, at, stored->codes.numel()));
       stored->qparams.copy_(qparams.narrow(0, group_at, stored->qparams.size(0)));
       at += stored->codes.numel();

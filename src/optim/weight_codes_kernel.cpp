@@ -71,15 +71,6 @@ void encode_stochastic(const float* __restrict x, std::int64_t n, float zero, fl
   }
 }
 
-void encode_group(const float* x, std::int64_t n, float zero, float scale,
-                  const std::uint16_t* noise, std::uint8_t* codes) {
-  if (noise != nullptr) {
-    encode_stochastic(x, n, zero, scale, noise, codes);
-  } else {
-    encode_nearest(x, n, zero, scale, codes);
-  }
-}
-
 FRUGAL_VECTOR_CLONES
 void decode_group(const std::uint8_t* __restrict codes, std::int64_t n, float zero, float scale,
                   float* __restrict out) {
@@ -150,15 +141,15 @@ void encode_one_group(const float* v, std::int64_t n, std::int64_t first, std::i
       r.finite ? bfloat16_up(std::max((r.hi - zero) / 255.0F, std::numeric_limits<float>::min()))
                : zero;
   if (!stochastic) {
-    encode_group(v, n, zero, scale, nullptr, codes + first);
+    encode_nearest(v, n, zero, scale, codes + first);
   } else if (noise != nullptr) {
-    encode_group(v, n, zero, scale, noise, codes + first);
+    encode_stochastic(v, n, zero, scale, noise, codes + first);
   } else {  // a group wider than the stack's bits
     std::uint16_t bits[kMaxGroup];
     for (std::int64_t done = 0; done < n; done += kMaxGroup) {
       const std::int64_t k = std::min(kMaxGroup, n - done);
       draw_bits16(key, first + done, k, bits);
-      encode_group(v + done, k, zero, scale, bits, codes + first + done);
+      encode_stochastic(v + done, k, zero, scale, bits, codes + first + done);
     }
   }
   qparams[2 * g] = r.finite ? high_bits(zero) : std::uint16_t{0x7FC0};

@@ -205,10 +205,13 @@ class MemoryPlanner {
   std::shared_ptr<CheckpointPolicy> checkpoint_;
   std::shared_ptr<AutocastPolicy> autocast_;
   std::shared_ptr<StepInBackward> in_backward_;
-  // The units that may be stored in 8 bits, each with the dtype its matrices run in.
+  // The units that may be stored in 8 bits, each with the dtype its matrices run in
+  // (planner_int8.cpp).
+  void select_int8_units();
   void price_weights(MemoryPlan& plan) const;
   void check_units_reached(const Batch& sample);
   void store_weights(MemoryPlan& plan);
+  void keep_int8_weights(const MemoryPlan& plan);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> int8_units_;
   c10::optional<torch::Dtype> int8_dtype_;
   bool int8_stored_ = false;  ///< a plan stored them: later plans measure them so

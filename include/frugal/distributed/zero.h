@@ -16,9 +16,6 @@
 
 namespace frugal::optim {
 class InPlaceOptimizer;
-namespace detail {
-struct StoredWeights;
-}  // namespace detail
 }  // namespace frugal::optim
 
 namespace frugal::distributed {
@@ -183,8 +180,6 @@ class ZeroOptimizer : public torch::optim::Optimizer,
   // The inner optimizer's parameters: the shard, or with step_in_backward each unit's range
   // of it (a view).
   std::vector<torch::Tensor> targets_;
-  // int8_ranges: each unit's range, as codes (the targets' stored weights).
-  std::vector<std::shared_ptr<optim::detail::StoredWeights>> coded_;
   std::unique_ptr<torch::optim::Optimizer> inner_;
   optim::InPlaceOptimizer* in_place_ = nullptr;  // step_in_backward: steps one unit's range
   struct Progress {                              // step_in_backward, this step's
