@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -230,5 +231,21 @@ class WarningCapture : public c10::WarningHandler {
  private:
   c10::WarningHandler* previous_;
 };
+
+/// LibTorch's float8 types (e4m3fn, e5m2), which exist from 2.1 on; none before.
+inline std::optional<c10::ScalarType> float8_e4m3() {
+#if FRUGAL_TORCH_AT_LEAST(2, 1)
+  return c10::ScalarType::Float8_e4m3fn;
+#else
+  return std::nullopt;
+#endif
+}
+inline std::optional<c10::ScalarType> float8_e5m2() {
+#if FRUGAL_TORCH_AT_LEAST(2, 1)
+  return c10::ScalarType::Float8_e5m2;
+#else
+  return std::nullopt;
+#endif
+}
 
 }  // namespace frugal::compat

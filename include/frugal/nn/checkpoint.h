@@ -10,8 +10,8 @@
 #include <memory>
 
 #include "frugal/checkpoint.h"
-#include "frugal/nn/module_pointer.h"
 #include "frugal/memory/memory_context.h"
+#include "frugal/nn/module_pointer.h"
 #include "frugal/nn/unit_hook.h"
 
 namespace frugal::nn {
@@ -53,18 +53,22 @@ std::shared_ptr<const CheckpointOptions> checkpoint_choice(const torch::nn::Modu
 namespace detail {
 
 template <typename Block, typename... Args>
-auto call_checkpointed(const std::shared_ptr<Block>& ptr, const Args&... args) {
+auto call_checkpointed(const std::shared_ptr<Block>& ptr, const std::shared_ptr<UnitHook>& hook,
+                       const Args&... args) {
   std::shared_ptr<const CheckpointOptions> chosen;
   if (at::GradMode::is_enabled()) {
     chosen = checkpoint_choice(*ptr);
   }
   if (chosen == nullptr) {
     frugal::detail::UnitScope unit(ptr.get());
+    UnitRun run(hook.get());
     return ptr->forward(args...);
   }
   return checkpoint(
-      [ptr](const auto&... a) {
-        frugal::detail::UnitScope unit(ptr.get());  // the recompute in backward runs inside the unit too
+      [ptr, hook](const auto&... a) {
+        frugal::detail::UnitScope unit(
+            ptr.get());  // the recompute in backward runs inside the unit too
+        UnitRun run(hook.get());
         return ptr->forward(a...);
       },
       CheckpointOptions(*chosen).params(ptr->parameters()).buffers(training_buffers(*ptr)),
@@ -92,10 +96,10 @@ auto call(const Block& block, const Args&... args) {
   auto ptr = module_pointer(block);
   const auto hook = unit_hook(*ptr);
   if (hook == nullptr) {
-    return detail::call_checkpointed(ptr, args...);
+    return detail::call_checkpointed(ptr, hook, args...);
   }
   hook->before_forward();
-  auto out = detail::call_checkpointed(ptr, args...);
+  auto out = detail::call_checkpointed(ptr, hook, args...);
   hook->after_forward(detail::unit_outputs(out));
   return out;
 }

@@ -23,6 +23,11 @@ class UnitHook {
   /// type: then backward cannot be reached through them); the hook may attach gradient
   /// hooks to them.
   virtual void after_forward(const std::vector<torch::Tensor>& outputs) = 0;
+  /// Around each run of the module's forward, inside the unit: the call's, and a checkpoint's
+  /// recompute of it in backward. For work every run needs anew (adapters folded into a
+  /// weight the forward reads).
+  virtual void enter_run() {}
+  virtual void leave_run() {}
 };
 
 /// The hook registered for `module`, or null.
@@ -33,6 +38,27 @@ namespace detail {
 /// The registry of unit hooks (thread-safe); an error when `module` has one already.
 void add_unit_hook(const torch::nn::Module* module, std::shared_ptr<UnitHook> hook);
 void remove_unit_hook(const torch::nn::Module* module);
+
+/// Calls `hook`'s enter_run now and its leave_run when it goes (also when the forward
+/// throws); nothing for a null hook.
+class UnitRun {
+ public:
+  explicit UnitRun(UnitHook* hook) : hook_(hook) {
+    if (hook_ != nullptr) {
+      hook_->enter_run();
+    }
+  }
+  ~UnitRun() {
+    if (hook_ != nullptr) {
+      hook_->leave_run();
+    }
+  }
+  UnitRun(const UnitRun&) = delete;
+  UnitRun& operator=(const UnitRun&) = delete;
+
+ private:
+  UnitHook* hook_;
+};
 
 /// A call's Tensor outputs, for UnitHook::after_forward.
 inline std::vector<torch::Tensor> unit_outputs(const torch::Tensor& out) { return {out}; }
