@@ -10,6 +10,8 @@ set -euo pipefail
 which_builds=${1:-all}
 venv=${FRUGAL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/frugal/venv}
 torch_version=${FRUGAL_TORCH_VERSION:-2.15.0}
+# The references the fine-tuning twin compares against, in the same venv.
+references=(transformers==5.25.0 peft==0.21.2 safetensors==0.8.0)
 
 say() { printf 'setup: %s\n' "$*"; }
 
@@ -52,4 +54,10 @@ else
   say "installing torch==$torch_version (and matplotlib for the plots) into $venv"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" matplotlib
+fi
+if "$venv/bin/python" -c "import transformers, peft, safetensors" 2>/dev/null; then
+  say "transformers, peft and safetensors present in $venv"
+else
+  say "installing ${references[*]} into $venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "${references[@]}"
 fi

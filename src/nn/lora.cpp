@@ -170,7 +170,7 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
   for (const auto& [name, module] : chosen) {
     auto layer = std::make_unique<detail::LoraLayer>();
     layer->name = name;
-    layer->linear = static_cast<torch::nn::LinearImpl*>(module.get());
+    layer->linear = dynamic_cast<torch::nn::LinearImpl*>(module.get());
     layer->base = layer->linear->weight;
     const auto in = layer->base.size(1);
     const auto out = layer->base.size(0);

@@ -1,0 +1,148 @@
+// Fine-tunes a GPT-2 that Python trained: the checkpoint transformers' save_pretrained writes
+// (safetensors) loaded into a C++ GPT-2, LoRA adapters on chosen layers, the base frozen, on
+// Debian's fortunes; adapters saved in PEFT's layout, so PEFT loads them (and frugal PEFT's).
+//
+//   fine_tune --base gpt2-folder [--lora-rank 8] [--lora-alpha 16] [--targets c_attn]
+//             [--base-format float32|bf16] [--checkpoint] [--save-adapters out]
+#include <fmt/format.h>
+#include <frugal/frugal.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <memory>
+
+#include "gpt2.h"
+#include "main_flags.h"
+#include "text.h"
+
+namespace {
+
+struct Args {
+  std::string base;
+  std::string fortunes = "/usr/share/games/fortunes";
+  std::string base_format = "float32";
+  std::int64_t rank = 8;
+  double alpha = 16;
+  std::vector<std::string> targets = {"c_attn"};
+  std::int64_t steps = 50;
+  std::int64_t batch = 8;
+  std::int64_t seq = 64;
+  double lr = 1e-3;
+  bool checkpoint = false;
+  std::int64_t memory_cap = 0;
+  std::string init_adapters;
+  std::string save_adapters;
+  std::string dump_logits;
+  std::string report;
+  std::uint64_t seed = 1;
+  int threads = 0;
+};
+
+torch::Tensor logits_of(fine_tune::Gpt2& model, const torch::Tensor& inputs) {
+  torch::NoGradGuard no_grad;
+  return model->forward(inputs).to(torch::kFloat).contiguous();
+}
+
+int run(const Args& a) {
+  torch::manual_seed(a.seed);
+  if (a.memory_cap > 0) {
+    frugal::CountingAllocator::install();
+    frugal::CountingAllocator::set_cap(a.memory_cap);
+  }
+  const auto config = fine_tune::Gpt2Config::read(a.base);
+  const auto dtype = a.base_format == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  const frugal::io::SafetensorsFile checkpoint(a.base);
+  fine_tune::Gpt2 model(nullptr);
+  {
+    frugal::nn::DefaultDtypeGuard as(dtype);  // the base is made in its own dtype
+    model = fine_tune::Gpt2(config);
+    for (std::int64_t i = 0; i < config.layers; ++i) {
+      model->add_block();
+    }
+  }
+  frugal::io::load(*model, checkpoint,
+                   frugal::io::LoadOptions().transposed(frugal::io::gpt2_conv1d));
+  frugal::nn::Lora lora(*model, model->blocks(),
+                        frugal::nn::LoraOptions()
+                            .rank(a.rank)
+                            .alpha(a.alpha)
+                            .target_modules(a.targets)
+                            .fan_in_fan_out(true));
+  if (!a.init_adapters.empty()) {
+    lora.load(a.init_adapters);
+  }
+  const auto sequences = fine_tune::read_sequences(a.fortunes, a.seq);
+  const auto first = fine_tune::batch_of(sequences, 0, a.batch);
+  const auto probe = first.narrow(1, 0, a.seq);
+  const auto before = logits_of(model, probe);
+
+  frugal::optim::AdamW adamw(lora.parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0));
+  auto trainer = std::make_shared<frugal::Trainer>(
+      model, adamw, [vocab = config.vocab](const torch::Tensor& out, const torch::Tensor& y) {
+        return torch::cross_entropy_loss(out.reshape({-1, vocab}).to(torch::kFloat), y.reshape(-1));
+      });
+  if (a.checkpoint) {
+    trainer->add_policy(
+        std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1)));
+  }
+  if (!a.report.empty()) {
+    trainer->add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
+  }
+  double loss = 0;
+  for (std::int64_t k = 0; k < a.steps; ++k) {
+    const auto rows = fine_tune::batch_of(sequences, k, a.batch);
+    loss = trainer->step(frugal::Batch(rows.narrow(1, 0, a.seq), rows.narrow(1, 1, a.seq))).loss;
+  }
+  if (!a.save_adapters.empty()) {
+    lora.save(a.save_adapters);
+  }
+  if (!a.dump_logits.empty()) {
+    frugal::io::save(a.dump_logits,
+                     {{"before", before}, {"after", logits_of(model, probe)}, {"inputs", probe}});
+  }
+  fmt::print("fine_tune: {} steps of LoRA r={} on {} ({} adapted layers, {} base), loss {:.4f}\n",
+             a.steps, a.rank, a.base, lora.adapted().size(), a.base_format, loss);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Fine-tune a transformers GPT-2 checkpoint with LoRA on Debian's fortunes"};
+  Args a;
+  app.add_option("--base", a.base, "save_pretrained folder of a GPT-2 (config.json, safetensors)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--fortunes", a.fortunes, "Folder of Debian's fortunes")->capture_default_str();
+  app.add_option("--base-format", a.base_format, "The frozen base's dtype")
+      ->check(CLI::IsMember({"float32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--lora-rank", a.rank, "Adapters' rank r")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lora-alpha", a.alpha, "Adapters' alpha (scale alpha / r)")
+      ->capture_default_str();
+  app.add_option("--targets", a.targets, "Layers to adapt, as PEFT's target_modules")
+      ->capture_default_str();
+  app.add_option("--steps", a.steps, "Training steps")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--batch", a.batch, "Sequences a step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seq", a.seq, "Tokens a sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr", a.lr, "AdamW's learning rate")->capture_default_str();
+  app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every block");
+  app.add_option("--memory-cap", a.memory_cap, "CPU bytes frugal may allocate (0: no cap)");
+  app.add_option("--init-adapters", a.init_adapters, "Start from these adapters (PEFT's folder)")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--save-adapters", a.save_adapters, "Write the adapters here, in PEFT's layout");
+  app.add_option("--dump-logits", a.dump_logits,
+                 "Write the first batch's logits before and after training (safetensors)");
+  app.add_option("--report", a.report, "Write a JSON-lines report here");
+  app.add_option("--seed", a.seed, "Seed of the adapters' initialisation")->capture_default_str();
+  examples::threads_flag(app, a.threads);
+  return examples::parse_and_run(app, argc, argv, [&] { return run(a); });
+}

@@ -1,0 +1,60 @@
+// The fine-tune's data: the bytes of Debian's fortunes, cut into sequences, visited in an
+// order the Python twin computes the same way.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace fine_tune {
+
+/// Byte tokens (vocabulary 256) of every fortune file in `dir` (no extension, not the
+/// ASCII-art ones), in name order, as sequences of `len` + 1 tokens: a step's inputs are a
+/// sequence's first `len`, its targets the last `len`.
+inline torch::Tensor read_sequences(const std::string& dir, std::int64_t len) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) {
+    throw std::runtime_error("no fortunes in '" + dir +
+                             "': install Debian's package with `apt-get install fortunes`");
+  }
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_regular_file() && !entry.path().has_extension() && name != "art" &&
+        name != "ascii-art") {
+      files.push_back(entry.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  std::string bytes;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    bytes.append(std::istreambuf_iterator<char>(in), {});
+  }
+  const auto n = static_cast<std::int64_t>(bytes.size()) / (len + 1);
+  if (n < 1) {
+    throw std::runtime_error("the fortunes in '" + dir + "' are shorter than one sequence");
+  }
+  auto all = torch::from_blob(bytes.data(), {n, len + 1}, torch::kUInt8).clone();
+  return all.to(torch::kLong);
+}
+
+/// Sequence `j` of batch `k`: (k * batch + j) * 7919 modulo their number, a spread of the
+/// whole text that the twin computes the same way.
+inline torch::Tensor batch_of(const torch::Tensor& sequences, std::int64_t k, std::int64_t batch) {
+  const auto n = sequences.size(0);
+  std::vector<std::int64_t> rows;
+  for (std::int64_t j = 0; j < batch; ++j) {
+    rows.push_back(((k * batch + j) * 7919) % n);
+  }
+  return sequences.index_select(0, torch::tensor(rows));
+}
+
+}  // namespace fine_tune

@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""The fine_tune example against transformers + PEFT, on the same checkpoint and data:
+  a GPT-2 that transformers made and saved (save_pretrained, safetensors) loads into
+  frugal's GPT-2 and gives transformers' logits;
+  from PEFT's initial adapters, frugal's LoRA fine-tune gives PEFT's losses step by step;
+  the adapters frugal saves load in PEFT (PeftModel.from_pretrained) and give frugal's
+  logits, and their file is byte for byte what the safetensors package writes;
+  a truncated checkpoint and adapters of another rank are refused with a clear message.
+Run with the Python that has transformers and peft (scripts/setup.sh installs them).
+Usage: fine_tune_twin.py PATH/TO/fine_tune WORK_DIR
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cli_check import check, finish  # noqa: E402
+
+BINARY, WORK = sys.argv[1], sys.argv[2]
+FORTUNES = "/usr/share/games/fortunes"
+SEQ, BATCH, STEPS, LR, RANK, ALPHA = 32, 4, 50, 1e-3, 4, 8
+hf_logging.set_verbosity_error()
+torch.set_num_threads(1)
+shutil.rmtree(WORK, ignore_errors=True)
+os.makedirs(WORK)
+
+
+def sequences():
+    names = sorted(n for n in os.listdir(FORTUNES)
+                   if os.path.isfile(os.path.join(FORTUNES, n)) and "." not in n
+                   and n not in ("art", "ascii-art"))
+    data = b"".join(open(os.path.join(FORTUNES, n), "rb").read() for n in names)
+    n = len(data) // (SEQ + 1)
+    return torch.frombuffer(bytearray(data[:n * (SEQ + 1)]), dtype=torch.uint8).view(n, SEQ + 1).long()
+
+
+def batch_of(seqs, k):
+    rows = [((k * BATCH + j) * 7919) % seqs.shape[0] for j in range(BATCH)]
+    return seqs[rows]
+
+
+def base_model():
+    return GPT2LMHeadModel.from_pretrained(os.path.join(WORK, "base"), attn_implementation="eager")
+
+
+def run(*flags, ok=True):
+    done = subprocess.run([BINARY, "--threads", "1", *flags], capture_output=True, text=True)
+    if ok and done.returncode != 0:
+        sys.exit(f"fine_tune {' '.join(flags)} failed:\n{done.stdout}{done.stderr}")
+    return done
+
+
+seqs = sequences()
+probe = batch_of(seqs, 0)[:, :SEQ]
+
+# The base: a small GPT-2 of random weights, as transformers saves it.
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+GPT2LMHeadModel(config).save_pretrained(os.path.join(WORK, "base"))
+model = base_model()
+with torch.no_grad():
+    base_logits = model(input_ids=probe).logits
+
+# PEFT's initial adapters, then its fine-tune.
+peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["c_attn"],
+                                        lora_dropout=0.0))
+peft.save_pretrained(os.path.join(WORK, "init"))
+adapters = [p for p in peft.parameters() if p.requires_grad]
+opt = torch.optim.AdamW(adapters, lr=LR, weight_decay=0.0)
+losses = []
+for k in range(STEPS):
+    rows = batch_of(seqs, k)
+    logits = peft(input_ids=rows[:, :SEQ]).logits
+    loss = F.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+# frugal's fine-tune from the same start.
+report = os.path.join(WORK, "frugal.jsonl")
+out_dir = os.path.join(WORK, "frugal_adapters")
+dump = os.path.join(WORK, "logits.safetensors")
+common = ["--base", os.path.join(WORK, "base"), "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+          "--targets", "c_attn", "--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ),
+          "--lr", str(LR)]
+run(*common, "--init-adapters", os.path.join(WORK, "init"), "--report", report,
+    "--save-adapters", out_dir, "--dump-logits", dump)
+rows = [json.loads(line) for line in open(report)]
+frugal_losses = [r["loss"] for r in rows if "event" not in r]
+dumped = load_file(dump)
+
+check(torch.equal(dumped["inputs"], probe), "both sides read the same fortunes batch")
+gap = (dumped["before"] - base_logits).abs().max().item()
+check(gap <= 1e-5, f"frugal's GPT-2 from transformers' safetensors gives its logits (max gap {gap:.2e})")
+worst = max((abs(a - b) for a, b in zip(frugal_losses, losses)), default=float("inf"))
+check(len(frugal_losses) == STEPS and worst <= 1e-4,
+      f"{STEPS} LoRA steps give PEFT's losses (worst gap {worst:.2e}; "
+      f"{losses[0]:.4f} -> {losses[-1]:.4f})")
+check(losses[-1] < losses[0] - 0.1, "the fine-tune lowers the loss")
+
+# frugal's adapters in PEFT.
+theirs = PeftModel.from_pretrained(base_model(), out_dir)
+with torch.no_grad():
+    peft_logits = theirs(input_ids=probe).logits
+gap = (dumped["after"] - peft_logits).abs().max().item()
+moved = (dumped["after"] - base_logits).abs().max().item()
+check(gap <= 1e-5 and moved > 1e-3,
+      f"PEFT loads frugal's adapters and gives frugal's logits (max gap {gap:.2e}; they moved {moved:.2e})")
+written = os.path.join(out_dir, "adapter_model.safetensors")
+again = os.path.join(WORK, "again.safetensors")
+save_file(load_file(written), again, metadata={"format": "pt"})
+check(open(written, "rb").read() == open(again, "rb").read(),
+      "frugal writes the adapters' file byte for byte as the safetensors package does")
+
+# Checkpointed blocks: the same losses.
+ckpt_report = os.path.join(WORK, "checkpointed.jsonl")
+run(*common, "--init-adapters", os.path.join(WORK, "init"), "--report", ckpt_report, "--checkpoint")
+ckpt = [json.loads(line)["loss"] for line in open(ckpt_report) if "event" not in json.loads(line)]
+worst = max(abs(a - b) for a, b in zip(ckpt, frugal_losses))
+check(len(ckpt) == STEPS and worst <= 1e-6, f"checkpointed blocks give the same losses (worst gap {worst:.2e})")
+
+# Refusals: a truncated checkpoint, adapters of another rank.
+broken = os.path.join(WORK, "broken")
+shutil.copytree(os.path.join(WORK, "base"), broken)
+weights = os.path.join(broken, "model.safetensors")
+data = open(weights, "rb").read()
+open(weights, "wb").write(data[:len(data) - 100])
+done = run("--base", broken, "--steps", "1", ok=False)
+check(done.returncode == 1 and "is not a whole safetensors file" in done.stderr
+      and "Traceback" not in done.stderr and "frame #" not in done.stderr,
+      f"a truncated checkpoint is refused: {done.stderr.strip()[:160]}")
+done = run(*common[:2], "--lora-rank", "8", "--init-adapters", out_dir, "--steps", "1", ok=False)
+check(done.returncode == 1 and "r is 4 in the file and 8 here" in done.stderr,
+      f"adapters of another rank are refused: {done.stderr.strip()[:160]}")
+finish()
