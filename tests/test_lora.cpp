@@ -11,50 +11,16 @@
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
+#include "lora_net.h"
 
 namespace fs = std::filesystem;
 using frugal::testing::expect_error_contains;
 
 namespace {
 
-constexpr std::int64_t kDim = 6;
-
-struct LoraBlockImpl : torch::nn::Module {
-  LoraBlockImpl() {
-    attn = register_module("attn", torch::nn::Linear(kDim, kDim));
-    up = register_module("up", torch::nn::Linear(kDim, 2 * kDim));
-    down = register_module("down", torch::nn::Linear(2 * kDim, kDim));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto h = x + torch::tanh(attn(x));
-    seen = attn->weight;  // the weight this run read
-    return h + down(torch::tanh(up(h)));
-  }
-  torch::nn::Linear attn{nullptr}, up{nullptr}, down{nullptr};
-  torch::Tensor seen;
-};
-TORCH_MODULE(LoraBlock);
-
-struct LoraNetImpl : torch::nn::Module {
-  explicit LoraNetImpl(int blocks = 3) {
-    torch::manual_seed(11);
-    for (int i = 0; i < blocks; ++i) {
-      list->push_back(LoraBlock());
-    }
-    register_module("blocks", list);
-    head = register_module("head", torch::nn::Linear(kDim, 2));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (std::size_t i = 0; i < list->size(); ++i) {
-      x = frugal::nn::call(list->ptr<LoraBlockImpl>(i), x);
-    }
-    return head(x);
-  }
-  std::vector<std::shared_ptr<torch::nn::Module>> units() { return list->children(); }
-  torch::nn::ModuleList list;
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(LoraNet);
+using frugal::testing::kDim;
+using frugal::testing::LoraBlockImpl;
+using frugal::testing::LoraNet;
 
 frugal::nn::LoraOptions options() {
   return frugal::nn::LoraOptions().rank(2).alpha(4).target_modules({"attn", "down"});
@@ -126,7 +92,7 @@ TEST(Lora, OutputsAndAdapterGradientsArePeftsWithPlainOrCheckpointedUnits) {
       policy = std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1));
       policy->apply(*net);
     }
-    const auto x = inputs();
+    const auto x = inputs().requires_grad_();  // every layer's backward needs its weight
     auto out = net->forward(x);
     // Between the forward and the backward the folded weights hold no bytes; a checkpointed
     // forward records no graph, so only this test holds them.

@@ -20,6 +20,7 @@
 #include "frugal/memory/probe.h"
 #include "frugal/memory/recorder.h"
 #include "frugal/nn/checkpoint.h"
+#include "frugal/nn/frozen_weights.h"
 #include "frugal/nn/int8_weights.h"
 #include "frugal/nn/linear_cross_entropy.h"
 #include "frugal/nn/lora.h"

@@ -8,8 +8,6 @@
 #include <unordered_set>
 
 #include "frugal/error.h"
-#include "frugal/nn/unit_hook.h"
-#include "memory/storage_bytes.h"
 #include "nn/lora_state.h"
 
 namespace frugal::nn {
@@ -18,92 +16,10 @@ namespace {
 
 // W + s B A in the base's dtype: recorded by autograd when gradients are, so A and B get
 // theirs. The same expression refills a folded weight in backward, bit for bit.
-torch::Tensor folded_weight(const LoraLayer& layer, double scaling) {
+torch::Tensor folded_weight(const LoraLayer& layer, const torch::Tensor& base, double scaling) {
   const auto delta = layer.b->weight.mm(layer.a->weight).mul(scaling);
-  return layer.base.add(delta.to(layer.base.scalar_type()));
+  return base.add(delta.to(base.scalar_type()));
 }
-
-class LoraUnitHook : public UnitHook {
- public:
-  LoraUnitHook(std::weak_ptr<LoraState> state, LoraUnit* unit)
-      : state_(std::move(state)), unit_(unit) {}
-
-  void before_forward() override {
-    unit_->folded.clear();  // a call that threw left its weights
-    unit_->in_call = true;
-  }
-
-  void enter_run() override {
-    auto s = state_.lock();
-    if (s == nullptr) {
-      return;
-    }
-    for (auto* layer : unit_->layers) {
-      if (s->merged) {
-        layer->linear->weight = layer->base;
-        continue;
-      }
-      auto w = folded_weight(*layer, s->scaling);
-      layer->linear->weight = w;
-      if (unit_->in_call) {  // a recompute's weights go with its graph
-        unit_->folded.emplace_back(layer, std::move(w));
-      }
-    }
-  }
-
-  void leave_run() override {
-    for (auto* layer : unit_->layers) {
-      layer->linear->weight = torch::empty({0}, layer->base.options());
-    }
-  }
-
-  void after_forward(const std::vector<torch::Tensor>& outputs) override {
-    unit_->in_call = false;
-    auto s = state_.lock();
-    auto recorded = std::make_shared<std::vector<std::pair<LoraLayer*, torch::Tensor>>>();
-    for (auto& item : unit_->folded) {
-      if (item.second.requires_grad()) {  // autograd holds it for the layer's backward
-        recorded->push_back(std::move(item));
-      }
-    }
-    unit_->folded.clear();
-    std::vector<torch::Tensor> reach;
-    for (const auto& out : outputs) {
-      if (out.defined() && out.requires_grad()) {
-        reach.push_back(out);
-      }
-    }
-    if (s == nullptr || recorded->empty() || reach.empty()) {
-      return;  // no backward reads them through this call's outputs
-    }
-    // The folded weights give their bytes back until backward reaches the unit.
-    for (const auto& item : *recorded) {
-      frugal::detail::drop_bytes(item.second);
-    }
-    for (auto& out : reach) {
-      out.register_hook([weak = state_, recorded](const torch::Tensor&) {
-        auto st = weak.lock();
-        if (st == nullptr || recorded->empty()) {
-          return;
-        }
-        torch::NoGradGuard no_grad;
-        for (auto& [layer, w] : *recorded) {
-          frugal::detail::take_bytes(w);
-          // Written through an alias of its own version counter: autograd saved `w` at
-          // version 0 and reads it so.
-          auto alias = torch::empty({0}, w.options());
-          alias.set_(w.storage(), w.storage_offset(), w.sizes(), w.strides());
-          alias.copy_(folded_weight(*layer, st->scaling));
-        }
-        recorded->clear();  // the graph holds them now; they go with its nodes
-      });
-    }
-  }
-
- private:
-  std::weak_ptr<LoraState> state_;
-  LoraUnit* unit_;
-};
 
 bool targeted(const std::string& name, const std::vector<std::string>& targets) {
   if (targets.empty()) {
@@ -135,8 +51,11 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
   std::unordered_map<const torch::nn::Module*, std::size_t> unit_of;
   for (std::size_t u = 0; u < units.size(); ++u) {
     FRUGAL_CHECK(units[u] != nullptr, "frugal: Lora got a null unit (", u, ")");
-    FRUGAL_CHECK(unit_hook(*units[u]) == nullptr, "frugal: module '", units[u]->name(),
-                 "' is a unit already (of an Int8Weights, a ZeroOptimizer or a Lora)");
+    const auto hook = unit_hook(*units[u]);
+    FRUGAL_CHECK(
+        hook == nullptr || std::dynamic_pointer_cast<detail::UnitWeightsHook>(hook) != nullptr,
+        "frugal: module '", units[u]->name(),
+        "' is a unit already (of an Int8Weights or a ZeroOptimizer)");
     for (const auto& m : units[u]->modules(/*include_self=*/true)) {
       FRUGAL_CHECK(unit_of.emplace(m.get(), u).second, "frugal: Lora units ", unit_of[m.get()],
                    " and ", u, " share module '", m->name(), "'");
@@ -166,14 +85,14 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     state_->trainable.emplace_back(p, p.requires_grad());
     p.set_requires_grad(false);
   }
-  std::vector<detail::LoraUnit*> unit_states(units.size(), nullptr);
+  std::vector<std::shared_ptr<detail::UnitWeightsHook>> hooks(units.size());
   for (const auto& [name, module] : chosen) {
     auto layer = std::make_unique<detail::LoraLayer>();
     layer->name = name;
     layer->linear = dynamic_cast<torch::nn::LinearImpl*>(module.get());
-    layer->base = layer->linear->weight;
-    const auto in = layer->base.size(1);
-    const auto out = layer->base.size(0);
+    layer->base = layer->linear->named_parameters(false)["weight"];
+    const auto in = layer->linear->options.in_features();
+    const auto out = layer->linear->options.out_features();
     const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(layer->base.device());
     layer->a = torch::nn::Linear(torch::nn::LinearOptions(in, options_.rank()).bias(false));
     layer->b = torch::nn::Linear(torch::nn::LinearOptions(options_.rank(), out).bias(false));
@@ -185,19 +104,20 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     }
     module->register_module("lora_A", layer->a);
     module->register_module("lora_B", layer->b);
-    layer->linear->weight = torch::empty({0}, layer->base.options());
     const auto u = unit_of.at(module.get());
-    if (unit_states[u] == nullptr) {
-      state_->units.push_back(std::make_unique<detail::LoraUnit>());
-      unit_states[u] = state_->units.back().get();
-      unit_states[u]->module = units[u].get();
+    if (hooks[u] == nullptr) {
+      hooks[u] = detail::unit_weights(units[u]);
+      state_->units.push_back({units[u], hooks[u]});
     }
-    unit_states[u]->layers.push_back(layer.get());
+    layer->slot = &hooks[u]->slot(layer->linear);
+    std::weak_ptr<detail::LoraState> weak = state_;
+    auto* raw = layer.get();
+    layer->slot->adapt = [weak, raw](const torch::Tensor& base) {
+      const auto s = weak.lock();
+      return s == nullptr || s->merged ? base : detail::folded_weight(*raw, base, s->scaling);
+    };
+    layer->linear->weight = torch::empty({0}, layer->base.options());  // read only inside the unit
     state_->layers.push_back(std::move(layer));
-  }
-  for (auto& unit : state_->units) {
-    nn::detail::add_unit_hook(unit->module,
-                              std::make_shared<detail::LoraUnitHook>(state_, unit.get()));
   }
 }
 
@@ -205,13 +125,13 @@ Lora::~Lora() {
   if (state_->merged) {
     unmerge();
   }
-  for (auto& unit : state_->units) {
-    nn::detail::remove_unit_hook(unit->module);
-  }
   for (auto& layer : state_->layers) {
-    layer->linear->weight = layer->base;
+    layer->slot->adapt = nullptr;
     layer->linear->unregister_module("lora_A");
     layer->linear->unregister_module("lora_B");
+  }
+  for (auto& unit : state_->units) {
+    detail::release_unit_weights(unit.module.get(), *unit.hook);
   }
   for (auto& [p, trainable] : state_->trainable) {
     p.set_requires_grad(trainable);
@@ -244,9 +164,14 @@ void Lora::merge() {
   if (state_->merged) {
     return;
   }
+  for (const auto& layer : state_->layers) {
+    FRUGAL_CHECK(!layer->slot->stored, "frugal: Lora::merge: layer '", layer->name,
+                 "' has its base in a FrozenWeights store, where the sum would be rounded to its "
+                 "codes; merge into a base kept in its own dtype");
+  }
   torch::NoGradGuard no_grad;
   for (auto& layer : state_->layers) {
-    auto merged = detail::folded_weight(*layer, state_->scaling);
+    auto merged = detail::folded_weight(*layer, layer->base, state_->scaling);
     layer->unmerged = layer->base.data();  // the same bytes, kept
     layer->base.set_data(merged);
   }

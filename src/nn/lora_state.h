@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "nn/unit_weights.h"
+
 namespace frugal::nn::detail {
 
 struct LoraLayer {
@@ -16,20 +18,19 @@ struct LoraLayer {
   torch::nn::Linear a{nullptr}, b{nullptr};  // its children lora_A and lora_B
   torch::Tensor base;                        // the registered parameter `weight`
   torch::Tensor unmerged;                    // the base's bytes while merged
+  LinearSlot* slot = nullptr;                // in its unit's hook
 };
 
 struct LoraUnit {
-  const torch::nn::Module* module = nullptr;
-  std::vector<LoraLayer*> layers;
-  bool in_call = false;  // between before_forward and after_forward (not a recompute)
-  std::vector<std::pair<LoraLayer*, torch::Tensor>> folded;  // the call's folded weights
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<UnitWeightsHook> hook;
 };
 
 struct LoraState {
   double scaling = 1;
   bool merged = false;
   std::vector<std::unique_ptr<LoraLayer>> layers;
-  std::vector<std::unique_ptr<LoraUnit>> units;
+  std::vector<LoraUnit> units;
   std::vector<std::pair<torch::Tensor, bool>> trainable;  // each parameter's requires_grad before
 };
 

@@ -1,0 +1,58 @@
+// A unit's Linear weights made for each of its runs: dequantized from a frozen store, with
+// LoRA adapters folded in, or both. One hook a unit, shared by FrozenWeights and Lora.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "frugal/nn/unit_hook.h"
+
+namespace frugal::nn::detail {
+
+/// One Linear of a unit: what its forward reads as `weight` during a run.
+struct LinearSlot {
+  torch::nn::LinearImpl* linear = nullptr;
+  torch::Tensor param;  ///< the registered parameter `weight`
+  /// The base materialised from a store (null: the parameter as it is).
+  std::function<torch::Tensor()> stored;
+  /// The base with adapters folded in (null: none).
+  std::function<torch::Tensor(const torch::Tensor&)> adapt;
+};
+
+/// Each run sets every slot's `weight` member to its value and, after the run, back to
+/// an empty tensor (or the parameter, where it is neither stored nor adapted), so a layer
+/// called outside its unit fails loudly. What autograd keeps of a call's weights gives its
+/// bytes back when the forward ends and takes them again, computed anew, when backward
+/// reaches the unit (a gradient of one of its outputs is in); what nothing keeps goes at once.
+class UnitWeightsHook : public UnitHook, public std::enable_shared_from_this<UnitWeightsHook> {
+ public:
+  void before_forward() override;
+  void after_forward(const std::vector<torch::Tensor>& outputs) override;
+  void enter_run() override;
+  void leave_run() override;
+
+  /// The slot of `linear`, made when it has none.
+  LinearSlot& slot(torch::nn::LinearImpl* linear);
+  /// Drops slots that are neither stored nor adapted (their member back to the parameter);
+  /// whether any is left.
+  bool prune();
+
+ private:
+  torch::Tensor value(const LinearSlot& slot) const;
+
+  std::vector<std::unique_ptr<LinearSlot>> slots_;
+  bool in_call_ = false;
+  std::vector<std::pair<const LinearSlot*, torch::Tensor>> made_;  // this call's
+};
+
+/// The UnitWeightsHook of `unit`, registered when it has no hook; an error naming `unit`
+/// when it is another kind of unit (an Int8Weights or ZeroOptimizer one).
+std::shared_ptr<UnitWeightsHook> unit_weights(const std::shared_ptr<torch::nn::Module>& unit);
+/// Unregisters `unit`'s hook when `hook` has no slots left.
+void release_unit_weights(const torch::nn::Module* unit, UnitWeightsHook& hook);
+
+}  // namespace frugal::nn::detail

@@ -1,0 +1,53 @@
+// A small model of units for the LoRA and frozen-weights tests: blocks of three Linear
+// layers called through frugal::nn::call, and a head outside them.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "frugal/nn/checkpoint.h"
+
+namespace frugal::testing {
+
+constexpr std::int64_t kDim = 6;
+
+struct LoraBlockImpl : torch::nn::Module {
+  LoraBlockImpl() {
+    attn = register_module("attn", torch::nn::Linear(kDim, kDim));
+    up = register_module("up", torch::nn::Linear(kDim, 2 * kDim));
+    down = register_module("down", torch::nn::Linear(2 * kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x + torch::tanh(attn(x));
+    seen = attn->weight;  // the weight this run read
+    return h + down(torch::tanh(up(h)));
+  }
+  torch::nn::Linear attn{nullptr}, up{nullptr}, down{nullptr};
+  torch::Tensor seen;
+};
+TORCH_MODULE(LoraBlock);
+
+struct LoraNetImpl : torch::nn::Module {
+  explicit LoraNetImpl(int blocks = 3) {
+    torch::manual_seed(11);
+    for (int i = 0; i < blocks; ++i) {
+      list->push_back(LoraBlock());
+    }
+    register_module("blocks", list);
+    head = register_module("head", torch::nn::Linear(kDim, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::size_t i = 0; i < list->size(); ++i) {
+      x = frugal::nn::call(list->ptr<LoraBlockImpl>(i), x);
+    }
+    return head(x);
+  }
+  std::vector<std::shared_ptr<torch::nn::Module>> units() { return list->children(); }
+  torch::nn::ModuleList list;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(LoraNet);
+
+}  // namespace frugal::testing

@@ -1,0 +1,229 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "frugal/memory/ledger.h"
+#include "frugal/memory/probe.h"
+#include "frugal/nn/frozen_weights.h"
+#include "frugal/nn/lora.h"
+#include "frugal/optim/adam.h"
+#include "frugal/policy/checkpoint_policy.h"
+#include "frugal/policy/step_in_backward.h"
+#include "frugal/train/trainer.h"
+#include "helpers.h"
+#include "lora_net.h"
+#include "nn/nf4.h"
+#include "optim/weight_codes.h"
+
+namespace fd = frugal::nn::detail;
+using frugal::testing::expect_error_contains;
+using frugal::testing::kDim;
+using frugal::testing::LoraBlockImpl;
+using frugal::testing::LoraNet;
+
+namespace {
+
+frugal::nn::LoraOptions qlora_options() {
+  return frugal::nn::LoraOptions().rank(2).alpha(4).target_modules({"attn", "down"});
+}
+
+// Every Linear weight of the blocks replaced by `decode(weight)`.
+void replace_block_weights(LoraNet& net,
+                           const std::function<torch::Tensor(const torch::Tensor&)>& decode) {
+  torch::NoGradGuard no_grad;
+  for (auto& unit : net->units()) {
+    for (auto& m : unit->modules()) {
+      if (auto* l = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
+        l->weight.copy_(decode(l->weight));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Nf4, CodesAreTheNearestPublishedValueOfEachBlocksScaledElements) {
+  const auto& v = fd::nf4_values();
+  ASSERT_EQ(v.numel(), 16);
+  EXPECT_EQ(v[0].item<float>(), -1.0F);
+  EXPECT_EQ(v[7].item<float>(), 0.0F);
+  EXPECT_EQ(v[15].item<float>(), 1.0F);
+  EXPECT_TRUE(torch::equal(std::get<0>(v.sort()), v));
+  const auto& map = fd::dynamic_map();
+  EXPECT_EQ(map.numel(), 256);
+  EXPECT_EQ(map.max().item<float>(), 1.0F);
+  EXPECT_TRUE(torch::equal(std::get<0>(map.sort()), map));
+
+  torch::manual_seed(2);
+  const auto w = torch::randn({37, 29});  // 1073 elements: a tail block, an odd count
+  const auto q = fd::nf4_quantize(w);
+  const auto n = w.numel();
+  const auto blocks = (n + 63) / 64;
+  EXPECT_EQ(q.packed.numel(), (n + 1) / 2);
+  EXPECT_EQ(q.qabsmax.numel(), blocks);
+  EXPECT_EQ(q.bytes(), (n + 1) / 2 + blocks + 4 * ((blocks + 255) / 256) + 4);
+  // Each code is a nearest NF4 value to the element over its block's true absmax.
+  const auto flat = w.reshape(-1);
+  const auto codes = torch::stack({q.packed.bitwise_right_shift(4), q.packed.bitwise_and(15)}, 1)
+                         .reshape(-1)
+                         .slice(0, 0, n)
+                         .to(torch::kLong);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto block = flat.slice(0, i / 64 * 64, std::min(n, i / 64 * 64 + 64));
+    const float x = flat[i].item<float>() / block.abs().max().item<float>();
+    const float chosen = std::fabs(v[codes[i].item<std::int64_t>()].item<float>() - x);
+    EXPECT_LE(chosen, (v - x).abs().min().item<float>() + 1e-6F) << i;
+  }
+  // Round trip: within half the widest gap of the values times the decoded absmax, plus
+  // the absmax's own error (double quantization).
+  const auto absmax = fd::nf4_absmax(q);
+  const auto truth =
+      torch::cat({std::get<0>(flat.slice(0, 0, n / 64 * 64).reshape({-1, 64}).abs().max(1)),
+                  flat.slice(0, n / 64 * 64).abs().max().view({1})});
+  const auto half_gap = ((v.slice(0, 1) - v.slice(0, 0, -1)).max() / 2).item<float>();
+  const auto back = fd::nf4_dequantize(q, torch::kFloat).reshape(-1);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const auto part = torch::indexing::Slice(b * 64, std::min(n, b * 64 + 64));
+    const float bound =
+        half_gap * absmax[b].item<float>() + (absmax[b] - truth[b]).abs().item<float>() + 1e-6F;
+    EXPECT_LE((back.index({part}) - flat.index({part})).abs().max().item<float>(), bound) << b;
+  }
+  EXPECT_LT((absmax - truth).abs().max().item<float>(), 0.01 * truth.max().item<float>());
+  // bfloat16 is the float32 product rounded once.
+  EXPECT_TRUE(torch::equal(fd::nf4_dequantize(q, torch::kBFloat16),
+                           back.reshape({37, 29}).to(torch::kBFloat16)));
+}
+
+TEST(FrozenWeights, StoresTheUnitsLinearWeightsFrozenAndRunsOnTheirDecodedValues) {
+  for (const auto format : {frugal::nn::FrozenFormat::NF4, frugal::nn::FrozenFormat::Int8}) {
+    LoraNet net, ref;
+    const auto opts =
+        frugal::nn::FrozenWeightsOptions().format(format).dtype(torch::kFloat).group(16);
+    frugal::nn::FrozenWeights base(opts);
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    auto block = net->list->ptr<LoraBlockImpl>(1);
+    EXPECT_EQ(block->named_parameters(false).size(), 0U);
+    EXPECT_EQ(block->up->named_parameters(false)["weight"].numel(), 0);
+    EXPECT_FALSE(block->up->bias.requires_grad());
+    EXPECT_EQ(base.stored_elements(), 3 * (kDim * kDim + 4 * kDim * kDim));
+    std::int64_t buffers = 0;
+    for (const auto& b : net->buffers()) {
+      buffers += static_cast<std::int64_t>(b.nbytes());
+    }
+    EXPECT_EQ(base.stored_bytes(), buffers);
+    // The reference: the same model with each weight replaced by its decoded value.
+    replace_block_weights(ref, [&](const torch::Tensor& w) {
+      if (format == frugal::nn::FrozenFormat::NF4) {
+        return fd::nf4_dequantize(fd::nf4_quantize(w), torch::kFloat);
+      }
+      frugal::optim::detail::StoredWeights s;
+      std::tie(s.codes, s.qparams) = frugal::optim::detail::quantize_weights(w, 16);
+      s.group = 16;
+      auto out = torch::empty_like(w);
+      frugal::optim::detail::dequantize_into(s, out);
+      return out;
+    });
+    torch::manual_seed(5);
+    const auto x = torch::randn({4, kDim});
+    EXPECT_TRUE(torch::equal(net->forward(x), ref->forward(x)));
+    EXPECT_EQ(block->up->weight.numel(), 0) << "outside its unit";
+  }
+}
+
+TEST(FrozenWeights, QloraAdaptersGetTheGradientsOfTheDecodedBaseAndTheWeightsWaitForBackward) {
+  for (const bool checkpointed : {false, true}) {
+    LoraNet net, ref;
+    frugal::nn::FrozenWeights base(frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat));
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    replace_block_weights(ref, [](const torch::Tensor& w) {
+      return fd::nf4_dequantize(fd::nf4_quantize(w), torch::kFloat);
+    });
+    frugal::nn::Lora lora(*net, net->units(), qlora_options());
+    frugal::nn::Lora ref_lora(*ref, ref->units(), qlora_options());
+    torch::manual_seed(9);
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+        const auto v = torch::randn(lora.parameters()[i].sizes()) * 0.3;
+        lora.parameters()[i].copy_(v);
+        ref_lora.parameters()[i].copy_(v);
+      }
+    }
+    std::shared_ptr<frugal::CheckpointPolicy> policy;
+    if (checkpointed) {
+      policy = std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1));
+      policy->apply(*net);
+    }
+    torch::manual_seed(5);
+    const auto x =
+        torch::randn({4, kDim}).requires_grad_();  // every layer's backward needs its weight
+    auto out = net->forward(x);
+    // Kept for backward without bytes; a checkpointed forward keeps nothing (only this test does).
+    for (std::size_t i = 0; i < 3; ++i) {
+      const auto& seen = net->list->ptr<LoraBlockImpl>(i)->seen;
+      if (checkpointed) {
+        EXPECT_FALSE(seen.requires_grad()) << i;
+      } else {
+        EXPECT_EQ(seen.storage().nbytes(), 0U) << i;
+      }
+    }
+    out.pow(2).sum().backward();
+    auto ref_out = ref->forward(x);
+    ref_out.pow(2).sum().backward();
+    EXPECT_TRUE(torch::allclose(out, ref_out, 1e-6, 1e-7));
+    for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+      EXPECT_TRUE(
+          torch::allclose(lora.parameters()[i].grad(), ref_lora.parameters()[i].grad(), 1e-5, 1e-6))
+          << i;
+    }
+    expect_error_contains([&] { lora.merge(); }, "has its base in a FrozenWeights store");
+  }
+}
+
+TEST(FrozenWeights, BetweenStepsTheLedgerCountsTheCodesAsTheWeightsAndTheAdaptersAlone) {
+  frugal::MemoryProbe probe(torch::kCPU);
+  LoraNet net;
+  frugal::nn::FrozenWeights base(frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat));  // NF4
+  for (auto& unit : net->units()) {
+    base.add_module(unit);
+  }
+  frugal::nn::Lora lora(*net, net->units(), qlora_options());
+  frugal::optim::AdamW adamw(lora.parameters(), torch::optim::AdamWOptions(1e-2));
+  frugal::Trainer trainer(net, adamw, [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::mse_loss(out.to(torch::kFloat), t);
+  });
+  trainer.add_policy(std::make_shared<frugal::StepInBackward>());
+  torch::manual_seed(5);
+  const auto x = torch::randn({4, kDim});
+  const auto y = torch::ones({4, 2});
+  const auto first = trainer.step(frugal::Batch(x, y)).loss;
+  double last = first;
+  for (int i = 0; i < 5; ++i) {
+    last = trainer.step(frugal::Batch(x, y)).loss;
+  }
+  EXPECT_LT(last, first);
+  std::int64_t params = 0, adapters = 0;
+  for (const auto& p : net->parameters()) {
+    params += static_cast<std::int64_t>(p.nbytes());
+  }
+  for (const auto& p : lora.parameters()) {
+    adapters += static_cast<std::int64_t>(p.nbytes());
+  }
+  const auto ledger = frugal::measure_ledger(probe, *net, &adamw);
+  EXPECT_EQ(ledger.weights, base.stored_bytes() + params);  // codes, vectors, adapters
+  EXPECT_EQ(ledger.gradients, 0);
+  EXPECT_EQ(ledger.optimizer, 2 * adapters);  // AdamW's two float32 moments of the adapters alone
+}
+
+TEST(FrozenWeights, RefusesUnitsOfOtherKindsAndUnitsStoredTwice) {
+  LoraNet net;
+  frugal::nn::FrozenWeights base;
+  base.add_module(net->units()[0]);
+  expect_error_contains([&] { base.add_module(net->units()[0]); }, "is stored already");
+  frugal::nn::FrozenWeights other;
+  expect_error_contains([&] { other.add_module(net->units()[0]); }, "is stored already");
+  expect_error_contains([&] { base.add_module(nullptr); }, "null module");
+}
