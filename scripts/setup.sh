@@ -11,7 +11,7 @@ which_builds=${1:-all}
 venv=${FRUGAL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/frugal/venv}
 torch_version=${FRUGAL_TORCH_VERSION:-2.15.0}
 # The references the fine-tuning twin compares against, in the same venv.
-references=(transformers==5.25.0 peft==0.21.2 safetensors==0.8.0)
+references=(transformers==5.25.0 peft==0.21.2 safetensors==0.8.0 bitsandbytes==0.50.2)
 
 say() { printf 'setup: %s\n' "$*"; }
 
@@ -55,8 +55,8 @@ else
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" matplotlib
 fi
-if "$venv/bin/python" -c "import transformers, peft, safetensors" 2>/dev/null; then
-  say "transformers, peft and safetensors present in $venv"
+if "$venv/bin/python" -c "import transformers, peft, safetensors, bitsandbytes" 2>/dev/null; then
+  say "transformers, peft, safetensors and bitsandbytes present in $venv"
 else
   say "installing ${references[*]} into $venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "${references[@]}"

@@ -3,7 +3,10 @@
 // Debian's fortunes; adapters saved in PEFT's layout, so PEFT loads them (and frugal PEFT's).
 //
 //   fine_tune --base gpt2-folder [--lora-rank 8] [--lora-alpha 16] [--targets c_attn]
-//             [--base-format float32|bf16] [--checkpoint] [--save-adapters out]
+//             [--base-format float32|bf16|int8|nf4] [--checkpoint] [--save-adapters out]
+//
+// nf4 is QLoRA: the frozen blocks' Linear weights in 4-bit NormalFloat, made whole in bf16
+// one block at a time; int8 keeps them as 8-bit codes.
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
@@ -33,6 +36,7 @@ struct Args {
   std::string init_adapters;
   std::string save_adapters;
   std::string dump_logits;
+  std::string save_base;
   std::string report;
   std::uint64_t seed = 1;
   int threads = 0;
@@ -50,18 +54,40 @@ int run(const Args& a) {
     frugal::CountingAllocator::set_cap(a.memory_cap);
   }
   const auto config = fine_tune::Gpt2Config::read(a.base);
-  const auto dtype = a.base_format == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  const bool stored = a.base_format == "nf4" || a.base_format == "int8";
+  const auto dtype = a.base_format == "float32" ? torch::kFloat : torch::kBFloat16;
   const frugal::io::SafetensorsFile checkpoint(a.base);
+  // The frozen base, block by block: each block's tensors loaded and (nf4, int8) stored at
+  // once, so the model never exists whole in 16 bits.
+  frugal::nn::FrozenWeights store(frugal::nn::FrozenWeightsOptions()
+                                      .format(a.base_format == "int8"
+                                                  ? frugal::nn::FrozenFormat::Int8
+                                                  : frugal::nn::FrozenFormat::NF4)
+                                      .dtype(dtype));
+  const auto conv1d = frugal::io::LoadOptions().transposed(frugal::io::gpt2_conv1d);
   fine_tune::Gpt2 model(nullptr);
   {
     frugal::nn::DefaultDtypeGuard as(dtype);  // the base is made in its own dtype
     model = fine_tune::Gpt2(config);
+    frugal::io::load(*model, checkpoint,
+                     frugal::io::LoadOptions(conv1d).rename([](const std::string& n) {
+                       return n.rfind("transformer.h.", 0) == 0 ? "" : n;
+                     }));
     for (std::int64_t i = 0; i < config.layers; ++i) {
-      model->add_block();
+      auto block = model->add_block();
+      const auto prefix = "transformer.h." + std::to_string(i) + ".";
+      frugal::io::load(*block, checkpoint,
+                       frugal::io::LoadOptions(conv1d).rename([&prefix](const std::string& n) {
+                         return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : "";
+                       }));
+      if (stored) {
+        store.add(block);
+      }
     }
   }
-  frugal::io::load(*model, checkpoint,
-                   frugal::io::LoadOptions().transposed(frugal::io::gpt2_conv1d));
+  if (!a.save_base.empty()) {  // the stored codes, for comparing with bitsandbytes
+    frugal::io::save(a.save_base, *model);
+  }
   frugal::nn::Lora lora(*model, model->blocks(),
                         frugal::nn::LoraOptions()
                             .rank(a.rank)
@@ -100,8 +126,27 @@ int run(const Args& a) {
     frugal::io::save(a.dump_logits,
                      {{"before", before}, {"after", logits_of(model, probe)}, {"inputs", probe}});
   }
+  // The frozen base's bytes: stored codes and statistics, and the parameters it keeps as
+  // they are (embeddings, norms, biases); the adapters are not the base.
+  std::int64_t base_params = store.stored_elements(), base_bytes = store.stored_bytes();
+  std::int64_t adapters = 0;
+  for (const auto& p : lora.parameters()) {
+    adapters += p.numel();
+  }
+  for (const auto& p : model->parameters()) {
+    base_params += p.numel();
+    base_bytes += static_cast<std::int64_t>(p.nbytes());
+  }
+  base_params -= adapters;
+  base_bytes -= adapters * 4;
   fmt::print("fine_tune: {} steps of LoRA r={} on {} ({} adapted layers, {} base), loss {:.4f}\n",
              a.steps, a.rank, a.base, lora.adapted().size(), a.base_format, loss);
+  fmt::print("base: {} parameters in {} bytes ({:.3f} bytes a parameter); adapters: {}{}\n",
+             base_params, base_bytes,
+             static_cast<double>(base_bytes) / static_cast<double>(base_params), adapters,
+             a.memory_cap > 0 ? fmt::format("; peak {} bytes under a cap of {}",
+                                            frugal::CountingAllocator::stats().peak, a.memory_cap)
+                              : std::string());
   return 0;
 }
 
@@ -115,7 +160,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingDirectory);
   app.add_option("--fortunes", a.fortunes, "Folder of Debian's fortunes")->capture_default_str();
   app.add_option("--base-format", a.base_format, "The frozen base's dtype")
-      ->check(CLI::IsMember({"float32", "bf16"}))
+      ->check(CLI::IsMember({"float32", "bf16", "int8", "nf4"}))
       ->capture_default_str();
   app.add_option("--lora-rank", a.rank, "Adapters' rank r")
       ->check(CLI::PositiveNumber)
@@ -142,6 +187,7 @@ int main(int argc, char** argv) {
   app.add_option("--dump-logits", a.dump_logits,
                  "Write the first batch's logits before and after training (safetensors)");
   app.add_option("--report", a.report, "Write a JSON-lines report here");
+  app.add_option("--save-base", a.save_base, "Write the loaded (and stored) base's tensors here");
   app.add_option("--seed", a.seed, "Seed of the adapters' initialisation")->capture_default_str();
   examples::threads_flag(app, a.threads);
   return examples::parse_and_run(app, argc, argv, [&] { return run(a); });
