@@ -13,6 +13,8 @@
 
 #include <CLI/CLI.hpp>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 
 #include "gpt2.h"
 #include "main_flags.h"
@@ -37,6 +39,9 @@ struct Args {
   std::string save_adapters;
   std::string dump_logits;
   std::string save_base;
+  bool random_base = false;
+  std::string compute = "bf16";
+  fine_tune::Gpt2Config shape;  // of a random base
   std::string report;
   std::uint64_t seed = 1;
   int threads = 0;
@@ -47,16 +52,38 @@ torch::Tensor logits_of(fine_tune::Gpt2& model, const torch::Tensor& inputs) {
   return model->forward(inputs).to(torch::kFloat).contiguous();
 }
 
+// transformers' GPT-2 initialisation: matrices and embeddings N(0, 0.02), biases 0, norms 1.
+void init_like_gpt2(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.named_parameters()) {
+    if (p.value().dim() >= 2) {
+      p.value().normal_(0, 0.02);
+    } else {
+      p.value().fill_(p.key().find("ln_") != std::string::npos && p.key().size() > 6 &&
+                              p.key().compare(p.key().size() - 6, 6, "weight") == 0
+                          ? 1
+                          : 0);
+    }
+  }
+}
+
 int run(const Args& a) {
   torch::manual_seed(a.seed);
   if (a.memory_cap > 0) {
     frugal::CountingAllocator::install();
     frugal::CountingAllocator::set_cap(a.memory_cap);
   }
-  const auto config = fine_tune::Gpt2Config::read(a.base);
+  const auto config = a.random_base ? a.shape : fine_tune::Gpt2Config::read(a.base);
   const bool stored = a.base_format == "nf4" || a.base_format == "int8";
-  const auto dtype = a.base_format == "float32" ? torch::kFloat : torch::kBFloat16;
-  const frugal::io::SafetensorsFile checkpoint(a.base);
+  // The dtype the model computes in: the base's, or (nf4, int8) the one its codes are made
+  // whole in, --compute.
+  const auto dtype = a.base_format == "float32" || (stored && a.compute == "float32")
+                         ? torch::kFloat
+                         : torch::kBFloat16;
+  std::optional<frugal::io::SafetensorsFile> checkpoint;
+  if (!a.random_base) {
+    checkpoint.emplace(a.base);
+  }
   // The frozen base, block by block: each block's tensors loaded and (nf4, int8) stored at
   // once, so the model never exists whole in 16 bits.
   frugal::nn::FrozenWeights store(frugal::nn::FrozenWeightsOptions()
@@ -69,17 +96,27 @@ int run(const Args& a) {
   {
     frugal::nn::DefaultDtypeGuard as(dtype);  // the base is made in its own dtype
     model = fine_tune::Gpt2(config);
-    frugal::io::load(*model, checkpoint,
-                     frugal::io::LoadOptions(conv1d).rename([](const std::string& n) {
-                       return n.rfind("transformer.h.", 0) == 0 ? "" : n;
-                     }));
+    if (!checkpoint) {
+      init_like_gpt2(*model);
+    }
+    if (checkpoint) {
+      frugal::io::load(*model, *checkpoint,
+                       frugal::io::LoadOptions(conv1d).rename([](const std::string& n) {
+                         return n.rfind("transformer.h.", 0) == 0 ? "" : n;
+                       }));
+    }
     for (std::int64_t i = 0; i < config.layers; ++i) {
       auto block = model->add_block();
       const auto prefix = "transformer.h." + std::to_string(i) + ".";
-      frugal::io::load(*block, checkpoint,
-                       frugal::io::LoadOptions(conv1d).rename([&prefix](const std::string& n) {
-                         return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : "";
-                       }));
+      if (!checkpoint) {
+        init_like_gpt2(*block);
+      }
+      if (checkpoint) {
+        frugal::io::load(*block, *checkpoint,
+                         frugal::io::LoadOptions(conv1d).rename([&prefix](const std::string& n) {
+                           return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : "";
+                         }));
+      }
       if (stored) {
         store.add(block);
       }
@@ -155,12 +192,25 @@ int run(const Args& a) {
 int main(int argc, char** argv) {
   CLI::App app{"Fine-tune a transformers GPT-2 checkpoint with LoRA on Debian's fortunes"};
   Args a;
-  app.add_option("--base", a.base, "save_pretrained folder of a GPT-2 (config.json, safetensors)")
-      ->required()
-      ->check(CLI::ExistingDirectory);
+  auto* base = app.add_option("--base", a.base,
+                              "save_pretrained folder of a GPT-2 (config.json, safetensors)")
+                   ->check(CLI::ExistingDirectory);
+  auto* random = app.add_flag("--random-base", a.random_base,
+                              "A base of random weights shaped by --embd, --layers, --heads (for "
+                              "measuring what fits under --memory-cap)");
+  base->excludes(random);
+  app.add_option("--embd", a.shape.embd, "A random base's width")->capture_default_str();
+  app.add_option("--layers", a.shape.layers, "A random base's blocks")->capture_default_str();
+  app.add_option("--heads", a.shape.heads, "A random base's attention heads")
+      ->capture_default_str();
   app.add_option("--fortunes", a.fortunes, "Folder of Debian's fortunes")->capture_default_str();
   app.add_option("--base-format", a.base_format, "The frozen base's dtype")
       ->check(CLI::IsMember({"float32", "bf16", "int8", "nf4"}))
+      ->capture_default_str();
+  app.add_option("--compute", a.compute,
+                 "What nf4 and int8 codes are made whole in (LibTorch's CPU bf16 matrix products "
+                 "are slow; float32 is exact and quick there)")
+      ->check(CLI::IsMember({"bf16", "float32"}))
       ->capture_default_str();
   app.add_option("--lora-rank", a.rank, "Adapters' rank r")
       ->check(CLI::PositiveNumber)
@@ -190,5 +240,10 @@ int main(int argc, char** argv) {
   app.add_option("--save-base", a.save_base, "Write the loaded (and stored) base's tensors here");
   app.add_option("--seed", a.seed, "Seed of the adapters' initialisation")->capture_default_str();
   examples::threads_flag(app, a.threads);
-  return examples::parse_and_run(app, argc, argv, [&] { return run(a); });
+  return examples::parse_and_run(app, argc, argv, [&] {
+    if (a.base.empty() && !a.random_base) {
+      throw std::invalid_argument("give --base FOLDER or --random-base");
+    }
+    return run(a);
+  });
 }

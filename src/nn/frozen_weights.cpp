@@ -75,12 +75,19 @@ FrozenWeights::FrozenWeights(FrozenWeightsOptions options)
 
 FrozenWeights::~FrozenWeights() {
   torch::NoGradGuard no_grad;
+  bool room = true;
   for (auto& layer : state_->layers) {
-    layer->slot->param.set_data(detail::materialise(*layer, options_));
-    layer->slot->stored = nullptr;
-    for (auto& b : layer->buffers) {
-      b.set_data(torch::empty({0}, b.options()));
+    if (room) {
+      try {
+        layer->slot->param.set_data(detail::materialise(*layer, options_));
+        for (auto& b : layer->buffers) {
+          b.set_data(torch::empty({0}, b.options()));
+        }
+      } catch (const std::exception&) {
+        room = false;  // out of memory: this weight and the rest keep their codes, not bytes
+      }
     }
+    layer->slot->stored = nullptr;
   }
   for (auto& [unit, hook] : state_->units) {
     detail::release_unit_weights(unit.get(), *hook);

@@ -59,7 +59,9 @@ struct FrozenWeightsOptions {
 class FrozenWeights {
  public:
   explicit FrozenWeights(FrozenWeightsOptions options = {});
-  /// The weights made whole in `dtype` into their parameters, which stay frozen.
+  /// The weights made whole in `dtype` into their parameters, which stay frozen (where
+  /// memory allows: past a failed allocation the weights keep their codes in their buffers
+  /// and their parameters stay empty).
   ~FrozenWeights();
   FrozenWeights(const FrozenWeights&) = delete;
   FrozenWeights& operator=(const FrozenWeights&) = delete;
