@@ -2,6 +2,7 @@
 // layers called through frugal::nn::call, and a head outside them.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <memory>
@@ -49,5 +50,19 @@ struct LoraNetImpl : torch::nn::Module {
   torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(LoraNet);
+
+/// After a forward of `net` on an input that requires grad: the weight each block's run read
+/// holds no bytes while autograd keeps it for backward; a checkpointed forward keeps nothing
+/// (the weight was made without a graph, and only the block's `seen` holds it).
+inline void expect_weights_wait_for_backward(LoraNet& net, bool checkpointed) {
+  for (std::size_t i = 0; i < net->list->size(); ++i) {
+    const auto& seen = net->list->ptr<LoraBlockImpl>(i)->seen;
+    if (checkpointed) {
+      EXPECT_FALSE(seen.requires_grad()) << i;
+    } else {
+      EXPECT_EQ(seen.storage().nbytes(), 0U) << i;
+    }
+  }
+}
 
 }  // namespace frugal::testing

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "frugal/loop/loop.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
 #include "frugal/nn/frozen_weights.h"
@@ -161,15 +162,7 @@ TEST(FrozenWeights, QloraAdaptersGetTheGradientsOfTheDecodedBaseAndTheWeightsWai
     const auto x =
         torch::randn({4, kDim}).requires_grad_();  // every layer's backward needs its weight
     auto out = net->forward(x);
-    // Kept for backward without bytes; a checkpointed forward keeps nothing (only this test does).
-    for (std::size_t i = 0; i < 3; ++i) {
-      const auto& seen = net->list->ptr<LoraBlockImpl>(i)->seen;
-      if (checkpointed) {
-        EXPECT_FALSE(seen.requires_grad()) << i;
-      } else {
-        EXPECT_EQ(seen.storage().nbytes(), 0U) << i;
-      }
-    }
+    frugal::testing::expect_weights_wait_for_backward(net, checkpointed);
     out.pow(2).sum().backward();
     auto ref_out = ref->forward(x);
     ref_out.pow(2).sum().backward();
@@ -226,4 +219,81 @@ TEST(FrozenWeights, RefusesUnitsOfOtherKindsAndUnitsStoredTwice) {
   frugal::nn::FrozenWeights other;
   expect_error_contains([&] { other.add_module(net->units()[0]); }, "is stored already");
   expect_error_contains([&] { base.add_module(nullptr); }, "null module");
+}
+
+TEST(FrozenWeights, QloraInAFrugalLoopOfMicroBatchesTrainsAsTheTrainerOnWholeBatches) {
+  auto make = [](LoraNet& net, frugal::nn::FrozenWeights& base) {
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    return std::make_unique<frugal::nn::Lora>(*net, net->units(), qlora_options());
+  };
+  const auto options = frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat);
+  LoraNet a, b;
+  frugal::nn::FrozenWeights base_a(options), base_b(options);
+  auto lora_a = make(a, base_a);
+  auto lora_b = make(b, base_b);
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < lora_a->parameters().size(); ++i) {
+      lora_b->parameters()[i].copy_(lora_a->parameters()[i]);
+    }
+  }
+  frugal::optim::AdamW adam_a(lora_a->parameters(), torch::optim::AdamWOptions(1e-2));
+  frugal::optim::AdamW adam_b(lora_b->parameters(), torch::optim::AdamWOptions(1e-2));
+  auto mse = [](const torch::Tensor& out, const torch::Tensor& t) {
+    return torch::mse_loss(out, t);
+  };
+  frugal::Trainer trainer(a, adam_a, mse);
+  frugal::Loop loop(frugal::LoopOptions().micro_batch(2));
+  auto& model = loop.prepare(b, adam_b, "qlora");
+  torch::manual_seed(5);
+  const auto x = torch::randn({4, kDim});
+  const auto y = torch::ones({4, 2});
+  for (int step = 0; step < 3; ++step) {
+    const auto whole = trainer.step(frugal::Batch(x, y)).loss;
+    const auto micro = loop.accumulate(frugal::Batch(x, y), model, [&](const frugal::Batch& m) {
+      return mse(b->forward(m.inputs), m.targets);
+    });
+    loop.step(model);
+    loop.end();
+    EXPECT_NEAR(micro, whole, 1e-6) << step;
+  }
+  for (std::size_t i = 0; i < lora_a->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::allclose(lora_a->parameters()[i], lora_b->parameters()[i], 1e-5, 1e-6)) << i;
+  }
+}
+
+TEST(CudaFrozenWeights, QloraRunsOnTheDeviceAsOnTheCpu) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  LoraNet cpu, gpu;
+  gpu->to(torch::kCUDA);
+  const auto options = frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat);
+  frugal::nn::FrozenWeights base_cpu(options), base_gpu(options);
+  for (std::size_t i = 0; i < cpu->units().size(); ++i) {
+    base_cpu.add_module(cpu->units()[i]);
+    base_gpu.add_module(gpu->units()[i]);
+  }
+  EXPECT_EQ(base_gpu.stored_bytes(), base_cpu.stored_bytes());
+  frugal::nn::Lora lora_cpu(*cpu, cpu->units(), qlora_options());
+  frugal::nn::Lora lora_gpu(*gpu, gpu->units(), qlora_options());
+  {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < lora_cpu.parameters().size(); ++i) {
+      lora_cpu.parameters()[i].fill_(0.01 * static_cast<double>(i + 1));
+      lora_gpu.parameters()[i].copy_(lora_cpu.parameters()[i]);
+    }
+  }
+  torch::manual_seed(5);
+  const auto x = torch::randn({4, kDim});
+  auto out_cpu = cpu->forward(x);
+  auto out_gpu = gpu->forward(x.to(torch::kCUDA));
+  EXPECT_TRUE(torch::allclose(out_gpu.cpu(), out_cpu, 1e-4, 1e-5));
+  out_cpu.pow(2).sum().backward();
+  out_gpu.pow(2).sum().backward();
+  for (std::size_t i = 0; i < lora_cpu.parameters().size(); ++i) {
+    EXPECT_TRUE(torch::allclose(lora_gpu.parameters()[i].grad().cpu(),
+                                lora_cpu.parameters()[i].grad(), 1e-3, 1e-5))
+        << i;
+  }
 }

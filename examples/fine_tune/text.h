@@ -4,14 +4,14 @@
 
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "fortunes.h"
 
 namespace fine_tune {
 
@@ -19,20 +19,7 @@ namespace fine_tune {
 /// ASCII-art ones), in name order, as sequences of `len` + 1 tokens: a step's inputs are a
 /// sequence's first `len`, its targets the last `len`.
 inline torch::Tensor read_sequences(const std::string& dir, std::int64_t len) {
-  namespace fs = std::filesystem;
-  if (!fs::is_directory(dir)) {
-    throw std::runtime_error("no fortunes in '" + dir +
-                             "': install Debian's package with `apt-get install fortunes`");
-  }
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto name = entry.path().filename().string();
-    if (entry.is_regular_file() && !entry.path().has_extension() && name != "art" &&
-        name != "ascii-art") {
-      files.push_back(entry.path());
-    }
-  }
-  std::sort(files.begin(), files.end());
+  const auto files = examples::fortune_files(dir);
   std::string bytes;
   for (const auto& f : files) {
     std::ifstream in(f, std::ios::binary);

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "fortunes.h"
+
 namespace tiny_lm {
 
 constexpr std::int64_t kPad = 0;        // padding: no loss, masked as a key
@@ -113,20 +115,7 @@ class Tokenizer {
 // The fortunes of every text file in `dir` (not the .dat indexes, not the ASCII-art
 // collections), split at "%" lines, each with its line ends.
 inline std::vector<std::string> read_fortune_texts(const std::string& dir) {
-  namespace fs = std::filesystem;
-  if (!fs::is_directory(dir)) {
-    throw std::runtime_error("no fortunes in '" + dir +
-                             "': install Debian's package with `apt-get install fortunes`");
-  }
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const auto name = entry.path().filename().string();
-    if (entry.is_regular_file() && !entry.path().has_extension() && name != "art" &&
-        name != "ascii-art") {
-      files.push_back(entry.path());
-    }
-  }
-  std::sort(files.begin(), files.end());
+  const auto files = examples::fortune_files(dir);
   std::vector<std::string> out;
   for (const auto& file : files) {
     std::ifstream in(file);
