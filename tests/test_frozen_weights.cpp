@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "frugal/loop/loop.h"
 #include "frugal/memory/ledger.h"
@@ -9,6 +12,7 @@
 #include "frugal/optim/adam.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/step_in_backward.h"
+#include "frugal/state/training_state.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 #include "lora_net.h"
@@ -296,4 +300,57 @@ TEST(CudaFrozenWeights, QloraRunsOnTheDeviceAsOnTheCpu) {
                                 lora_cpu.parameters()[i].grad(), 1e-3, 1e-5))
         << i;
   }
+}
+
+namespace {
+
+// A QLoRA run over a fresh LoraNet: NF4 base (float32 compute), adapters, AdamW, a Trainer.
+struct QloraRun {
+  QloraRun() : base(frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat)) {
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    lora = std::make_unique<frugal::nn::Lora>(*net, net->units(), qlora_options());
+    adamw = std::make_unique<frugal::optim::AdamW>(lora->parameters(),
+                                                   torch::optim::AdamWOptions(1e-2));
+    trainer = std::make_unique<frugal::Trainer>(
+        net, *adamw,
+        [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); });
+  }
+  double step(const frugal::Batch& batch) { return trainer->step(batch).loss; }
+
+  LoraNet net;
+  frugal::nn::FrozenWeights base;
+  std::unique_ptr<frugal::nn::Lora> lora;
+  std::unique_ptr<frugal::optim::AdamW> adamw;
+  std::unique_ptr<frugal::Trainer> trainer;
+};
+
+}  // namespace
+
+TEST(FrozenWeights, AQloraRunSavedAndResumedEndsBitForBitAsOneThatWentOn) {
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("frugal_qlora_" + std::to_string(::getpid()) + ".frugal"))
+                        .string();
+  torch::manual_seed(5);
+  const frugal::Batch batch(torch::randn({4, kDim}), torch::ones({4, 2}));
+  QloraRun went_on;
+  for (int i = 0; i < 3; ++i) {
+    went_on.step(batch);
+  }
+  frugal::save_training_state(*went_on.trainer, path);
+  std::vector<double> expected;
+  for (int i = 0; i < 3; ++i) {
+    expected.push_back(went_on.step(batch));
+  }
+  torch::manual_seed(77);  // other initial adapters: the load must bring the saved ones
+  QloraRun resumed;
+  frugal::load_training_state(*resumed.trainer, path);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(resumed.step(batch), expected[static_cast<std::size_t>(i)]) << i;
+  }
+  for (std::size_t i = 0; i < went_on.lora->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::equal(resumed.lora->parameters()[i], went_on.lora->parameters()[i])) << i;
+  }
+  std::filesystem::remove(path);
 }
