@@ -98,8 +98,7 @@ int run(const Args& a) {
     model = fine_tune::Gpt2(config);
     if (!checkpoint) {
       init_like_gpt2(*model);
-    }
-    if (checkpoint) {
+    } else {
       frugal::io::load(*model, *checkpoint,
                        frugal::io::LoadOptions(conv1d).rename([](const std::string& n) {
                          return n.rfind("transformer.h.", 0) == 0 ? "" : n;
@@ -110,8 +109,7 @@ int run(const Args& a) {
       const auto prefix = "transformer.h." + std::to_string(i) + ".";
       if (!checkpoint) {
         init_like_gpt2(*block);
-      }
-      if (checkpoint) {
+      } else {
         frugal::io::load(*block, *checkpoint,
                          frugal::io::LoadOptions(conv1d).rename([&prefix](const std::string& n) {
                            return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : "";

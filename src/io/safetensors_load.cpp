@@ -70,8 +70,12 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
                 const LoadOptions& options) {
   auto targets = module_tensors(module);
   LoadResult result;
-  std::vector<std::pair<std::string, std::string>> plan;  // file name, module name
-  std::unordered_map<std::string, std::string> source;    // module name -> file name
+  struct Planned {
+    std::string name, target;
+    bool transposed;
+  };
+  std::vector<Planned> plan;
+  std::unordered_map<std::string, std::string> source;  // module name -> file name
   std::vector<std::string> problems;
   for (const auto& name : file.names()) {
     const auto target = options.rename() ? options.rename()(name) : name;
@@ -101,7 +105,7 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
                                   transposed ? " (read transposed)" : ""));
       continue;
     }
-    plan.emplace_back(name, target);
+    plan.push_back({name, target, transposed && info.shape.size() == 2});
   }
   for (const auto& [name, tensor] : targets) {
     if (source.count(name) == 0) {
@@ -122,13 +126,10 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
     throw Error(message);
   }
   torch::NoGradGuard no_grad;
-  for (const auto& [name, target] : plan) {
-    auto from = file.tensor(name);
-    if (options.transposed() && options.transposed()(target) && from.dim() == 2) {
-      from = from.t();
-    }
-    targets[target].copy_(from);
-    result.loaded.push_back(target);
+  for (const auto& p : plan) {
+    const auto from = file.tensor(p.name);
+    targets[p.target].copy_(p.transposed ? from.t() : from);
+    result.loaded.push_back(p.target);
   }
   return result;
 }

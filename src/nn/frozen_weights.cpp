@@ -11,7 +11,6 @@ namespace frugal::nn {
 namespace detail {
 
 struct FrozenLayer {
-  torch::nn::LinearImpl* linear = nullptr;
   LinearSlot* slot = nullptr;
   std::vector<std::int64_t> shape;
   std::vector<torch::Tensor> buffers;  // the codes and statistics, as registered
@@ -117,7 +116,6 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
   torch::NoGradGuard no_grad;
   for (auto* linear : linears) {
     auto layer = std::make_unique<detail::FrozenLayer>();
-    layer->linear = linear;
     layer->slot = &hook->slot(linear);
     auto weight = layer->slot->param;
     layer->shape = weight.sizes().vec();
@@ -125,12 +123,12 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
       layer->buffers.push_back(linear->register_buffer(name, tensor));
     }
     weight.set_data(torch::empty({0}, weight.options().dtype(options_.dtype())));
-    linear->weight = weight;
     const auto* raw = layer.get();
     const auto options = options_;
     layer->slot->stored = [raw, options] { return detail::materialise(*raw, options); };
     state_->layers.push_back(std::move(layer));
   }
+  hook->leave_run();  // the members as between runs: the stored weights read only inside
   for (auto& p : unit->parameters()) {
     p.set_requires_grad(false);
     if (p.is_floating_point() && p.numel() > 0 && p.scalar_type() != options_.dtype()) {
@@ -143,11 +141,7 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
 std::int64_t FrozenWeights::stored_elements() const {
   std::int64_t n = 0;
   for (const auto& layer : state_->layers) {
-    std::int64_t e = 1;
-    for (const auto d : layer->shape) {
-      e *= d;
-    }
-    n += e;
+    n += c10::multiply_integers(layer->shape);
   }
   return n;
 }

@@ -3,9 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
-#include <map>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "frugal/error.h"
 #include "nn/lora_state.h"
@@ -62,7 +60,7 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     }
   }
   // The layers to adapt, checked before anything changes.
-  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> chosen;
+  std::vector<std::pair<std::string, torch::nn::LinearImpl*>> chosen;
   for (const auto& item : model.named_modules()) {
     auto* linear = dynamic_cast<torch::nn::LinearImpl*>(item.value().get());
     if (linear == nullptr) {
@@ -76,7 +74,7 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     FRUGAL_CHECK(unit_of.count(linear) == 1, "frugal: layer '", item.key(),
                  "' is chosen for LoRA but lies in none of the units: the adapters reach a "
                  "layer through the frugal::nn::call of a unit that holds it");
-    chosen.emplace_back(item.key(), item.value());
+    chosen.emplace_back(item.key(), linear);
   }
   FRUGAL_CHECK(!chosen.empty(), "frugal: LoraOptions target_modules ",
                c10::Join(", ", options_.target_modules()), " match no Linear layer of the model");
@@ -86,14 +84,12 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     p.set_requires_grad(false);
   }
   std::vector<std::shared_ptr<detail::UnitWeightsHook>> hooks(units.size());
-  for (const auto& [name, module] : chosen) {
+  for (const auto& [name, linear] : chosen) {
     auto layer = std::make_unique<detail::LoraLayer>();
     layer->name = name;
-    layer->linear = dynamic_cast<torch::nn::LinearImpl*>(module.get());
-    layer->base = layer->linear->named_parameters(false)["weight"];
-    const auto in = layer->linear->options.in_features();
-    const auto out = layer->linear->options.out_features();
-    const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(layer->base.device());
+    const auto in = linear->options.in_features();
+    const auto out = linear->options.out_features();
+    const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(linear->weight.device());
     layer->a = torch::nn::Linear(torch::nn::LinearOptions(in, options_.rank()).bias(false));
     layer->b = torch::nn::Linear(torch::nn::LinearOptions(options_.rank(), out).bias(false));
     {
@@ -102,22 +98,26 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
       torch::nn::init::kaiming_uniform_(layer->a->weight, std::sqrt(5.0));  // PEFT's init
       layer->b->weight.set_data(torch::zeros({out, options_.rank()}, opts));
     }
-    module->register_module("lora_A", layer->a);
-    module->register_module("lora_B", layer->b);
-    const auto u = unit_of.at(module.get());
+    linear->register_module("lora_A", layer->a);
+    linear->register_module("lora_B", layer->b);
+    const auto u = unit_of.at(linear);
     if (hooks[u] == nullptr) {
       hooks[u] = detail::unit_weights(units[u]);
       state_->units.push_back({units[u], hooks[u]});
     }
-    layer->slot = &hooks[u]->slot(layer->linear);
+    layer->slot = &hooks[u]->slot(linear);
     std::weak_ptr<detail::LoraState> weak = state_;
     auto* raw = layer.get();
     layer->slot->adapt = [weak, raw](const torch::Tensor& base) {
       const auto s = weak.lock();
       return s == nullptr || s->merged ? base : detail::folded_weight(*raw, base, s->scaling);
     };
-    layer->linear->weight = torch::empty({0}, layer->base.options());  // read only inside the unit
     state_->layers.push_back(std::move(layer));
+  }
+  for (auto& hook : hooks) {
+    if (hook != nullptr) {
+      hook->leave_run();  // the members as between runs: adapted layers read only inside
+    }
   }
 }
 
@@ -127,8 +127,8 @@ Lora::~Lora() {
   }
   for (auto& layer : state_->layers) {
     layer->slot->adapt = nullptr;
-    layer->linear->unregister_module("lora_A");
-    layer->linear->unregister_module("lora_B");
+    layer->slot->linear->unregister_module("lora_A");
+    layer->slot->linear->unregister_module("lora_B");
   }
   for (auto& unit : state_->units) {
     detail::release_unit_weights(unit.module.get(), *unit.hook);
@@ -171,9 +171,10 @@ void Lora::merge() {
   }
   torch::NoGradGuard no_grad;
   for (auto& layer : state_->layers) {
-    auto merged = detail::folded_weight(*layer, layer->base, state_->scaling);
-    layer->unmerged = layer->base.data();  // the same bytes, kept
-    layer->base.set_data(merged);
+    auto& base = layer->slot->param;
+    auto merged = detail::folded_weight(*layer, base, state_->scaling);
+    layer->unmerged = base.data();  // the same bytes, kept
+    base.set_data(merged);
   }
   state_->merged = true;
 }
@@ -184,7 +185,7 @@ void Lora::unmerge() {
   }
   torch::NoGradGuard no_grad;
   for (auto& layer : state_->layers) {
-    layer->base.set_data(layer->unmerged);
+    layer->slot->param.set_data(layer->unmerged);
     layer->unmerged = torch::Tensor();
   }
   state_->merged = false;

@@ -126,20 +126,19 @@ void Lora::load(const std::string& dir, const std::string& prefix) {
     }
     throw Error(message);
   }
-  // The adapters are the layers' children: their names in the model are the file's, less
-  // the prefix; io::load checks shapes and dtypes before it writes any.
+  // io::load checks shapes and dtypes before it writes any; the adapters are loaded through
+  // a holder that names them by their layer's index.
   torch::nn::Module holder;
-  for (const auto& layer : state_->layers) {
+  std::map<std::string, std::string> renamed;  // file name -> name in `holder`
+  for (std::size_t i = 0; i < state_->layers.size(); ++i) {
+    const auto& layer = state_->layers[i];
     auto node = std::make_shared<torch::nn::Module>();
     node->register_module("lora_A", layer->a);
     node->register_module("lora_B", layer->b);
-    holder.register_module(std::to_string(&layer - state_->layers.data()), node);
-  }
-  std::map<std::string, std::string> renamed;
-  for (const auto& layer : state_->layers) {
-    const auto index = std::to_string(&layer - state_->layers.data());
-    renamed[prefix + layer->name + ".lora_A.weight"] = index + ".lora_A.weight";
-    renamed[prefix + layer->name + ".lora_B.weight"] = index + ".lora_B.weight";
+    holder.register_module(std::to_string(i), node);
+    for (const char* part : {".lora_A.weight", ".lora_B.weight"}) {
+      renamed[prefix + layer->name + part] = std::to_string(i) + part;
+    }
   }
   io::load(holder, file, io::LoadOptions().rename([&renamed](const std::string& n) {
     const auto it = renamed.find(n);

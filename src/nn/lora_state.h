@@ -13,12 +13,10 @@
 namespace frugal::nn::detail {
 
 struct LoraLayer {
-  std::string name;  // qualified, in the model
-  torch::nn::LinearImpl* linear = nullptr;
+  std::string name;                          // qualified, in the model
   torch::nn::Linear a{nullptr}, b{nullptr};  // its children lora_A and lora_B
-  torch::Tensor base;                        // the registered parameter `weight`
   torch::Tensor unmerged;                    // the base's bytes while merged
-  LinearSlot* slot = nullptr;                // in its unit's hook
+  LinearSlot* slot = nullptr;  // in its unit's hook: the layer and its parameter `weight`
 };
 
 struct LoraUnit {

@@ -72,10 +72,9 @@ const torch::Tensor& dynamic_map() {
   return map;
 }
 
-std::pair<torch::Tensor, torch::Tensor> quantize_blockwise(const torch::Tensor& x,
-                                                           const torch::Tensor& map,
-                                                           std::int64_t block) {
-  const auto lut = build_lut(map);
+std::pair<torch::Tensor, torch::Tensor> quantize_blockwise_lut(const torch::Tensor& x,
+                                                               std::int64_t block) {
+  static const auto lut = build_lut(dynamic_map());  // the map is fixed: built once
   const auto flat = x.to(torch::kFloat).contiguous().reshape(-1);
   const auto n = flat.numel();
   const auto blocks = (n + block - 1) / block;
@@ -131,8 +130,7 @@ Nf4Tensor nf4_quantize(const torch::Tensor& w) {
   // Double quantization of the absmaxes: less their mean, in 8 bits by blocks of 256.
   const auto offset = absmax.mean();
   q.offset = offset.item<float>();
-  std::tie(q.qabsmax, q.absmax2) =
-      quantize_blockwise(absmax - offset, dynamic_map(), kNf4StatsBlock);
+  std::tie(q.qabsmax, q.absmax2) = quantize_blockwise_lut(absmax - offset, kNf4StatsBlock);
   return q;
 }
 

@@ -26,7 +26,9 @@ constexpr std::int64_t kNf4StatsBlock = 256;
 
 /// The 16 NF4 values (float32), bitsandbytes' `get_4bit_type("nf4")`.
 const torch::Tensor& nf4_values();
-/// bitsandbytes' `create_dynamic_map(signed=True)`: 256 sorted float32 values in [-1, 1].
+/// bitsandbytes' `create_dynamic_map(signed=True)`: 256 sorted float32 values in [-1, 1],
+/// computed in float32 as bitsandbytes does (optim::dynamic_map computes the same table in
+/// double and rounds once, which a bit-for-bit match cannot take).
 const torch::Tensor& dynamic_map();
 
 /// `w` (any floating dtype, any device; computed on the CPU) in NF4.
@@ -39,8 +41,8 @@ torch::Tensor nf4_dequantize(const Nf4Tensor& q, torch::Dtype dtype);
 /// bitsandbytes' CPU blockwise 8-bit quantizer on `x` (float32): per block of `block`, the
 /// absolute maximum and each element's nearest map value found through its 65536-entry
 /// lookup table. Returns the codes and the absmaxes.
-std::pair<torch::Tensor, torch::Tensor> quantize_blockwise(const torch::Tensor& x,
-                                                           const torch::Tensor& map,
-                                                           std::int64_t block);
+std::pair<torch::Tensor, torch::Tensor> quantize_blockwise_lut(const torch::Tensor& x,
+                                                               const torch::Tensor& map,
+                                                               std::int64_t block);
 
 }  // namespace frugal::nn::detail
