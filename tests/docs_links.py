@@ -1,6 +1,7 @@
 """Every relative link of README.md and docs/*.md leads somewhere: the file exists and, where
 the link names a section (#anchor), the page has a heading with that anchor (GitHub's
-rule: lower case, punctuation dropped, spaces to hyphens).
+rule: lower case, punctuation dropped, spaces to hyphens). And every row of every table has
+the columns of its header.
 
     python3 docs_links.py SOURCE_DIR
 """
@@ -22,6 +23,27 @@ def anchors(path):
     return found
 
 
+def cells(row):
+    """The cells of a table row: | outside `code` and not escaped."""
+    row = re.sub(r"`[^`]*`", "code", row.strip())
+    return len(re.split(r"(?<!\\)\|", row.strip("|")))
+
+
+def table_errors(page, text):
+    bad = []
+    header = None
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        if header is None:
+            header = cells(line)
+        elif cells(line) != header:
+            bad.append(f"{page}:{number}: a table row of {cells(line)} cells under a header of "
+                       f"{header}")
+    return bad
+
+
 def main(root):
     pages = [os.path.join(root, "README.md")]
     docs = os.path.join(root, "docs")
@@ -30,7 +52,10 @@ def main(root):
     checked = 0
     for page in pages:
         text = open(page, encoding="utf-8").read()
-        text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code is not links
+        # Code is neither links nor tables (kept as empty lines, so that lines keep their numbers).
+        text = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text,
+                      flags=re.S | re.M)
+        bad += table_errors(os.path.relpath(page, root), text)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
                 continue
@@ -43,7 +68,7 @@ def main(root):
                 bad.append(f"{os.path.relpath(page, root)}: {target}: no such section")
     for line in bad:
         print(line)
-    print(f"{checked} links in {len(pages)} pages, {len(bad)} broken")
+    print(f"{checked} links in {len(pages)} pages, {len(bad)} broken links or table rows")
     return 1 if bad or checked == 0 else 0
 
 

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "frugal/compose/mixed_precision.h"
 #include "frugal/loop/loop.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/probe.h"
@@ -265,6 +266,65 @@ TEST(FrozenWeights, QloraInAFrugalLoopOfMicroBatchesTrainsAsTheTrainerOnWholeBat
   }
   for (std::size_t i = 0; i < lora_a->parameters().size(); ++i) {
     EXPECT_TRUE(torch::allclose(lora_a->parameters()[i], lora_b->parameters()[i], 1e-5, 1e-6)) << i;
+  }
+}
+
+// Under bf16 autocast the layers compute in bf16 from the weights the store made whole (in
+// float32 or in bf16) with the adapters folded in: a QLoRA run gives, step for step, the
+// losses and adapters of the same run on a model whose blocks hold those decoded weights in
+// that dtype.
+TEST(FrozenWeights, QloraUnderBf16AutocastTrainsAsTheModelOfItsDecodedWeights) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    LoraNet net, ref;
+    frugal::nn::FrozenWeights base(frugal::nn::FrozenWeightsOptions().dtype(dtype));
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    replace_block_weights(ref, [dtype](const torch::Tensor& w) {
+      return fd::nf4_dequantize(fd::nf4_quantize(w), dtype).to(torch::kFloat);
+    });
+    for (auto& unit : ref->units()) {
+      unit->to(dtype);  // as the store keeps them: weights made whole, and the biases, in dtype
+    }
+    frugal::nn::Lora lora(*net, net->units(), qlora_options());
+    frugal::nn::Lora ref_lora(*ref, ref->units(), qlora_options());
+    std::vector<torch::Tensor> initial;
+    {
+      torch::NoGradGuard no_grad;
+      torch::manual_seed(9);
+      for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+        const auto v = torch::randn(lora.parameters()[i].sizes()) * 0.3;
+        lora.parameters()[i].copy_(v);
+        ref_lora.parameters()[i].copy_(v);
+        initial.push_back(v);
+      }
+    }
+    frugal::optim::AdamW adam(lora.parameters(), torch::optim::AdamWOptions(1e-2));
+    frugal::optim::AdamW ref_adam(ref_lora.parameters(), torch::optim::AdamWOptions(1e-2));
+    std::vector<c10::ScalarType> seen;  // the model's output dtype, each step
+    auto mse = [&seen](const torch::Tensor& out, const torch::Tensor& t) {
+      seen.push_back(out.scalar_type());
+      return torch::mse_loss(out.to(torch::kFloat), t);
+    };
+    frugal::Trainer trainer(net, adam, mse), ref_trainer(ref, ref_adam, mse);
+    frugal::use_mixed_precision(trainer, torch::kBFloat16);
+    frugal::use_mixed_precision(ref_trainer, torch::kBFloat16);
+    torch::manual_seed(5);
+    const auto x = torch::randn({4, kDim});
+    const auto y = torch::ones({4, 2});
+    for (int step = 0; step < 3; ++step) {
+      EXPECT_EQ(trainer.step(frugal::Batch(x, y)).loss, ref_trainer.step(frugal::Batch(x, y)).loss)
+          << dtype << " step " << step;
+    }
+    ASSERT_EQ(seen.size(), 6U);
+    for (const auto s : seen) {
+      EXPECT_EQ(s, torch::kBFloat16);  // autocast ran the layers in bf16
+    }
+    for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+      EXPECT_TRUE(torch::equal(lora.parameters()[i], ref_lora.parameters()[i]))
+          << dtype << " " << i;
+      EXPECT_FALSE(torch::equal(lora.parameters()[i], initial[i])) << i;  // it trained
+    }
   }
 }
 

@@ -7,6 +7,10 @@
 //
 // nf4 is QLoRA: the frozen blocks' Linear weights in 4-bit NormalFloat, made whole in bf16
 // one block at a time; int8 keeps them as 8-bit codes.
+//
+// --full fine-tunes every parameter instead, with frugal's leanest full training: AdamW8bit
+// with a factored 4-bit second moment and no first moment, stepped in backward; with
+// --base-format int8 the blocks' weights train as 8-bit codes (Int8Weights).
 #include <fmt/format.h>
 #include <frugal/frugal.h>
 #include <torch/torch.h>
@@ -40,6 +44,7 @@ struct Args {
   std::string dump_logits;
   std::string save_base;
   bool random_base = false;
+  bool full = false;  // every parameter trains; no adapters
   std::string compute = "bf16";
   fine_tune::Gpt2Config shape;  // of a random base
   std::string report;
@@ -74,6 +79,11 @@ int run(const Args& a) {
     frugal::CountingAllocator::set_cap(a.memory_cap);
   }
   const auto config = a.random_base ? a.shape : fine_tune::Gpt2Config::read(a.base);
+  if (a.full && a.base_format == "nf4") {
+    throw std::invalid_argument(
+        "--full trains the weights: give --base-format float32, bf16 or "
+        "int8, not nf4");
+  }
   const bool stored = a.base_format == "nf4" || a.base_format == "int8";
   // The dtype the model computes in: the base's, or (nf4, int8) the one its codes are made
   // whole in, --compute.
@@ -91,6 +101,8 @@ int run(const Args& a) {
                                                   ? frugal::nn::FrozenFormat::Int8
                                                   : frugal::nn::FrozenFormat::NF4)
                                       .dtype(dtype));
+  // --full with int8: the blocks' weights as trainable 8-bit codes instead.
+  frugal::nn::Int8Weights codes(frugal::nn::Int8WeightsOptions().dtype(dtype));
   const auto conv1d = frugal::io::LoadOptions().transposed(frugal::io::gpt2_conv1d);
   fine_tune::Gpt2 model(nullptr);
   {
@@ -115,7 +127,9 @@ int run(const Args& a) {
                            return n.rfind(prefix, 0) == 0 ? n.substr(prefix.size()) : "";
                          }));
       }
-      if (stored) {
+      if (stored && a.full) {
+        codes.add(block);
+      } else if (stored) {
         store.add(block);
       }
     }
@@ -123,25 +137,39 @@ int run(const Args& a) {
   if (!a.save_base.empty()) {  // the stored codes, for comparing with bitsandbytes
     frugal::io::save(a.save_base, *model);
   }
-  frugal::nn::Lora lora(*model, model->blocks(),
-                        frugal::nn::LoraOptions()
-                            .rank(a.rank)
-                            .alpha(a.alpha)
-                            .target_modules(a.targets)
-                            .fan_in_fan_out(true));
-  if (!a.init_adapters.empty()) {
-    lora.load(a.init_adapters);
+  std::optional<frugal::nn::Lora> lora;
+  if (!a.full) {
+    lora.emplace(*model, model->blocks(),
+                 frugal::nn::LoraOptions()
+                     .rank(a.rank)
+                     .alpha(a.alpha)
+                     .target_modules(a.targets)
+                     .fan_in_fan_out(true));
+    if (!a.init_adapters.empty()) {
+      lora->load(a.init_adapters);
+    }
   }
   const auto sequences = fine_tune::read_sequences(a.fortunes, a.seq);
   const auto first = fine_tune::batch_of(sequences, 0, a.batch);
   const auto probe = first.narrow(1, 0, a.seq);
   const auto before = logits_of(model, probe);
 
-  frugal::optim::AdamW adamw(lora.parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (lora) {
+    optimizer = std::make_unique<frugal::optim::AdamW>(
+        lora->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0));
+  } else {
+    optimizer = std::make_unique<frugal::optim::AdamW8bit>(
+        model->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0).betas({0.0, 0.999}),
+        frugal::optim::four_bit_states().factored(true));
+  }
   auto trainer = std::make_shared<frugal::Trainer>(
-      model, adamw, [vocab = config.vocab](const torch::Tensor& out, const torch::Tensor& y) {
+      model, *optimizer, [vocab = config.vocab](const torch::Tensor& out, const torch::Tensor& y) {
         return torch::cross_entropy_loss(out.reshape({-1, vocab}).to(torch::kFloat), y.reshape(-1));
       });
+  if (a.full) {
+    trainer->add_policy(std::make_shared<frugal::StepInBackward>());
+  }
   if (a.checkpoint) {
     trainer->add_policy(
         std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1)));
@@ -155,17 +183,21 @@ int run(const Args& a) {
     loss = trainer->step(frugal::Batch(rows.narrow(1, 0, a.seq), rows.narrow(1, 1, a.seq))).loss;
   }
   if (!a.save_adapters.empty()) {
-    lora.save(a.save_adapters);
+    if (!lora) {
+      throw std::invalid_argument("--save-adapters: a --full run has no adapters");
+    }
+    lora->save(a.save_adapters);
   }
   if (!a.dump_logits.empty()) {
     frugal::io::save(a.dump_logits,
                      {{"before", before}, {"after", logits_of(model, probe)}, {"inputs", probe}});
   }
-  // The frozen base's bytes: stored codes and statistics, and the parameters it keeps as
-  // they are (embeddings, norms, biases); the adapters are not the base.
-  std::int64_t base_params = store.stored_elements(), base_bytes = store.stored_bytes();
+  // The base's bytes: stored codes and statistics, and the parameters it keeps as they are
+  // (embeddings, norms, biases); the adapters are not the base.
+  std::int64_t base_params = store.stored_elements() + codes.stored_elements();
+  std::int64_t base_bytes = store.stored_bytes() + codes.stored_bytes();
   std::int64_t adapters = 0;
-  for (const auto& p : lora.parameters()) {
+  for (const auto& p : lora ? lora->parameters() : std::vector<torch::Tensor>{}) {
     adapters += p.numel();
   }
   for (const auto& p : model->parameters()) {
@@ -174,8 +206,14 @@ int run(const Args& a) {
   }
   base_params -= adapters;
   base_bytes -= adapters * 4;
-  fmt::print("fine_tune: {} steps of LoRA r={} on {} ({} adapted layers, {} base), loss {:.4f}\n",
-             a.steps, a.rank, a.base, lora.adapted().size(), a.base_format, loss);
+  const auto name = a.random_base ? std::string("a random base") : a.base;
+  if (lora) {
+    fmt::print("fine_tune: {} steps of LoRA r={} on {} ({} adapted layers, {} base), loss {:.4f}\n",
+               a.steps, a.rank, name, lora->adapted().size(), a.base_format, loss);
+  } else {
+    fmt::print("fine_tune: {} steps of full fine-tuning on {} ({} weights), loss {:.4f}\n", a.steps,
+               a.base, a.base_format, loss);
+  }
   fmt::print("base: {} parameters in {} bytes ({:.3f} bytes a parameter); adapters: {}{}\n",
              base_params, base_bytes,
              static_cast<double>(base_bytes) / static_cast<double>(base_params), adapters,
@@ -228,6 +266,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lr", a.lr, "AdamW's learning rate")->capture_default_str();
   app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every block");
+  app.add_flag("--full", a.full,
+               "Train every parameter (AdamW8bit: factored 4-bit second moment, no first "
+               "moment, stepped in backward; int8: the weights as 8-bit codes) instead of "
+               "adapters");
   app.add_option("--memory-cap", a.memory_cap, "CPU bytes frugal may allocate (0: no cap)");
   app.add_option("--init-adapters", a.init_adapters, "Start from these adapters (PEFT's folder)")
       ->check(CLI::ExistingDirectory);
