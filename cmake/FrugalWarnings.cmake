@@ -8,3 +8,14 @@ function(frugal_warnings target)
     target_compile_options(${target} PRIVATE -Werror)
   endif()
 endfunction()
+
+# A program of a family (the examples, the benchmarks) with LibTorch's, fmt's and CLI11's
+# headers precompiled once for the family: the first, `first` empty, compiles them, and the
+# others reuse its header (the same flags, so GCC accepts it).
+function(frugal_program_pch target first)
+  if(first)
+    target_precompile_headers(${target} REUSE_FROM ${first})
+  else()
+    target_precompile_headers(${target} PRIVATE <torch/torch.h> <fmt/format.h> <CLI/CLI.hpp>)
+  endif()
+endfunction()

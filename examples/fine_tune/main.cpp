@@ -212,7 +212,7 @@ int run(const Args& a) {
                a.steps, a.rank, name, lora->adapted().size(), a.base_format, loss);
   } else {
     fmt::print("fine_tune: {} steps of full fine-tuning on {} ({} weights), loss {:.4f}\n", a.steps,
-               a.base, a.base_format, loss);
+               name, a.base_format, loss);
   }
   fmt::print("base: {} parameters in {} bytes ({:.3f} bytes a parameter); adapters: {}{}\n",
              base_params, base_bytes,
