@@ -188,4 +188,8 @@ check(done.returncode == 1 and "is not a whole safetensors file" in done.stderr
 done = run(*common[:2], "--lora-rank", "8", "--init-adapters", out_dir, "--steps", "1", ok=False)
 check(done.returncode == 1 and "r is 4 in the file and 8 here" in done.stderr,
       f"adapters of another rank are refused: {done.stderr.strip()[:160]}")
+done = run(*common[:2], "--full", "--save-adapters", os.path.join(WORK, "none"), ok=False)
+check(done.returncode == 1 and "leave out --save-adapters" in done.stderr
+      and not os.path.exists(os.path.join(WORK, "none")),
+      f"a full fine-tune asked to save adapters is refused before it trains: {done.stderr.strip()[:160]}")
 finish()

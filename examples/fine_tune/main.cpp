@@ -79,6 +79,11 @@ int run(const Args& a) {
     frugal::CountingAllocator::set_cap(a.memory_cap);
   }
   const auto config = a.random_base ? a.shape : fine_tune::Gpt2Config::read(a.base);
+  if (a.full && (!a.init_adapters.empty() || !a.save_adapters.empty())) {
+    throw std::invalid_argument(
+        "--full trains every parameter and has no adapters: leave out " +
+        std::string(a.init_adapters.empty() ? "--save-adapters" : "--init-adapters"));
+  }
   if (a.full && a.base_format == "nf4") {
     throw std::invalid_argument(
         "--full trains the weights: give --base-format float32, bf16 or "
@@ -183,9 +188,6 @@ int run(const Args& a) {
     loss = trainer->step(frugal::Batch(rows.narrow(1, 0, a.seq), rows.narrow(1, 1, a.seq))).loss;
   }
   if (!a.save_adapters.empty()) {
-    if (!lora) {
-      throw std::invalid_argument("--save-adapters: a --full run has no adapters");
-    }
     lora->save(a.save_adapters);
   }
   if (!a.dump_logits.empty()) {
