@@ -54,6 +54,12 @@ def base_model():
     return GPT2LMHeadModel.from_pretrained(os.path.join(WORK, "base"), attn_implementation="eager")
 
 
+def step_losses(report):
+    """The losses of a fine_tune --report, step by step (not its event lines)."""
+    rows = [json.loads(line) for line in open(report)]
+    return [r["loss"] for r in rows if "event" not in r]
+
+
 def run(*flags, ok=True):
     done = subprocess.run([BINARY, "--threads", "1", *flags], capture_output=True, text=True)
     if ok and done.returncode != 0:
@@ -98,8 +104,7 @@ common = ["--base", os.path.join(WORK, "base"), "--lora-rank", str(RANK), "--lor
           "--lr", str(LR)]
 run(*common, "--init-adapters", os.path.join(WORK, "init"), "--report", report,
     "--save-adapters", out_dir, "--dump-logits", dump)
-rows = [json.loads(line) for line in open(report)]
-frugal_losses = [r["loss"] for r in rows if "event" not in r]
+frugal_losses = step_losses(report)
 dumped = load_file(dump)
 
 check(torch.equal(dumped["inputs"], probe), "both sides read the same fortunes batch")
@@ -128,7 +133,7 @@ check(open(written, "rb").read() == open(again, "rb").read(),
 # Checkpointed blocks: the same losses.
 ckpt_report = os.path.join(WORK, "checkpointed.jsonl")
 run(*common, "--init-adapters", os.path.join(WORK, "init"), "--report", ckpt_report, "--checkpoint")
-ckpt = [json.loads(line)["loss"] for line in open(ckpt_report) if "event" not in json.loads(line)]
+ckpt = step_losses(ckpt_report)
 worst = max(abs(a - b) for a, b in zip(ckpt, frugal_losses))
 check(len(ckpt) == STEPS and worst <= 1e-6, f"checkpointed blocks give the same losses (worst gap {worst:.2e})")
 
@@ -156,8 +161,8 @@ for name, w in base_tensors.items():
                    and torch.equal(st.offset.view(1), codes[prefix + "weight_nf4_offset"]))
 check(compared == 8 and matched == compared,
       f"the NF4 codes and double-quantized scales are bitsandbytes' bit for bit ({matched} of {compared} matrices)")
-nf4 = [json.loads(line)["loss"] for line in open(nf4_report) if "event" not in json.loads(line)]
-bf16 = [json.loads(line)["loss"] for line in open(bf16_report) if "event" not in json.loads(line)]
+nf4 = step_losses(nf4_report)
+bf16 = step_losses(bf16_report)
 gap = abs(nf4[-1] - bf16[-1]) / bf16[-1]
 check(len(nf4) == STEPS and gap <= 0.02 and nf4[-1] < nf4[0] - 0.1,
       f"QLoRA's last loss is within 2 % of LoRA's on the bf16 base ({nf4[-1]:.4f} against {bf16[-1]:.4f}, "
@@ -169,7 +174,7 @@ full = {}
 for fmt in ("float32", "int8"):
     full_report = os.path.join(WORK, f"full_{fmt}.jsonl")
     run(*common, "--full", "--base-format", fmt, "--compute", "float32", "--report", full_report)
-    full[fmt] = [json.loads(line)["loss"] for line in open(full_report) if "event" not in json.loads(line)]
+    full[fmt] = step_losses(full_report)
 gap = abs(full["int8"][-1] - full["float32"][-1]) / full["float32"][-1]
 check(len(full["int8"]) == STEPS and full["int8"][-1] < full["int8"][0] - 0.5 and gap <= 0.02,
       f"full fine-tuning on 8-bit weights lowers the loss as on float32 weights ({full['int8'][0]:.4f} to "

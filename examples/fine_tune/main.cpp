@@ -155,9 +155,9 @@ int run(const Args& a) {
     }
   }
   const auto sequences = fine_tune::read_sequences(a.fortunes, a.seq);
-  const auto first = fine_tune::batch_of(sequences, 0, a.batch);
-  const auto probe = first.narrow(1, 0, a.seq);
-  const auto before = logits_of(model, probe);
+  // With --dump-logits: the first batch's logits before training.
+  const auto probe = fine_tune::batch_of(sequences, 0, a.batch).narrow(1, 0, a.seq);
+  const auto before = a.dump_logits.empty() ? torch::Tensor() : logits_of(model, probe);
 
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (lora) {

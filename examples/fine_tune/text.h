@@ -29,8 +29,8 @@ inline torch::Tensor read_sequences(const std::string& dir, std::int64_t len) {
   if (n < 1) {
     throw std::runtime_error("the fortunes in '" + dir + "' are shorter than one sequence");
   }
-  auto all = torch::from_blob(bytes.data(), {n, len + 1}, torch::kUInt8).clone();
-  return all.to(torch::kLong);
+  // A copy (of another dtype): the tensor outlives `bytes`.
+  return torch::from_blob(bytes.data(), {n, len + 1}, torch::kUInt8).to(torch::kLong);
 }
 
 /// Sequence `j` of batch `k`: (k * batch + j) * 7919 modulo their number, a spread of the

@@ -17,8 +17,7 @@ struct FrozenLayer {
 };
 
 struct FrozenState {
-  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, std::shared_ptr<UnitWeightsHook>>>
-      units;
+  std::vector<WeightsUnit> units;
   std::vector<std::unique_ptr<FrozenLayer>> layers;
 };
 
@@ -34,7 +33,7 @@ torch::Tensor materialise(const FrozenLayer& layer, const FrozenWeightsOptions& 
     q.packed = b[0];
     q.qabsmax = b[1];
     q.absmax2 = b[2];
-    q.offset = b[3].item<float>();
+    q.offset = b[3];
     return nf4_dequantize(q, o.dtype());
   }
   optim::detail::StoredWeights stored;
@@ -53,7 +52,7 @@ std::vector<std::pair<std::string, torch::Tensor>> encode(const torch::Tensor& w
     return {{"weight_nf4", q.packed.to(w.device())},
             {"weight_nf4_absmax", q.qabsmax.to(w.device())},
             {"weight_nf4_absmax2", q.absmax2.to(w.device())},
-            {"weight_nf4_offset", torch::tensor({q.offset}, torch::kFloat).to(w.device())}};
+            {"weight_nf4_offset", q.offset.to(w.device())}};
   }
   auto [codes, qparams] = optim::detail::quantize_weights(w, o.group());
   return {{"weight_codes", codes}, {"weight_qparams", qparams}};
@@ -88,15 +87,15 @@ FrozenWeights::~FrozenWeights() {
     }
     layer->slot->stored = nullptr;
   }
-  for (auto& [unit, hook] : state_->units) {
-    detail::release_unit_weights(unit.get(), *hook);
+  for (const auto& unit : state_->units) {
+    detail::release_unit_weights(unit);
   }
 }
 
 void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
   FRUGAL_CHECK(unit != nullptr, "frugal: FrozenWeights::add got a null module");
-  for (const auto& [u, hook] : state_->units) {
-    FRUGAL_CHECK(u != unit, "frugal: module '", unit->name(), "' is stored already");
+  for (const auto& stored : state_->units) {
+    FRUGAL_CHECK(stored.module != unit, "frugal: module '", unit->name(), "' is stored already");
   }
   std::vector<torch::nn::LinearImpl*> linears;
   for (const auto& m : unit->modules(/*include_self=*/true)) {
@@ -111,7 +110,8 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
       linears.push_back(linear);
     }
   }
-  auto hook = detail::unit_weights(unit);  // an error for another kind of unit
+  auto weights = detail::unit_weights(unit);  // an error for another kind of unit
+  auto& hook = weights.hook;
   // From here the unit changes.
   torch::NoGradGuard no_grad;
   for (auto* linear : linears) {
@@ -135,7 +135,7 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
       p.set_data(p.to(options_.dtype()));
     }
   }
-  state_->units.emplace_back(unit, std::move(hook));
+  state_->units.push_back(std::move(weights));
 }
 
 std::int64_t FrozenWeights::stored_elements() const {

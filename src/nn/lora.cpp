@@ -49,11 +49,7 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
   std::unordered_map<const torch::nn::Module*, std::size_t> unit_of;
   for (std::size_t u = 0; u < units.size(); ++u) {
     FRUGAL_CHECK(units[u] != nullptr, "frugal: Lora got a null unit (", u, ")");
-    const auto hook = unit_hook(*units[u]);
-    FRUGAL_CHECK(
-        hook == nullptr || std::dynamic_pointer_cast<detail::UnitWeightsHook>(hook) != nullptr,
-        "frugal: module '", units[u]->name(),
-        "' is a unit already (of an Int8Weights or a ZeroOptimizer)");
+    detail::check_weights_unit(*units[u]);
     for (const auto& m : units[u]->modules(/*include_self=*/true)) {
       FRUGAL_CHECK(unit_of.emplace(m.get(), u).second, "frugal: Lora units ", unit_of[m.get()],
                    " and ", u, " share module '", m->name(), "'");
@@ -102,8 +98,8 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     linear->register_module("lora_B", layer->b);
     const auto u = unit_of.at(linear);
     if (hooks[u] == nullptr) {
-      hooks[u] = detail::unit_weights(units[u]);
-      state_->units.push_back({units[u], hooks[u]});
+      state_->units.push_back(detail::unit_weights(units[u]));
+      hooks[u] = state_->units.back().hook;
     }
     layer->slot = &hooks[u]->slot(linear);
     std::weak_ptr<detail::LoraState> weak = state_;
@@ -130,8 +126,8 @@ Lora::~Lora() {
     layer->slot->linear->unregister_module("lora_A");
     layer->slot->linear->unregister_module("lora_B");
   }
-  for (auto& unit : state_->units) {
-    detail::release_unit_weights(unit.module.get(), *unit.hook);
+  for (const auto& unit : state_->units) {
+    detail::release_unit_weights(unit);
   }
   for (auto& [p, trainable] : state_->trainable) {
     p.set_requires_grad(trainable);

@@ -19,16 +19,11 @@ struct LoraLayer {
   LinearSlot* slot = nullptr;  // in its unit's hook: the layer and its parameter `weight`
 };
 
-struct LoraUnit {
-  std::shared_ptr<torch::nn::Module> module;
-  std::shared_ptr<UnitWeightsHook> hook;
-};
-
 struct LoraState {
   double scaling = 1;
   bool merged = false;
   std::vector<std::unique_ptr<LoraLayer>> layers;
-  std::vector<LoraUnit> units;
+  std::vector<WeightsUnit> units;
   std::vector<std::pair<torch::Tensor, bool>> trainable;  // each parameter's requires_grad before
 };
 

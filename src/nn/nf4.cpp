@@ -41,7 +41,7 @@ std::uint16_t lut_index(float val) {
 }  // namespace
 
 std::int64_t Nf4Tensor::bytes() const {
-  return packed.numel() + qabsmax.numel() + absmax2.numel() * 4 + 4;
+  return packed.numel() + qabsmax.numel() + absmax2.numel() * 4 + offset.numel() * 4;
 }
 
 const torch::Tensor& nf4_values() {
@@ -128,9 +128,8 @@ Nf4Tensor nf4_quantize(const torch::Tensor& w) {
                  .bitwise_left_shift(4)
                  .bitwise_or(codes.slice(0, 1, c10::nullopt, 2));
   // Double quantization of the absmaxes: less their mean, in 8 bits by blocks of 256.
-  const auto offset = absmax.mean();
-  q.offset = offset.item<float>();
-  std::tie(q.qabsmax, q.absmax2) = quantize_blockwise_lut(absmax - offset, kNf4StatsBlock);
+  q.offset = absmax.mean().view({1});
+  std::tie(q.qabsmax, q.absmax2) = quantize_blockwise_lut(absmax - q.offset, kNf4StatsBlock);
   return q;
 }
 
@@ -144,7 +143,7 @@ torch::Tensor nf4_absmax(const Nf4Tensor& q) {
   if (full < n) {
     scaled = torch::cat({scaled, values.slice(0, full) * q.absmax2[full / kNf4StatsBlock]});
   }
-  return scaled + q.offset;
+  return scaled + q.offset.to(scaled.device());
 }
 
 namespace {

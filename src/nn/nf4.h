@@ -17,7 +17,7 @@ struct Nf4Tensor {
   torch::Tensor packed;   ///< uint8, two codes a byte, the first in the high nibble
   torch::Tensor qabsmax;  ///< uint8, one a block of 64
   torch::Tensor absmax2;  ///< float32, one a block of 256 absmaxes
-  float offset = 0;       ///< the absmaxes' mean
+  torch::Tensor offset;   ///< float32 [1], the absmaxes' mean
   std::int64_t bytes() const;
 };
 
@@ -38,11 +38,10 @@ torch::Tensor nf4_absmax(const Nf4Tensor& q);
 /// The weights in `dtype` (float32 products of value and absmax, then cast, as bitsandbytes).
 torch::Tensor nf4_dequantize(const Nf4Tensor& q, torch::Dtype dtype);
 
-/// bitsandbytes' CPU blockwise 8-bit quantizer on `x` (float32): per block of `block`, the
-/// absolute maximum and each element's nearest map value found through its 65536-entry
-/// lookup table. Returns the codes and the absmaxes.
+/// bitsandbytes' CPU blockwise 8-bit quantizer on `x` (float32) with dynamic_map(): per
+/// block of `block`, the absolute maximum and each element's nearest map value found through
+/// its 65536-entry lookup table. Returns the codes and the absmaxes.
 std::pair<torch::Tensor, torch::Tensor> quantize_blockwise_lut(const torch::Tensor& x,
-                                                               const torch::Tensor& map,
                                                                std::int64_t block);
 
 }  // namespace frugal::nn::detail

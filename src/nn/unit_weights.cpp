@@ -100,22 +100,26 @@ bool UnitWeightsHook::prune() {
   return !slots_.empty();
 }
 
-std::shared_ptr<UnitWeightsHook> unit_weights(const std::shared_ptr<torch::nn::Module>& unit) {
-  const auto hook = unit_hook(*unit);
-  if (hook == nullptr) {
-    auto made = std::make_shared<UnitWeightsHook>();
-    nn::detail::add_unit_hook(unit.get(), made);
-    return made;
-  }
-  auto ours = std::dynamic_pointer_cast<UnitWeightsHook>(hook);
-  FRUGAL_CHECK(ours != nullptr, "frugal: module '", unit->name(),
+void check_weights_unit(const torch::nn::Module& unit) {
+  const auto hook = unit_hook(unit);
+  FRUGAL_CHECK(hook == nullptr || std::dynamic_pointer_cast<UnitWeightsHook>(hook) != nullptr,
+               "frugal: module '", unit.name(),
                "' is a unit already (of an Int8Weights or a ZeroOptimizer)");
-  return ours;
 }
 
-void release_unit_weights(const torch::nn::Module* unit, UnitWeightsHook& hook) {
-  if (!hook.prune()) {
-    nn::detail::remove_unit_hook(unit);
+WeightsUnit unit_weights(const std::shared_ptr<torch::nn::Module>& unit) {
+  check_weights_unit(*unit);
+  auto hook = std::dynamic_pointer_cast<UnitWeightsHook>(unit_hook(*unit));
+  if (hook == nullptr) {
+    hook = std::make_shared<UnitWeightsHook>();
+    nn::detail::add_unit_hook(unit.get(), hook);
+  }
+  return {unit, hook};
+}
+
+void release_unit_weights(const WeightsUnit& unit) {
+  if (!unit.hook->prune()) {
+    nn::detail::remove_unit_hook(unit.module.get());
   }
 }
 

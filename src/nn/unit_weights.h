@@ -49,10 +49,19 @@ class UnitWeightsHook : public UnitHook, public std::enable_shared_from_this<Uni
   std::vector<std::pair<const LinearSlot*, torch::Tensor>> made_;  // this call's
 };
 
-/// The UnitWeightsHook of `unit`, registered when it has no hook; an error naming `unit`
-/// when it is another kind of unit (an Int8Weights or ZeroOptimizer one).
-std::shared_ptr<UnitWeightsHook> unit_weights(const std::shared_ptr<torch::nn::Module>& unit);
-/// Unregisters `unit`'s hook when `hook` has no slots left.
-void release_unit_weights(const torch::nn::Module* unit, UnitWeightsHook& hook);
+/// A unit and its UnitWeightsHook, as FrozenWeights and Lora keep them.
+struct WeightsUnit {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<UnitWeightsHook> hook;
+};
+
+/// An error naming `unit` when it is another kind of unit (an Int8Weights or ZeroOptimizer
+/// one); it changes nothing.
+void check_weights_unit(const torch::nn::Module& unit);
+/// `unit` with its UnitWeightsHook, registered when it has no hook; check_weights_unit's
+/// error for another kind of unit.
+WeightsUnit unit_weights(const std::shared_ptr<torch::nn::Module>& unit);
+/// Unregisters the unit's hook when the hook has no slots left.
+void release_unit_weights(const WeightsUnit& unit);
 
 }  // namespace frugal::nn::detail
