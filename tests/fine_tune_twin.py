@@ -7,9 +7,11 @@
   logits, and their file is byte for byte what the safetensors package writes;
   QLoRA: the NF4 codes and double-quantized scales of the base are bitsandbytes' bit for
   bit, and its fine-tune ends within 2 % of LoRA's loss on the bf16 base;
+  with lora_dropout, from the same seed, frugal draws PEFT's masks and gives its losses
+  (when the binary's LibTorch is this Python's torch), checkpointed blocks the same;
   a truncated checkpoint and adapters of another rank are refused with a clear message.
 Run with the Python that has transformers and peft (scripts/setup.sh installs them).
-Usage: fine_tune_twin.py PATH/TO/fine_tune WORK_DIR
+Usage: fine_tune_twin.py PATH/TO/fine_tune WORK_DIR [BINARY'S LIBTORCH VERSION]
 """
 import json
 import os
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_check import check, finish  # noqa: E402
 
 BINARY, WORK = sys.argv[1], sys.argv[2]
+SAME_TORCH = len(sys.argv) > 3 and torch.__version__.split("+")[0] == sys.argv[3]
 FORTUNES = "/usr/share/games/fortunes"
 SEQ, BATCH, STEPS, LR, RANK, ALPHA = 32, 4, 50, 1e-3, 4, 8
 hf_logging.set_verbosity_error()
@@ -79,21 +82,29 @@ model = base_model()
 with torch.no_grad():
     base_logits = model(input_ids=probe).logits
 
+
+
+def peft_fine_tune(peft):
+    adapters = [p for p in peft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=LR, weight_decay=0.0)
+    out = []
+    for k in range(STEPS):
+        rows = batch_of(seqs, k)
+        logits = peft(input_ids=rows[:, :SEQ]).logits
+        loss = F.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
 # PEFT's initial adapters, then its fine-tune.
 peft = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["c_attn"],
                                         lora_dropout=0.0))
 peft.save_pretrained(os.path.join(WORK, "init"))
-adapters = [p for p in peft.parameters() if p.requires_grad]
-opt = torch.optim.AdamW(adapters, lr=LR, weight_decay=0.0)
-losses = []
-for k in range(STEPS):
-    rows = batch_of(seqs, k)
-    logits = peft(input_ids=rows[:, :SEQ]).logits
-    loss = F.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
+initial = [p.detach().clone() for p in peft.parameters() if p.requires_grad]
+losses = peft_fine_tune(peft)
 
 # frugal's fine-tune from the same start.
 report = os.path.join(WORK, "frugal.jsonl")
@@ -136,6 +147,36 @@ run(*common, "--init-adapters", os.path.join(WORK, "init"), "--report", ckpt_rep
 ckpt = step_losses(ckpt_report)
 worst = max(abs(a - b) for a, b in zip(ckpt, frugal_losses))
 check(len(ckpt) == STEPS and worst <= 1e-6, f"checkpointed blocks give the same losses (worst gap {worst:.2e})")
+
+# LoRA dropout: PEFT's lora_dropout from the same adapters, its masks drawn from one seed.
+DROPOUT, SEED = 0.1, 7
+peft = get_peft_model(base_model(), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["c_attn"],
+                                               lora_dropout=DROPOUT))
+with torch.no_grad():
+    for p, v in zip([p for p in peft.parameters() if p.requires_grad], initial):
+        p.copy_(v)
+torch.manual_seed(SEED)
+peft_dropped = peft_fine_tune(peft)
+dropped = {}
+for how in ("plain", "checkpointed"):
+    dropped_report = os.path.join(WORK, f"dropout_{how}.jsonl")
+    run(*common, "--init-adapters", os.path.join(WORK, "init"), "--lora-dropout", str(DROPOUT),
+        "--seed", str(SEED), "--report", dropped_report, *(["--checkpoint"] if how == "checkpointed" else []))
+    dropped[how] = step_losses(dropped_report)
+moved = max(abs(a - b) for a, b in zip(dropped["plain"], frugal_losses))
+check(len(dropped["plain"]) == STEPS and moved > 1e-3 and dropped["plain"][-1] < dropped["plain"][0] - 0.1,
+      f"LoRA dropout changes the fine-tune (losses move up to {moved:.2e}) and it still learns "
+      f"({dropped['plain'][0]:.4f} -> {dropped['plain'][-1]:.4f})")
+worst = max(abs(a - b) for a, b in zip(dropped["checkpointed"], dropped["plain"]))
+check(len(dropped["checkpointed"]) == STEPS and worst <= 1e-6,
+      f"checkpointed blocks draw the same dropout masks again (worst gap {worst:.2e})")
+if SAME_TORCH:
+    worst = max(abs(a - b) for a, b in zip(dropped["plain"], peft_dropped))
+    check(worst <= 1e-4, f"{STEPS} LoRA steps with dropout {DROPOUT} give PEFT's losses from the same seed "
+                         f"(worst gap {worst:.2e})")
+else:
+    print(f"skipped: dropout's masks against PEFT's need the binary's LibTorch ({sys.argv[3:]}) "
+          f"to be this torch ({torch.__version__})")
 
 # QLoRA: the base in NF4 as bitsandbytes codes it; the fine-tune against LoRA on bf16.
 import bitsandbytes.functional as bnbf  # noqa: E402

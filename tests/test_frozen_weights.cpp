@@ -25,24 +25,12 @@ using frugal::testing::expect_error_contains;
 using frugal::testing::kDim;
 using frugal::testing::LoraBlockImpl;
 using frugal::testing::LoraNet;
+using frugal::testing::replace_block_weights;
 
 namespace {
 
 frugal::nn::LoraOptions qlora_options() {
   return frugal::nn::LoraOptions().rank(2).alpha(4).target_modules({"attn", "down"});
-}
-
-// Every Linear weight of the blocks replaced by `decode(weight)`.
-void replace_block_weights(LoraNet& net,
-                           const std::function<torch::Tensor(const torch::Tensor&)>& decode) {
-  torch::NoGradGuard no_grad;
-  for (auto& unit : net->units()) {
-    for (auto& m : unit->modules()) {
-      if (auto* l = dynamic_cast<torch::nn::LinearImpl*>(m.get())) {
-        l->weight.copy_(decode(l->weight));
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -6,12 +6,14 @@
 
 #include "frugal/io/safetensors.h"
 #include "frugal/nn/checkpoint.h"
+#include "frugal/nn/frozen_weights.h"
 #include "frugal/nn/lora.h"
 #include "frugal/optim/adam.h"
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/train/trainer.h"
 #include "helpers.h"
 #include "lora_net.h"
+#include "nn/nf4.h"
 
 namespace fs = std::filesystem;
 using frugal::testing::expect_error_contains;
@@ -40,13 +42,15 @@ void perturb(frugal::nn::Lora& lora) {
   }
 }
 
-// The adapted model written out as PEFT computes it: base(x) + s * B(A(x)) on each layer.
-torch::Tensor reference(LoraNet& net, const torch::Tensor& x0, double s) {
-  auto adapted = [s](torch::nn::Linear& l, const torch::Tensor& x) {
+// The adapted model written out as PEFT computes it: base(x) + s * B(A(dropout(x))) on each
+// layer, the masks drawn in the layers' order (none when p is 0).
+torch::Tensor reference(LoraNet& net, const torch::Tensor& x0, double s, double p = 0) {
+  auto adapted = [s, p](torch::nn::Linear& l, const torch::Tensor& x) {
     auto base = torch::nn::functional::linear(x, l->named_parameters(false)["weight"], l->bias);
     const auto a = l->named_children()["lora_A"]->named_parameters()["weight"];
     const auto b = l->named_children()["lora_B"]->named_parameters()["weight"];
-    return base + s * x.mm(a.t()).mm(b.t());
+    const auto in = p > 0 ? torch::dropout(x, p, /*train=*/true) : x;
+    return base + s * in.mm(a.t()).mm(b.t());
   };
   auto x = x0;
   for (std::size_t i = 0; i < net->list->size(); ++i) {
@@ -116,6 +120,69 @@ TEST(Lora, OutputsAndAdapterGradientsArePeftsWithPlainOrCheckpointedUnits) {
       }
     }
   }
+}
+
+TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits) {
+  constexpr double p = 0.25;
+  for (const bool stored : {false, true}) {
+    for (const bool checkpointed : {false, true}) {
+      SCOPED_TRACE(std::string(stored ? "NF4 base" : "plain base") +
+                   (checkpointed ? ", checkpointed" : ""));
+      // The reference: a model of plain weights (the store's decoded values), its adapters
+      // applied by hand.
+      LoraNet net(3, /*own_calls=*/true), ref;
+      std::unique_ptr<frugal::nn::FrozenWeights> store;
+      if (stored) {
+        store = std::make_unique<frugal::nn::FrozenWeights>(
+            frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat));
+        for (auto& unit : net->units()) {
+          store->add_module(unit);
+        }
+        frugal::testing::replace_block_weights(ref, [](const torch::Tensor& w) {
+          namespace fd = frugal::nn::detail;
+          return fd::nf4_dequantize(fd::nf4_quantize(w), torch::kFloat);
+        });
+      }
+      frugal::nn::Lora lora(*net, net->units(), options().dropout(p));
+      frugal::nn::Lora ref_lora(*ref, ref->units(), options());
+      perturb(lora);
+      {
+        torch::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+          ref_lora.parameters()[i].copy_(lora.parameters()[i]);
+        }
+      }
+      std::shared_ptr<frugal::CheckpointPolicy> policy;
+      if (checkpointed) {
+        policy = std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1));
+        policy->apply(*net);
+      }
+      const auto x = inputs().requires_grad_();
+      torch::manual_seed(21);
+      auto out = net->forward(x);
+      out.pow(2).sum().backward();  // a checkpointed block draws its masks again here
+      torch::manual_seed(21);
+      auto expected = reference(ref, x, lora.scaling(), p);
+      EXPECT_TRUE(torch::allclose(out, expected, 1e-5, 1e-6));
+      expected.pow(2).sum().backward();
+      for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
+        EXPECT_TRUE(torch::allclose(lora.parameters()[i].grad(), ref_lora.parameters()[i].grad(),
+                                    1e-5, 1e-6))
+            << i;
+      }
+      // The masks mattered; in eval mode nothing is dropped.
+      torch::NoGradGuard no_grad;
+      const auto whole = reference(ref, x, lora.scaling());
+      EXPECT_FALSE(torch::allclose(out, whole, 1e-3, 1e-4));
+      net->eval();
+      EXPECT_TRUE(torch::allclose(net->forward(x), whole, 1e-5, 1e-6));
+    }
+  }
+  // A model that calls its adapted layers directly finds no weight in them: it fails loudly
+  // instead of leaving the adapters out.
+  LoraNet direct;
+  frugal::nn::Lora lora(*direct, direct->units(), options().dropout(p));
+  EXPECT_ANY_THROW(direct->forward(inputs()));
 }
 
 TEST(Lora, MergeRunsTheBaseAloneAndUnmergeRestoresItBitForBit) {
@@ -200,8 +267,21 @@ TEST(Lora, RefusesBadOptionsAndLayersOutsideEveryUnitChangingNothing) {
   const auto out = net->forward(x).detach();
   expect_error_contains([&] { frugal::nn::Lora l(*net, net->units(), options().rank(0)); },
                         "rank must be >= 1, got 0");
-  expect_error_contains([&] { frugal::nn::Lora l(*net, net->units(), options().dropout(0.1)); },
-                        "dropout must be 0, got 0.1");
+  expect_error_contains([&] { frugal::nn::Lora l(*net, net->units(), options().dropout(1)); },
+                        "dropout must be in [0, 1), got 1");
+  expect_error_contains([&] { frugal::nn::Lora l(*net, net->units(), options().dropout(-0.1)); },
+                        "dropout must be in [0, 1), got -0.1");
+  {
+    std::vector<std::shared_ptr<torch::nn::Module>> layers;
+    for (std::size_t i = 0; i < net->list->size(); ++i) {
+      const auto block = net->list->ptr<LoraBlockImpl>(i);
+      layers.push_back(block->attn.ptr());
+      layers.push_back(block->down.ptr());
+    }
+    expect_error_contains(
+        [&] { frugal::nn::Lora l(*net, layers, options().dropout(0.1)); },
+        "layer 'blocks.0.attn' is a unit itself; with dropout its adapters run around its own");
+  }
   expect_error_contains(
       [&] { frugal::nn::Lora l(*net, net->units(), options().target_modules({"nothing"})); },
       "target_modules nothing match no Linear layer");

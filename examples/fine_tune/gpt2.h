@@ -71,7 +71,7 @@ class AttentionImpl : public torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), c = x.size(2);
-    const auto qkv = c_attn(x).split(c, 2);
+    const auto qkv = frugal::nn::call(c_attn, x).split(c, 2);
     auto heads = [&](const torch::Tensor& z) {
       return z.view({b, t, heads_, c / heads_}).transpose(1, 2);
     };
@@ -80,7 +80,7 @@ class AttentionImpl : public torch::nn::Module {
     const auto future = torch::ones({t, t}, x.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
     const auto y = scores.softmax(-1).matmul(v).transpose(1, 2).reshape({b, t, c});
-    return c_proj(y);
+    return frugal::nn::call(c_proj, y);
   }
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
 
@@ -96,7 +96,7 @@ class MlpImpl : public torch::nn::Module {
     c_proj = register_module("c_proj", torch::nn::Linear(4 * c.embd, c.embd));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return c_proj(torch::gelu(c_fc(x), "tanh"));  // gelu_new
+    return frugal::nn::call(c_proj, torch::gelu(frugal::nn::call(c_fc, x), "tanh"));  // gelu_new
   }
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
 };
@@ -140,8 +140,10 @@ TORCH_MODULE(Transformer);
 
 /// GPT2LMHeadModel: the head is the token embedding, tied (as the checkpoint has no
 /// lm_head.weight). Each block is a unit (frugal::nn::call): checkpointed, adapted by LoRA,
-/// its frozen weights stored compact, all without a change here. `add_block` builds the
-/// blocks one at a time, so a caller can store each as it is made.
+/// its frozen weights stored compact, all without a change here. The blocks call their
+/// Linear layers through frugal::nn::call too, the one thing LoRA with dropout asks of a
+/// model. `add_block` builds the blocks one at a time, so a caller can store each as it is
+/// made.
 class Gpt2Impl : public torch::nn::Module {
  public:
   explicit Gpt2Impl(const Gpt2Config& c) : config(c) {

@@ -2,7 +2,8 @@
 // (safetensors) loaded into a C++ GPT-2, LoRA adapters on chosen layers, the base frozen, on
 // Debian's fortunes; adapters saved in PEFT's layout, so PEFT loads them (and frugal PEFT's).
 //
-//   fine_tune --base gpt2-folder [--lora-rank 8] [--lora-alpha 16] [--targets c_attn]
+//   fine_tune --base gpt2-folder [--lora-rank 8] [--lora-alpha 16] [--lora-dropout 0.05]
+//             [--targets c_attn]
 //             [--base-format float32|bf16|int8|nf4] [--checkpoint] [--save-adapters out]
 //
 // nf4 is QLoRA: the frozen blocks' Linear weights in 4-bit NormalFloat, made whole in bf16
@@ -32,6 +33,7 @@ struct Args {
   std::string base_format = "float32";
   std::int64_t rank = 8;
   double alpha = 16;
+  double dropout = 0;
   std::vector<std::string> targets = {"c_attn"};
   std::int64_t steps = 50;
   std::int64_t batch = 8;
@@ -79,10 +81,11 @@ int run(const Args& a) {
     frugal::CountingAllocator::set_cap(a.memory_cap);
   }
   const auto config = a.random_base ? a.shape : fine_tune::Gpt2Config::read(a.base);
-  if (a.full && (!a.init_adapters.empty() || !a.save_adapters.empty())) {
-    throw std::invalid_argument(
-        "--full trains every parameter and has no adapters: leave out " +
-        std::string(a.init_adapters.empty() ? "--save-adapters" : "--init-adapters"));
+  if (a.full && (!a.init_adapters.empty() || !a.save_adapters.empty() || a.dropout > 0)) {
+    throw std::invalid_argument("--full trains every parameter and has no adapters: leave out " +
+                                std::string(!a.init_adapters.empty() ? "--init-adapters"
+                                            : a.dropout > 0          ? "--lora-dropout"
+                                                                     : "--save-adapters"));
   }
   if (a.full && a.base_format == "nf4") {
     throw std::invalid_argument(
@@ -148,6 +151,7 @@ int run(const Args& a) {
                  frugal::nn::LoraOptions()
                      .rank(a.rank)
                      .alpha(a.alpha)
+                     .dropout(a.dropout)
                      .target_modules(a.targets)
                      .fan_in_fan_out(true));
     if (!a.init_adapters.empty()) {
@@ -182,6 +186,7 @@ int run(const Args& a) {
   if (!a.report.empty()) {
     trainer->add_sink(std::make_shared<frugal::JsonLinesSink>(a.report));
   }
+  torch::manual_seed(a.seed);  // dropout's masks: the same for any base and its format
   double loss = 0;
   for (std::int64_t k = 0; k < a.steps; ++k) {
     const auto rows = fine_tune::batch_of(sequences, k, a.batch);
@@ -255,6 +260,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--lora-alpha", a.alpha, "Adapters' alpha (scale alpha / r)")
       ->capture_default_str();
+  app.add_option("--lora-dropout", a.dropout,
+                 "Dropout on the adapters' input, as PEFT's lora_dropout (in [0, 1))")
+      ->capture_default_str();
   app.add_option("--targets", a.targets, "Layers to adapt, as PEFT's target_modules")
       ->capture_default_str();
   app.add_option("--steps", a.steps, "Training steps")
@@ -280,7 +288,10 @@ int main(int argc, char** argv) {
                  "Write the first batch's logits before and after training (safetensors)");
   app.add_option("--report", a.report, "Write a JSON-lines report here");
   app.add_option("--save-base", a.save_base, "Write the loaded (and stored) base's tensors here");
-  app.add_option("--seed", a.seed, "Seed of the adapters' initialisation")->capture_default_str();
+  app.add_option("--seed", a.seed,
+                 "Seed of the adapters' initialisation and, again before the first step, of "
+                 "dropout's masks")
+      ->capture_default_str();
   examples::threads_flag(app, a.threads);
   return examples::parse_and_run(app, argc, argv, [&] {
     if (a.base.empty() && !a.random_base) {

@@ -19,6 +19,39 @@ torch::Tensor folded_weight(const LoraLayer& layer, const torch::Tensor& base, d
   return base.add(delta.to(base.scalar_type()));
 }
 
+// A layer's adapters on its own input, as PEFT computes them when lora_dropout is set:
+// out + s B A dropout(x), in the adapters' dtype, returned in the output's. The layer's
+// frugal::nn::call runs it; the weight its unit made for the run is the member only then.
+class LoraDropoutHook : public UnitHook {
+ public:
+  LoraDropoutHook(std::weak_ptr<LoraState> state, LoraLayer* layer)
+      : state_(std::move(state)), layer_(layer) {}
+  void before_forward() override {}
+  void after_forward(const std::vector<torch::Tensor>& /*outputs*/) override {}
+  void enter_run() override {
+    // Outside its unit's run there is no weight: the call fails loudly.
+    layer_->slot->linear->weight = layer_->slot->current.defined()
+                                       ? layer_->slot->current
+                                       : torch::empty({0}, layer_->slot->param.options());
+  }
+  void leave_run() override {
+    layer_->slot->linear->weight = torch::empty({0}, layer_->slot->param.options());
+  }
+  torch::Tensor run_output(const torch::Tensor& in, const torch::Tensor& out) override {
+    const auto s = state_.lock();
+    if (s == nullptr || s->merged) {
+      return out;
+    }
+    const auto x = torch::dropout(in.to(layer_->a->weight.scalar_type()), s->dropout,
+                                  layer_->slot->linear->is_training());
+    return out.add(layer_->b->forward(layer_->a->forward(x)).mul(s->scaling)).to(out.scalar_type());
+  }
+
+ private:
+  std::weak_ptr<LoraState> state_;
+  LoraLayer* layer_;
+};
+
 bool targeted(const std::string& name, const std::vector<std::string>& targets) {
   if (targets.empty()) {
     return true;
@@ -40,11 +73,11 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     : options_(std::move(options)), state_(std::make_shared<detail::LoraState>()) {
   FRUGAL_CHECK(options_.rank() >= 1, "frugal: LoraOptions rank must be >= 1, got ",
                options_.rank());
-  FRUGAL_CHECK(options_.dropout() == 0, "frugal: LoraOptions dropout must be 0, got ",
-               options_.dropout(),
-               ": the adapters are folded into each layer's weight while its unit runs, which "
-               "leaves no place for a mask on the adapters' input");
+  FRUGAL_CHECK(options_.dropout() >= 0 && options_.dropout() < 1,
+               "frugal: LoraOptions dropout must be in [0, 1), got ", options_.dropout());
   state_->scaling = scaling();
+  state_->dropout = options_.dropout();
+  const bool own_calls = options_.dropout() > 0;
   // Which unit holds each module.
   std::unordered_map<const torch::nn::Module*, std::size_t> unit_of;
   for (std::size_t u = 0; u < units.size(); ++u) {
@@ -70,6 +103,11 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     FRUGAL_CHECK(unit_of.count(linear) == 1, "frugal: layer '", item.key(),
                  "' is chosen for LoRA but lies in none of the units: the adapters reach a "
                  "layer through the frugal::nn::call of a unit that holds it");
+    FRUGAL_CHECK(
+        !own_calls || (unit_hook(*linear) == nullptr && units[unit_of.at(linear)].get() != linear),
+        "frugal: layer '", item.key(),
+        "' is a unit itself; with dropout its adapters run around its own "
+        "frugal::nn::call, inside a unit that holds it: make that block the unit");
     chosen.emplace_back(item.key(), linear);
   }
   FRUGAL_CHECK(!chosen.empty(), "frugal: LoraOptions target_modules ",
@@ -104,10 +142,18 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     layer->slot = &hooks[u]->slot(linear);
     std::weak_ptr<detail::LoraState> weak = state_;
     auto* raw = layer.get();
-    layer->slot->adapt = [weak, raw](const torch::Tensor& base) {
-      const auto s = weak.lock();
-      return s == nullptr || s->merged ? base : detail::folded_weight(*raw, base, s->scaling);
-    };
+    if (own_calls) {
+      // The base alone in the unit; the adapters at the layer's own call.
+      layer->slot->adapt = [](const torch::Tensor& base) { return base; };
+      layer->slot->own_call = true;
+      layer->own_hook = std::make_shared<detail::LoraDropoutHook>(weak, raw);
+      detail::add_unit_hook(linear, layer->own_hook);
+    } else {
+      layer->slot->adapt = [weak, raw](const torch::Tensor& base) {
+        const auto s = weak.lock();
+        return s == nullptr || s->merged ? base : detail::folded_weight(*raw, base, s->scaling);
+      };
+    }
     state_->layers.push_back(std::move(layer));
   }
   for (auto& hook : hooks) {
@@ -122,6 +168,10 @@ Lora::~Lora() {
     unmerge();
   }
   for (auto& layer : state_->layers) {
+    if (layer->own_hook != nullptr) {
+      detail::remove_unit_hook(layer->slot->linear);
+      layer->slot->own_call = false;
+    }
     layer->slot->adapt = nullptr;
     layer->slot->linear->unregister_module("lora_A");
     layer->slot->linear->unregister_module("lora_B");

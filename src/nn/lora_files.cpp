@@ -103,7 +103,6 @@ void Lora::load(const std::string& dir, const std::string& prefix) {
   differs("r", options_.rank(), theirs.rank());
   differs("lora_alpha", options_.alpha(), theirs.alpha());
   differs("use_rslora", options_.use_rslora(), theirs.use_rslora());
-  differs("lora_dropout", options_.dropout(), theirs.dropout());
   if (as_set(options_.target_modules()) != as_set(theirs.target_modules())) {
     problems.push_back(c10::str("target_modules are ", c10::Join(", ", theirs.target_modules()),
                                 " in the file and ", c10::Join(", ", options_.target_modules()),

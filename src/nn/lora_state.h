@@ -16,11 +16,13 @@ struct LoraLayer {
   std::string name;                          // qualified, in the model
   torch::nn::Linear a{nullptr}, b{nullptr};  // its children lora_A and lora_B
   torch::Tensor unmerged;                    // the base's bytes while merged
-  LinearSlot* slot = nullptr;  // in its unit's hook: the layer and its parameter `weight`
+  LinearSlot* slot = nullptr;          // in its unit's hook: the layer and its parameter `weight`
+  std::shared_ptr<UnitHook> own_hook;  // with dropout: around the layer's own call
 };
 
 struct LoraState {
   double scaling = 1;
+  double dropout = 0;
   bool merged = false;
   std::vector<std::unique_ptr<LoraLayer>> layers;
   std::vector<WeightsUnit> units;

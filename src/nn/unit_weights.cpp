@@ -20,7 +20,11 @@ void UnitWeightsHook::before_forward() {
 void UnitWeightsHook::enter_run() {
   for (const auto& slot : slots_) {
     auto w = value(*slot);
-    slot->linear->weight = w;
+    if (slot->own_call) {
+      slot->current = w;
+    } else {
+      slot->linear->weight = w;
+    }
     if (in_call_ && !w.is_same(slot->param)) {  // a recompute's weights go with its graph
       made_.emplace_back(slot.get(), std::move(w));
     }
@@ -29,6 +33,7 @@ void UnitWeightsHook::enter_run() {
 
 void UnitWeightsHook::leave_run() {
   for (const auto& slot : slots_) {
+    slot->current = torch::Tensor();
     const bool plain = !slot->stored && !slot->adapt;
     slot->linear->weight =
         plain || slot->stored ? slot->param : torch::empty({0}, slot->param.options());

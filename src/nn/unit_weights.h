@@ -21,13 +21,18 @@ struct LinearSlot {
   std::function<torch::Tensor()> stored;
   /// The base with adapters folded in (null: none).
   std::function<torch::Tensor(const torch::Tensor&)> adapt;
+  /// The layer is a unit of its own inside this one (LoRA with dropout): a run keeps its
+  /// weight in `current`, and the member holds it only inside the layer's own call.
+  bool own_call = false;
+  torch::Tensor current;
 };
 
-/// Each run sets every slot's `weight` member to its value and, after the run, back to
-/// an empty tensor (or the parameter, where it is neither stored nor adapted), so a layer
-/// called outside its unit fails loudly. What autograd keeps of a call's weights gives its
-/// bytes back when the forward ends and takes them again, computed anew, when backward
-/// reaches the unit (a gradient of one of its outputs is in); what nothing keeps goes at once.
+/// Each run sets every slot's `weight` member (or, for a layer with its own call, `current`)
+/// to its value and, after the run, back to an empty tensor (or the parameter, where it is neither
+/// stored nor adapted), so a layer called outside its unit fails loudly. What autograd keeps of a
+/// call's weights gives its bytes back when the forward ends and takes them again, computed anew,
+/// when backward reaches the unit (a gradient of one of its outputs is in); what nothing keeps goes
+/// at once.
 class UnitWeightsHook : public UnitHook, public std::enable_shared_from_this<UnitWeightsHook> {
  public:
   void before_forward() override;

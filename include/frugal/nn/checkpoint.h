@@ -62,14 +62,14 @@ auto call_checkpointed(const std::shared_ptr<Block>& ptr, const std::shared_ptr<
   if (chosen == nullptr) {
     frugal::detail::UnitScope unit(ptr.get());
     UnitRun run(hook.get());
-    return ptr->forward(args...);
+    return finish_run(hook.get(), ptr->forward(args...), args...);
   }
   return checkpoint(
       [ptr, hook](const auto&... a) {
         frugal::detail::UnitScope unit(
             ptr.get());  // the recompute in backward runs inside the unit too
         UnitRun run(hook.get());
-        return ptr->forward(a...);
+        return finish_run(hook.get(), ptr->forward(a...), a...);
       },
       CheckpointOptions(*chosen).params(ptr->parameters()).buffers(training_buffers(*ptr)),
       args...);

@@ -24,8 +24,9 @@ struct LoraOptions {
   /// The update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).
   TORCH_ARG(double, alpha) = 8;
   TORCH_ARG(bool, use_rslora) = false;
-  /// Dropout on the adapters' input. Only 0 is accepted: the adapters are folded into
-  /// each Linear's weight while its unit runs, which has no per-input mask.
+  /// Dropout on the adapters' input, in [0, 1), applied while the layer is training (as
+  /// PEFT's lora_dropout). Above 0 the model calls each adapted layer through
+  /// frugal::nn::call (see Lora).
   TORCH_ARG(double, dropout) = 0;
   /// The Linear layers to adapt, as PEFT matches target_modules: a module whose qualified
   /// name equals an entry or ends with "." + entry. Empty: every Linear.
@@ -53,6 +54,14 @@ struct LoraOptions {
 /// registered parameter `weight` (what named_parameters, state dicts and optimizers see)
 /// is always the base.
 ///
+/// With dropout the adapters see a masked copy of the layer's input, which no weight can
+/// hold, so they run beside the layer instead: the model calls each adapted layer as
+/// `frugal::nn::call(layer, x)` (one line each, inside the unit's forward), and that call
+/// returns base(x) + s B A dropout(x) as PEFT computes it. The unit still makes the base
+/// weight (from a FrozenWeights store too); the layer's member holds it only inside that
+/// call, so a layer called directly fails loudly. A checkpointed unit recomputes the same
+/// mask. In eval mode (or merged) nothing is dropped.
+///
 /// Adapters are saved and loaded in PEFT's layout (adapter_model.safetensors and
 /// adapter_config.json), so PEFT loads frugal's adapters and frugal loads PEFT's.
 ///
@@ -66,8 +75,9 @@ class Lora {
  public:
   /// Adapts the Linear layers of `model` that `options` chooses; each must lie inside exactly
   /// one of `units`. Refused, changing nothing, naming the layer or value: a rank below 1,
-  /// a dropout other than 0, target_modules that match no Linear, a chosen layer outside
-  /// every unit, a unit that is a unit already, a model adapted already.
+  /// a dropout outside [0, 1), target_modules that match no Linear, a chosen layer outside
+  /// every unit (or, with dropout, a unit itself), a unit that is a unit already, a model
+  /// adapted already.
   Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
        LoraOptions options = {});
   /// The model as it was: adapters removed, its parameters trainable again, the base
@@ -96,9 +106,9 @@ class Lora {
   /// `dir`/adapter_config.json.
   void save(const std::string& dir, const std::string& prefix = "base_model.model.") const;
   /// Reads adapters written by `save` or by PEFT's save_pretrained into this Lora's. Their
-  /// config must agree (r, lora_alpha, use_rslora, lora_dropout, target_modules) and the file
-  /// must hold every adapter with its shape; otherwise an error names each difference and
-  /// nothing changes.
+  /// config must agree (r, lora_alpha, use_rslora, target_modules; lora_dropout is how they
+  /// trained, not what they are, and may differ) and the file must hold every adapter with
+  /// its shape; otherwise an error names each difference and nothing changes.
   void load(const std::string& dir, const std::string& prefix = "base_model.model.");
 
  private:

@@ -28,6 +28,13 @@ class UnitHook {
   /// weight the forward reads).
   virtual void enter_run() {}
   virtual void leave_run() {}
+  /// For a call of one Tensor that returns one Tensor, inside each run after the module's
+  /// forward: what the call returns for input `in` when the forward gave `out` (LoRA's
+  /// adapters on a dropped-out input). A checkpoint's recompute runs it again under the
+  /// forward's random state. Default: `out`.
+  virtual torch::Tensor run_output(const torch::Tensor& /*in*/, const torch::Tensor& out) {
+    return out;
+  }
 };
 
 /// The hook registered for `module`, or null.
@@ -59,6 +66,19 @@ class UnitRun {
  private:
   UnitHook* hook_;
 };
+
+/// A run's result: `hook`'s run_output for a call of one Tensor to one Tensor, `out` as it
+/// is otherwise.
+template <typename Out, typename... Args>
+Out finish_run(UnitHook* hook, Out out, const Args&... args) {
+  if constexpr (std::is_same_v<Out, torch::Tensor> && sizeof...(Args) == 1 &&
+                (std::is_same_v<Args, torch::Tensor> && ...)) {
+    if (hook != nullptr) {
+      return hook->run_output(args..., out);
+    }
+  }
+  return out;
+}
 
 /// A call's Tensor outputs, for UnitHook::after_forward.
 inline std::vector<torch::Tensor> unit_outputs(const torch::Tensor& out) { return {out}; }
