@@ -122,8 +122,14 @@ TEST(Lora, OutputsAndAdapterGradientsArePeftsWithPlainOrCheckpointedUnits) {
   }
 }
 
-TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits) {
+namespace {
+
+// LoRA with dropout on `device` against the hand-written reference, from one seed, for a plain
+// and an NF4 base, plain and checkpointed units.
+void expect_dropout_as_peft(const torch::Device& device) {
   constexpr double p = 0.25;
+  const double rtol = device.is_cuda() ? 1e-3 : 1e-5;  // the device's own product kernels
+  const double atol = device.is_cuda() ? 1e-5 : 1e-6;
   for (const bool stored : {false, true}) {
     for (const bool checkpointed : {false, true}) {
       SCOPED_TRACE(std::string(stored ? "NF4 base" : "plain base") +
@@ -131,6 +137,8 @@ TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits)
       // The reference: a model of plain weights (the store's decoded values), its adapters
       // applied by hand.
       LoraNet net(3, /*own_calls=*/true), ref;
+      net->to(device);
+      ref->to(device);
       std::unique_ptr<frugal::nn::FrozenWeights> store;
       if (stored) {
         store = std::make_unique<frugal::nn::FrozenWeights>(
@@ -157,17 +165,17 @@ TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits)
         policy = std::make_shared<frugal::CheckpointPolicy>(frugal::CheckpointSelect().every(1));
         policy->apply(*net);
       }
-      const auto x = inputs().requires_grad_();
+      const auto x = inputs().to(device).requires_grad_();
       torch::manual_seed(21);
       auto out = net->forward(x);
       out.pow(2).sum().backward();  // a checkpointed block draws its masks again here
       torch::manual_seed(21);
       auto expected = reference(ref, x, lora.scaling(), p);
-      EXPECT_TRUE(torch::allclose(out, expected, 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(out, expected, rtol, atol));
       expected.pow(2).sum().backward();
       for (std::size_t i = 0; i < lora.parameters().size(); ++i) {
         EXPECT_TRUE(torch::allclose(lora.parameters()[i].grad(), ref_lora.parameters()[i].grad(),
-                                    1e-5, 1e-6))
+                                    rtol, atol))
             << i;
       }
       // The masks mattered; in eval mode nothing is dropped.
@@ -175,14 +183,25 @@ TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits)
       const auto whole = reference(ref, x, lora.scaling());
       EXPECT_FALSE(torch::allclose(out, whole, 1e-3, 1e-4));
       net->eval();
-      EXPECT_TRUE(torch::allclose(net->forward(x), whole, 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(net->forward(x), whole, rtol, atol));
     }
   }
+}
+
+}  // namespace
+
+TEST(Lora, DropoutMasksTheAdaptersInputAsPeftWithPlainStoredOrCheckpointedUnits) {
+  expect_dropout_as_peft(torch::kCPU);
   // A model that calls its adapted layers directly finds no weight in them: it fails loudly
   // instead of leaving the adapters out.
   LoraNet direct;
-  frugal::nn::Lora lora(*direct, direct->units(), options().dropout(p));
+  frugal::nn::Lora lora(*direct, direct->units(), options().dropout(0.25));
   EXPECT_ANY_THROW(direct->forward(inputs()));
+}
+
+TEST(CudaLora, DropoutMasksTheAdaptersInputOnTheDeviceAsPeft) {
+  FRUGAL_SKIP_WITHOUT_CUDA();
+  expect_dropout_as_peft(torch::kCUDA);
 }
 
 TEST(Lora, MergeRunsTheBaseAloneAndUnmergeRestoresItBitForBit) {
