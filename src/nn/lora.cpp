@@ -30,13 +30,10 @@ class LoraDropoutHook : public UnitHook {
   void after_forward(const std::vector<torch::Tensor>& /*outputs*/) override {}
   void enter_run() override {
     // Outside its unit's run there is no weight: the call fails loudly.
-    layer_->slot->linear->weight = layer_->slot->current.defined()
-                                       ? layer_->slot->current
-                                       : torch::empty({0}, layer_->slot->param.options());
+    const auto& slot = *layer_->slot;
+    slot.linear->weight = slot.current.defined() ? slot.current : slot.no_weight();
   }
-  void leave_run() override {
-    layer_->slot->linear->weight = torch::empty({0}, layer_->slot->param.options());
-  }
+  void leave_run() override { layer_->slot->linear->weight = layer_->slot->no_weight(); }
   torch::Tensor run_output(const torch::Tensor& in, const torch::Tensor& out) override {
     const auto s = state_.lock();
     if (s == nullptr || s->merged) {

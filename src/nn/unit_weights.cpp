@@ -35,8 +35,7 @@ void UnitWeightsHook::leave_run() {
   for (const auto& slot : slots_) {
     slot->current = torch::Tensor();
     const bool plain = !slot->stored && !slot->adapt;
-    slot->linear->weight =
-        plain || slot->stored ? slot->param : torch::empty({0}, slot->param.options());
+    slot->linear->weight = plain || slot->stored ? slot->param : slot->no_weight();
   }
 }
 

@@ -25,6 +25,8 @@ struct LinearSlot {
   /// weight in `current`, and the member holds it only inside the layer's own call.
   bool own_call = false;
   torch::Tensor current;
+  /// What the member holds where the layer must not run: an empty tensor.
+  torch::Tensor no_weight() const { return torch::empty({0}, param.options()); }
 };
 
 /// Each run sets every slot's `weight` member (or, for a layer with its own call, `current`)
