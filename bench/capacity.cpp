@@ -168,7 +168,8 @@ int trial(const Args& a) {
     auto options = decoder(a, a.dim);
     if (config.int8) {
       cap = std::make_unique<frugal::ScopedMemoryCap>(device, frugal::MiB(a.cap_mib));
-      int8 = std::make_unique<frugal::nn::Int8Weights>();
+      int8 = std::make_unique<frugal::nn::Int8Weights>(
+          frugal::nn::Int8WeightsOptions().dtype(torch::kBFloat16));
       options.int8 = int8.get();
     }
     // Otherwise the cap counts the model: built first (and cast, as one loaded in bf16

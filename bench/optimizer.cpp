@@ -35,7 +35,8 @@ Stepper make_stepper(Make make, torch::Dtype dtype = torch::kFloat32, bool int8 
   Stepper s{fashion::make_cnn(0.0), nullptr, nullptr};
   s.model->to(dtype);
   if (int8) {
-    s.int8 = std::make_unique<frugal::nn::Int8Weights>();
+    s.int8 = std::make_unique<frugal::nn::Int8Weights>(
+        frugal::nn::Int8WeightsOptions().dtype(torch::kBFloat16));
     s.int8->add(s.model);
   }
   {

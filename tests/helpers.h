@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,6 +20,15 @@
   }
 
 namespace frugal::testing {
+
+/// An empty folder of the system's temporary folder, named for `name` and this process.
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("frugal_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 /// The bytes the CUDA caching allocator takes for a request of `bytes`: whole 512-byte
 /// units (its kMinBlockSize), which memory_allocated counts.

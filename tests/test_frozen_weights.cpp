@@ -2,6 +2,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 
 #include "frugal/compose/mixed_precision.h"
@@ -160,6 +161,63 @@ TEST(FrozenWeights, RefusesUnitsOfOtherKindsAndUnitsStoredTwice) {
   frugal::nn::FrozenWeights other;
   expect_error_contains([&] { other.add_module(net->units()[0]); }, "is stored already");
   expect_error_contains([&] { base.add_module(nullptr); }, "null module");
+}
+
+TEST(FrozenWeights, AUnitIsMadeWholeInTheDtypeItsWeightsHadWhenAdded) {
+  LoraNet net;  // float32
+  frugal::nn::FrozenWeights base;
+  for (auto& unit : net->units()) {
+    base.add_module(unit);
+  }
+  const auto out = net->forward(torch::randn({2, kDim}));  // no dtype mismatch
+  EXPECT_EQ(out.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->list->ptr<LoraBlockImpl>(0)->up->bias.scalar_type(), torch::kFloat);
+}
+
+TEST(FrozenWeights, CodesOfAnotherShapeOrGroupAreRefusedNamingTheBufferBeforeAnyRead) {
+  const auto x = torch::randn({2, kDim});
+  // NF4 codes of another length in a state dict: refused naming the layer's buffer.
+  {
+    LoraNet net;
+    frugal::nn::FrozenWeights base(frugal::nn::FrozenWeightsOptions().dtype(torch::kFloat));
+    for (auto& unit : net->units()) {
+      base.add_module(unit);
+    }
+    auto packed = net->list->ptr<LoraBlockImpl>(1)->up->named_buffers()["weight_nf4"];
+    {
+      torch::NoGradGuard no_grad;
+      packed.set_(torch::zeros({16}, torch::kUInt8));
+    }
+    expect_error_contains([&] { net->forward(x); },
+                          c10::str("the NF4 weights 'up.weight' (shape [", 2 * kDim, ", ", kDim,
+                                   "]) cannot use their buffer 'up.weight_nf4': it is Byte [16]"));
+    expect_error_contains([&] { net->forward(x); },
+                          c10::str("where they need Byte [", kDim * kDim, "]"));
+  }
+  // 8-bit codes saved under groups of 4096, loaded into groups of 16.
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("frugal_frozen_groups_" + std::to_string(::getpid()) + ".pt"))
+                        .string();
+  auto stored = [](LoraNet& net, std::int64_t group) {
+    auto base = std::make_unique<frugal::nn::FrozenWeights>(frugal::nn::FrozenWeightsOptions()
+                                                                .format(frugal::nn::FrozenFormat::Int8)
+                                                                .dtype(torch::kFloat)
+                                                                .group(group));
+    for (auto& unit : net->units()) {
+      base->add_module(unit);
+    }
+    return base;
+  };
+  LoraNet from, into;
+  const auto saved = stored(from, 4096);
+  const auto loaded = stored(into, 16);
+  torch::save(from, path);
+  torch::load(into, path);
+  expect_error_contains([&] { into->forward(x); },
+                        c10::str("the 8-bit weights 'attn.weight' (", kDim * kDim,
+                                 " elements in groups of 16) cannot use their buffer "
+                                 "'attn.weight_qparams': it is BFloat16 [1, 2]"));
+  std::remove(path.c_str());
 }
 
 TEST(FrozenWeights, QloraInAFrugalLoopOfMicroBatchesTrainsAsTheTrainerOnWholeBatches) {

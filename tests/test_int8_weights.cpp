@@ -2,7 +2,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -76,9 +79,10 @@ TORCH_MODULE(Net);
 constexpr std::int64_t kDim = 64;
 
 struct Model {
+  // The blocks are made in float32 and run in bfloat16 unless `o` says otherwise.
   explicit Model(Int8WeightsOptions o = {}, int layers = 3, std::uint64_t seed = 11,
                  bool parts = false)
-      : int8(o), net((torch::manual_seed(seed), Net(kDim, layers, &int8, parts))) {}
+      : int8(o.dtype() ? o : Int8WeightsOptions(o).dtype(torch::kBFloat16)), net((torch::manual_seed(seed), Net(kDim, layers, &int8, parts))) {}
   Int8Weights int8;
   Net net;
 };
@@ -499,13 +503,108 @@ TEST(Int8Weights, BadOptionsAndSecondAddsAreRefusedNamingThem) {
   EXPECT_TRUE(same(before, codes_of(m.net)));
 }
 
+TEST(Int8Weights, AUnitIsMaterialisedInTheDtypeItsWeightsHadWhenAdded) {
+  torch::manual_seed(3);
+  torch::nn::Linear f32(kDim, kDim);
+  torch::nn::Linear bf16(nullptr);
+  {
+    frugal::nn::DefaultDtypeGuard made_in(torch::kBFloat16);
+    bf16 = torch::nn::Linear(kDim, kDim);
+  }
+  Int8Weights int8;  // no dtype: each unit's own
+  int8.add(f32);
+  int8.add(bf16);
+  const auto x = torch::randn({2, kDim});
+  EXPECT_EQ(frugal::nn::call(f32, x).scalar_type(), torch::kFloat);
+  EXPECT_EQ(frugal::nn::call(bf16, x.to(torch::kBFloat16)).scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(f32->bias.scalar_type(), torch::kFloat);
+  // A dtype the codec does not make whole in is named, with the way out.
+  torch::nn::Linear f64(torch::nn::LinearOptions(kDim, kDim));
+  f64->to(torch::kDouble);
+  frugal::testing::expect_error_contains([&] { int8.add(f64); },
+                                         "has Double weights; Int8Weights makes them whole in "
+                                         "bfloat16 or float32: say which with "
+                                         "Int8WeightsOptions::dtype");
+}
+
+TEST(Int8Weights, CodesLoadedUnderOtherGroupsOrShapesAreRefusedNamingTheBuffer) {
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("frugal_int8_groups_" + std::to_string(::getpid()) + ".pt"))
+                        .string();
+  const auto [x, y] = batch(8);
+  // Saved with groups of 4096 into groups of 16 (fewer statistics than the codes need: read
+  // past their end before), and 64 into 128 (more: silently wrong weights before).
+  for (const auto& [saved, loaded] : {std::pair<int, int>{4096, 16}, {64, 128}}) {
+    Model from(Int8WeightsOptions().group(saved));
+    Model into(Int8WeightsOptions().group(loaded));
+    torch::save(from.net, path);
+    torch::load(into.net, path);
+    frugal::testing::expect_error_contains([&] { into.net->forward(x); },
+                                           "cannot use their buffer 'weight_qparams'");
+    frugal::testing::expect_error_contains(
+        [&] { into.net->forward(x); },
+        c10::str("in groups of ", loaded, ") cannot use their buffer 'weight_qparams': it is "
+                 "BFloat16 [", 4 * kDim * kDim / saved, ", 2]"));
+  }
+  // Codes of another length, set after backward: the optimizer's update refuses too, and
+  // leaves the other parameters' codes as they were.
+  Model m;
+  loss_of(m.net, x, y).backward();
+  fo::AdamW adamw(m.net->parameters(), torch::optim::AdamWOptions(1e-2));
+  auto codes = m.net->blocks->ptr<BlockImpl>(2)->down->named_buffers()["weight_codes"];
+  {
+    torch::NoGradGuard no_grad;
+    codes.set_(torch::zeros({10}, torch::kUInt8));
+  }
+  const auto before = codes_of(m.net);
+  frugal::testing::expect_error_contains(
+      [&] { adamw.step(); }, "cannot use their buffer 'weight_codes': it is Byte [10]");
+  EXPECT_TRUE(same(before, codes_of(m.net)));
+  std::remove(path.c_str());
+}
+
+TEST(Int8Weights, GoingUnderAMemoryCapKeepsTheCodesInsteadOfEndingTheProcess) {
+  torch::manual_seed(11);
+  Net net(kDim, 2, nullptr);
+  auto int8 = std::make_unique<Int8Weights>();
+  for (const auto& block : *net->blocks) {
+    int8->add_module(block);
+  }
+  const auto codes = codes_of(net);
+  {
+    frugal::MemoryProbe probe(torch::kCPU);
+    frugal::ScopedMemoryCap cap(torch::kCPU, probe.allocated() + 1024);
+    int8.reset();  // no room to make the weights whole: a warning, not std::terminate
+  }
+  EXPECT_TRUE(same(codes, codes_of(net))) << "the codes stay in their buffers";
+  EXPECT_EQ(net->blocks->ptr<BlockImpl>(0)->up->named_buffers()["weight_codes"].numel(),
+            4 * kDim * kDim);
+}
+
+TEST(Int8Weights, ARefusedMaterialisedScopePinsNoUnit) {
+  Model m;
+  ASSERT_EQ(m.int8.materialised_bytes(), 0);
+  {
+    // Room for the first unit, not for the second.
+    frugal::MemoryProbe probe(torch::kCPU);
+    frugal::ScopedMemoryCap cap(torch::kCPU, probe.allocated() + unit_bytes() * 3 / 2);
+    EXPECT_THROW(Int8Weights::Materialised whole(m.int8), c10::Error);
+  }
+  EXPECT_EQ(m.int8.materialised_bytes(), 0) << "the unit made whole before the refusal";
+  // Training goes on one unit at a time.
+  const auto [x, y] = batch(9);
+  loss_of(m.net, x, y).backward();
+  EXPECT_EQ(m.int8.materialised_bytes(), 0);
+  EXPECT_EQ(m.net->blocks->ptr<BlockImpl>(0)->seen.back(), unit_bytes());
+}
+
 TEST(Int8Weights, WhenItGoesTheModelIsAnOrdinaryBfloat16OneWithItsTrainedWeights) {
   torch::Tensor expected, got;
   const auto [x, y] = batch(7);
   torch::manual_seed(11);
   Net net(kDim, 2, nullptr);
   {
-    Int8Weights int8;
+    Int8Weights int8(Int8WeightsOptions().dtype(torch::kBFloat16));
     for (const auto& block : *net->blocks) {
       int8.add_module(block);
     }

@@ -48,6 +48,7 @@ std::vector<torch::Tensor> train_two(const std::shared_ptr<Group>& group) {
   auto& ma = loop.prepare(a, a_opt, "a");
   auto& mb = loop.prepare(b, b_opt, "b");
   const std::int64_t share = kBatch / group->size();
+  std::vector<double> reported;  // each iteration's loss of `a` and of `b`, as Loop::end says
   for (int i = 0; i < kIterations; ++i) {
     const auto x = torch::randn({kBatch, 5}).narrow(0, group->rank() * share, share);
     auto out = a->forward(x);
@@ -59,7 +60,9 @@ std::vector<torch::Tensor> train_two(const std::shared_ptr<Group>& group) {
     loop.step(ma);
     loop.backward((b->forward(x) - out.detach()).pow(2).mean(), mb);
     loop.step(mb);
-    loop.end();
+    const auto report = loop.end();
+    reported.push_back(report.models[0].loss);
+    reported.push_back(report.models[1].loss);
   }
   std::vector<torch::Tensor> out;
   for (const auto& p : a->parameters()) {
@@ -68,6 +71,7 @@ std::vector<torch::Tensor> train_two(const std::shared_ptr<Group>& group) {
   for (const auto& p : b->parameters()) {
     out.push_back(p.detach().clone());
   }
+  out.push_back(torch::tensor(reported, torch::kDouble));
   out.push_back(torch::tensor({ma.skipped_steps(), mb.skipped_steps()}));
   return out;
 }
@@ -83,8 +87,10 @@ TEST(LoopDataParallel, TwoRanksOfALoopTrainAsOneProcessAndSkipTogether) {
     const auto& ranked = ranks[static_cast<std::size_t>(r)];
     ASSERT_EQ(ranked.size(), one.size());
     EXPECT_TRUE(torch::equal(ranked.back(), one.back())) << "skipped steps, rank " << r;
+    // The parameters, then the reported losses: each rank reports the whole batch's loss
+    // (the ranks' mean), NaN on every rank where one rank's was.
     for (std::size_t i = 0; i + 1 < one.size(); ++i) {
-      EXPECT_TRUE(torch::allclose(ranked[i], one[i], 1e-5, 1e-5))
+      EXPECT_TRUE(torch::allclose(ranked[i], one[i], 1e-5, 1e-5, /*equal_nan=*/true))
           << "rank " << r << " parameter " << i << " differs by "
           << (ranked[i] - one[i]).abs().max().item<float>();
     }

@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +21,7 @@
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/memory_timeline.h"
 #include "frugal/train/trainer.h"
+#include "frugal/error.h"
 #include "helpers.h"
 
 namespace {
@@ -276,6 +281,72 @@ TEST(MemoryRecorder, AFileOfAnotherKindIsRefusedNamingIt) {
   recorder.stop();
   frugal::testing::expect_error_contains([&] { recorder.write("timeline.txt"); },
                                          "not 'timeline.txt'");
+}
+
+// A unit whose name is not UTF-8 (a module may be named with any bytes but '.').
+struct OddNameImpl : torch::nn::Module {
+  OddNameImpl() { block = register_module("caf\xe9", torch::nn::Linear(64, 64)); }
+  torch::Tensor forward(const torch::Tensor& x) { return frugal::nn::call(block, x); }
+  torch::nn::Linear block{nullptr};
+};
+TORCH_MODULE(OddName);
+
+TEST(MemoryRecorder, UnitNamesThatAreNotUtf8AreWrittenReplacedInEveryFile) {
+  OddName model;
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model);
+  model->forward(torch::randn({8, 64}, torch::requires_grad())).sum().backward();
+  recorder.stop();
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("frugal_recorder_utf8_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  for (const auto* name : {"step.pickle", "step.html", "step.png", "step.json"}) {
+    recorder.write((dir / name).string());
+    EXPECT_GT(std::filesystem::file_size(dir / name), 100u) << name;
+  }
+  std::ifstream in(dir / "step.json");
+  const auto json = nlohmann::json::parse(in);  // valid UTF-8 JSON
+  std::set<std::string> units;
+  for (const auto& e : json.at("events")) {
+    units.insert(e.at("unit").get<std::string>());
+  }
+  EXPECT_EQ(units.count("caf\xef\xbf\xbd"), 1U) << "the invalid byte as U+FFFD";
+  std::ifstream pickle(dir / "step.pickle", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(pickle)), {});
+  EXPECT_NE(bytes.find("caf\xef\xbf\xbd"), std::string::npos);
+  EXPECT_EQ(bytes.find("caf\xe9"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(MemoryRecorder, AWriteThatFailsLeavesTheOldFileAndSaysWhy) {
+  Stack model;
+  frugal::MemoryRecorder recorder;
+  recorder.watch(*model);
+  model->forward(batch_of(32).inputs).sum().backward();
+  recorder.stop();
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("frugal_recorder_full_" + std::to_string(::getpid()) + ".html");
+  std::ofstream(path) << "the old file";
+  // A file-size limit stands in for a full disk.
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 2048;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string what;
+  try {
+    recorder.write(path.string());
+  } catch (const frugal::Error& e) {
+    what = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(what.find("File too large"), std::string::npos) << what;
+  std::ifstream in(path);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), {}), "the old file");
+  EXPECT_FALSE(std::filesystem::exists(path.string() + ".partial"));
+  std::filesystem::remove(path);
 }
 
 }  // namespace

@@ -32,13 +32,7 @@ frugal::Batch batch() {
   return {torch::randn({64, 256}), torch::randint(0, 10, {64})};
 }
 
-fs::path fresh_dir(const std::string& name) {
-  const auto dir =
-      fs::temp_directory_path() / ("frugal_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using frugal::testing::fresh_dir;
 
 std::string read(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -17,11 +17,7 @@ using frugal::testing::expect_error_contains;
 namespace {
 
 fs::path scratch_dir(const std::string& name) {
-  const auto dir =
-      fs::temp_directory_path() / ("frugal_safetensors_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+  return frugal::testing::fresh_dir("safetensors_" + name);
 }
 
 std::string read_bytes(const fs::path& p) {
@@ -271,9 +267,9 @@ TEST(Safetensors, TruncatedOrCorruptedFilesAreRefusedNamingWhatIsWrong) {
   const std::vector<Case> cases = {
       {"truncated", bytes.substr(0, bytes.size() - 4), "in the file's data; it needs"},
       {"trailing", bytes + "junk", "bytes of data and the file has"},
-      {"header cut", bytes.substr(0, 8 + n / 2), "its header claims"},
+      {"header cut", bytes.substr(0, 8 + n / 2), "its first 8 bytes give a header of"},
       {"tiny", bytes.substr(0, 5), "fewer than the header's 8-byte length"},
-      {"length", huge_length, "its header claims"},
+      {"length", huge_length, "its first 8 bytes give a header of"},
       {"json", bad_json, "not a JSON object"},
       {"dtype", bad_dtype, "dtype 'F33', which safetensors lacks"},
       {"offsets", overlap, "has bytes ["},

@@ -28,13 +28,15 @@ Coded kernel_codes(const torch::Tensor& x, std::int64_t group, bool stochastic, 
   return c;
 }
 
+// Rounding to nearest draws no noise: no buffer for it is given (as quantize_weights gives
+// none for a tensor on a device).
 Coded ops_codes(const torch::Tensor& x, std::int64_t group, bool stochastic, std::uint64_t key) {
   const auto n = x.numel();
   Coded c{torch::zeros({n}, torch::kUInt8),
           torch::zeros({fd::weight_groups(n, group), 2}, torch::kBFloat16)};
   auto work = x.clone();
-  fd::quantize_weights_ops(work, group, 0, stochastic, key, c.codes, c.qparams, torch::empty({n}),
-                           torch::empty({n}));
+  fd::quantize_weights_ops(work, group, 0, stochastic, key, c.codes, c.qparams,
+                           stochastic ? torch::empty({n}) : torch::Tensor(), torch::empty({n}));
   return c;
 }
 

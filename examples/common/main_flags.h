@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <exception>
 #include <string>
 
@@ -22,7 +23,20 @@ inline CLI::Option* threads_flag(CLI::App& app, int& threads,
       torch::set_num_threads(threads);
     }
   });
-  return app.add_option("--threads", threads, what)->check(CLI::NonNegativeNumber);
+  return app.add_option("--threads", threads, what)->check(CLI::Range(0, 256));
+}
+
+/// Adds --seed: a whole number >= 0 (a negative one is refused, not wrapped to 2^64 - 1).
+inline CLI::Option* seed_flag(CLI::App& app, std::uint64_t& seed, const std::string& what) {
+  return app.add_option("--seed", seed, what)
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            return text.find_first_not_of("0123456789") == std::string::npos && !text.empty()
+                       ? std::string()
+                       : "must be a whole number >= 0, got " + text;
+          },
+          "UINT", "whole number >= 0"))
+      ->capture_default_str();
 }
 
 /// Where Debian's dataset-fashion-mnist package puts the gzipped IDX files.

@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--alpha", args.alpha, "weight of the teacher's term (the labels': 1 - alpha)")
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--seed", args.seed, "random seed");
+  examples::seed_flag(app, args.seed, "random seed");
   app.add_option("--log-every", args.log_every, "print every N steps")->check(CLI::PositiveNumber);
   examples::memory_timeline_flags(app, args.timeline);
   examples::threads_flag(app, args.threads);

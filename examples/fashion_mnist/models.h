@@ -75,7 +75,7 @@ TORCH_MODULE(UnitLayer);
 inline torch::nn::Sequential with_int8_weights(const torch::nn::Sequential& model,
                                                frugal::nn::Int8Weights& int8) {
   namespace nn = torch::nn;
-  const auto dtype = int8.options().dtype();
+  const auto dtype = int8.options().dtype().value_or(torch::kFloat);
   nn::Sequential out(nn::Functional([dtype](torch::Tensor x) { return x.to(dtype); }));
   for (const auto& layer : *model) {
     if (auto block = std::dynamic_pointer_cast<BlockImpl>(layer.ptr())) {

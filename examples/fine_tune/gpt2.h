@@ -28,13 +28,14 @@ struct Gpt2Config {
   /// Read from a save_pretrained folder's config.json; an error for a GPT-2 this model does
   /// not compute (another activation, untied embeddings, cross-attention, ...).
   static Gpt2Config read(const std::string& dir) {
-    std::ifstream in(dir + "/config.json");
+    const auto path = dir + "/config.json";
+    std::ifstream in(path);
     if (!in) {
       throw std::runtime_error("no config.json in '" + dir + "'");
     }
-    const auto j = nlohmann::json::parse(in);
-    if (j.value("model_type", "") != "gpt2") {
-      throw std::runtime_error(dir + "/config.json is not a GPT-2 config");
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || j.value("model_type", nlohmann::json()) != "gpt2") {
+      throw std::runtime_error(path + " is not a GPT-2 config");
     }
     for (const auto& [key, expected] : std::vector<std::pair<std::string, nlohmann::json>>{
              {"activation_function", "gelu_new"},
@@ -44,22 +45,53 @@ struct Gpt2Config {
              {"scale_attn_by_inverse_layer_idx", false},
              {"reorder_and_upcast_attn", false}}) {
       if (j.contains(key) && j[key] != expected) {
-        throw std::runtime_error(dir + "/config.json has " + key + " " + j[key].dump() +
-                                 "; this model computes " + expected.dump());
+        throw std::runtime_error(path + " has " + key + " of type " + j[key].type_name() +
+                                 " or another value; this model computes " + expected.dump());
       }
     }
+    // A size: a whole number from 1 to 2^31 (the config is read, not trusted).
+    auto size = [&](const char* key) {
+      const auto it = j.find(key);
+      if (it == j.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 ||
+          it->get<std::int64_t>() > (std::int64_t{1} << 31)) {
+        throw std::runtime_error(path + ": " + key + " must be a whole number from 1 to 2^31, got " +
+                                 (it == j.end() ? std::string("none")
+                                                : it->is_number() ? it->dump() : it->type_name()));
+      }
+      return it->get<std::int64_t>();
+    };
     Gpt2Config c;
-    c.vocab = j.at("vocab_size");
-    c.positions = j.at("n_positions");
-    c.embd = j.at("n_embd");
-    c.layers = j.at("n_layer");
-    c.heads = j.at("n_head");
-    c.eps = j.value("layer_norm_epsilon", 1e-5);
-    if (!j.value("n_inner", nlohmann::json()).is_null()) {
-      throw std::runtime_error(dir +
-                               "/config.json sets n_inner; this model's MLP is 4 n_embd wide");
+    c.vocab = size("vocab_size");
+    c.positions = size("n_positions");
+    c.embd = size("n_embd");
+    c.layers = size("n_layer");
+    c.heads = size("n_head");
+    const auto eps = j.value("layer_norm_epsilon", nlohmann::json(1e-5));
+    if (!eps.is_number() || !(eps.get<double>() > 0) || !std::isfinite(eps.get<double>())) {
+      throw std::runtime_error(path + ": layer_norm_epsilon must be a number > 0");
     }
+    c.eps = eps.get<double>();
+    if (!j.value("n_inner", nlohmann::json()).is_null()) {
+      throw std::runtime_error(path + " sets n_inner; this model's MLP is 4 n_embd wide");
+    }
+    c.check(path);
     return c;
+  }
+
+  /// An error unless the shape is one this model computes: heads dividing the width.
+  void check(const std::string& where) const {
+    for (const auto& [name, value] : {std::pair<const char*, std::int64_t>{"vocab", vocab},
+                                      {"positions", positions}, {"embd", embd},
+                                      {"layers", layers}, {"heads", heads}}) {
+      if (value < 1) {
+        throw std::runtime_error(where + ": " + name + " must be >= 1, got " +
+                                 std::to_string(value));
+      }
+    }
+    if (embd % heads != 0) {
+      throw std::runtime_error(where + ": " + std::to_string(heads) + " heads do not divide " +
+                               std::to_string(embd) + " embedding dimensions");
+    }
   }
 };
 

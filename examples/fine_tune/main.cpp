@@ -98,9 +98,28 @@ int run(const Args& a) {
   const auto dtype = a.base_format == "float32" || (stored && a.compute == "float32")
                          ? torch::kFloat
                          : torch::kBFloat16;
+  if (a.random_base) {
+    config.check("--embd, --layers, --heads");
+  }
   std::optional<frugal::io::SafetensorsFile> checkpoint;
   if (!a.random_base) {
     checkpoint.emplace(a.base);
+    // Blocks the config leaves out would be skipped silently by the block-wise load.
+    for (const auto& name : checkpoint->names()) {
+      const std::string blocks = "transformer.h.";
+      const auto index = name.rfind(blocks, 0) == 0
+                             ? name.substr(blocks.size(), name.find('.', blocks.size()) -
+                                                              blocks.size())
+                             : std::string();
+      const bool beyond = !index.empty() && index.size() < 10 &&
+                          index.find_first_not_of("0123456789") == std::string::npos &&
+                          std::stoll(index) >= config.layers;
+      if (beyond) {
+        throw std::runtime_error(fmt::format(
+            "{} holds '{}', beyond the {} blocks its config.json gives (n_layer)", a.base, name,
+            config.layers));
+      }
+    }
   }
   // The frozen base, block by block: each block's tensors loaded and (nf4, int8) stored at
   // once, so the model never exists whole in 16 bits.
@@ -288,10 +307,9 @@ int main(int argc, char** argv) {
                  "Write the first batch's logits before and after training (safetensors)");
   app.add_option("--report", a.report, "Write a JSON-lines report here");
   app.add_option("--save-base", a.save_base, "Write the loaded (and stored) base's tensors here");
-  app.add_option("--seed", a.seed,
-                 "Seed of the adapters' initialisation and, again before the first step, of "
-                 "dropout's masks")
-      ->capture_default_str();
+  examples::seed_flag(app, a.seed,
+                      "Seed of the adapters' initialisation and, again before the first step, "
+                      "of dropout's masks");
   examples::threads_flag(app, a.threads);
   return examples::parse_and_run(app, argc, argv, [&] {
     if (a.base.empty() && !a.random_base) {

@@ -297,7 +297,7 @@ int main(int argc, char** argv) {
   app.add_option("--latent", args.latent, "the generator's input size")->check(CLI::PositiveNumber);
   app.add_option("--width", args.width, "channels of the first convolution")
       ->check(CLI::PositiveNumber);
-  app.add_option("--seed", args.seed, "random seed");
+  examples::seed_flag(app, args.seed, "random seed");
   app.add_option("--precision", args.precision,
                  "fp32, bf16 (autocast) or fp16 (autocast and one "
                  "loss scaler over both optimizers)")

@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "corpus.h"
+#include "main_flags.h"
 #include "device.h"
 #include "memory_timeline_flags.h"
 #include "model.h"
@@ -132,9 +133,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 0.99));
   app.add_flag("--checkpoint", a.checkpoint, "Checkpoint every Transformer block");
   app.add_option("--autocast", a.autocast, "off or bf16")->check(CLI::IsMember({"off", "bf16"}));
-  app.add_option("--seed", a.seed, "Seed of the weights, the order and dropout");
+  examples::seed_flag(app, a.seed, "Seed of the weights, the order and dropout");
   app.add_option("--threads", a.threads, "LibTorch threads (0: its default)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 256));
   app.add_option("--max-steps", a.max_steps, "Optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--tokens", a.tokens, "chars or words")->check(CLI::IsMember({"chars", "words"}));
   app.add_option("--vocab", a.vocab, "Vocabulary of --tokens words: the most frequent words")

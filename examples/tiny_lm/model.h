@@ -82,7 +82,7 @@ struct TinyLMImpl : torch::nn::Module {
       // Made in the dtype it is stored from: one block exists in 16 bits for a moment.
       // Its attention and feed-forward layers are three units, so that in a step at most
       // one of them (a third of the block) is whole in 16 bits.
-      frugal::nn::DefaultDtypeGuard made_in(o.int8->options().dtype());
+      frugal::nn::DefaultDtypeGuard made_in(o.int8->options().dtype().value_or(torch::kFloat));
       Block block(o.dim, o.heads, o.dropout);
       block->store_in(*o.int8);
       blocks->push_back(block);

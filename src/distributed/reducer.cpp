@@ -262,6 +262,13 @@ void BucketReducer::finish(std::size_t bucket) {
   ++finished_;
 }
 
+double BucketReducer::global_loss(double loss) {
+  if (group_->size() == 1 || !options_.global_loss()) {
+    return loss;
+  }
+  return group_->sum(loss) / static_cast<double>(group_->size());
+}
+
 ReduceResult BucketReducer::finalize(const ReduceShare& share) {
   if (group_->size() == 1) {
     return {share.count, share.non_finite};

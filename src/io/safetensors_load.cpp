@@ -2,15 +2,15 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
 #include "frugal/error.h"
 #include "frugal/io/safetensors.h"
 #include "io/safetensors_format.h"
+#include "file_write.h"
+#include "io/untrusted.h"
 
 namespace frugal::io {
 namespace {
@@ -46,9 +46,13 @@ std::string mismatch(const TensorInfo& info, std::vector<std::int64_t> shape,
 }
 
 std::string joined(const std::vector<std::string>& names) {
+  constexpr std::size_t kShown = 20;  // a file may name thousands
   std::string out;
-  for (const auto& n : names) {
-    out += (out.empty() ? "'" : ", '") + n + "'";
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) {
+    out += (out.empty() ? "" : ", ") + detail::quote_name(names[i]);
+  }
+  if (names.size() > kShown) {
+    out += c10::str(" and ", names.size() - kShown, " more");
   }
   return out;
 }
@@ -89,7 +93,8 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
     }
     if (!source.emplace(target, name).second) {
       problems.push_back(
-          c10::str("'", name, "' and '", source[target], "' both map to '", target, "'"));
+          c10::str(detail::quote_name(name), " and ", detail::quote_name(source[target]),
+                   " both map to ", detail::quote_name(target)));
       continue;
     }
     const auto& info = file.info(name);
@@ -100,7 +105,7 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
     }
     const auto why = mismatch(info, shape, it->second, options.cast_floats());
     if (!why.empty()) {
-      problems.push_back(c10::str("'", name, "'",
+      problems.push_back(c10::str(detail::quote_name(name),
                                   name == target ? "" : " (module '" + target + "')", ": ", why,
                                   transposed ? " (read transposed)" : ""));
       continue;
@@ -131,6 +136,7 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
     targets[p.target].copy_(p.transposed ? from.t() : from);
     result.loaded.push_back(p.target);
   }
+  file.check_unchanged();
   return result;
 }
 
@@ -171,23 +177,13 @@ void save(const std::string& path,
   }
   auto text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  const auto tmp = path + ".partial";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    FRUGAL_CHECK(out.good(), "frugal: cannot write ", tmp);
-    const std::uint64_t n = text.size();
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& item : items) {
-      out.write(static_cast<const char*>(item.data.data_ptr()),
-                static_cast<std::streamsize>(item.data.nbytes()));
-    }
-    out.flush();
-    FRUGAL_CHECK(out.good(), "frugal: writing ", tmp, " failed");
+  const std::uint64_t n = text.size();
+  std::vector<std::pair<const char*, std::size_t>> parts{
+      {reinterpret_cast<const char*>(&n), 8}, {text.data(), text.size()}};
+  for (const auto& item : items) {
+    parts.emplace_back(static_cast<const char*>(item.data.data_ptr()), item.data.nbytes());
   }
-  std::error_code error;
-  std::filesystem::rename(tmp, path, error);
-  FRUGAL_CHECK(!error, "frugal: cannot rename ", tmp, " to ", path, ": ", error.message());
+  frugal::detail::write_whole(path, parts);
 }
 
 void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options) {

@@ -369,6 +369,9 @@ LoopReport Loop::end() {
     auto& it = m->parts_->iteration;
     it.steps = m->steps_;
     it.loss = m->parts_->losses.iteration.value();
+    if (m->parts_->reducer) {  // the ranks' mean, as the Trainer reports the global batch's
+      it.loss = m->parts_->reducer->global_loss(it.loss);
+    }
     m->parts_->losses.iteration.clear();
     report.models.push_back(it);
     it = LoopModelReport{m->name()};

@@ -5,14 +5,47 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 
 #include "frugal/error.h"
+#include "file_write.h"
 #include "frugal/memory/format.h"
 #include "recorder_impl.h"
 
 namespace frugal::detail {
 namespace {
+
+// `s` with each byte that starts no valid UTF-8 sequence replaced by U+FFFD (a module's
+// name may be any bytes; the viewers read UTF-8).
+std::string valid_utf8(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  for (std::size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    const std::size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    bool ok = len > 0 && i + len <= n;
+    for (std::size_t k = 1; ok && k < len; ++k) {
+      ok = (b[i + k] & 0xC0) == 0x80;
+    }
+    if (ok && len > 1) {  // no overlong forms, surrogates or code points past U+10FFFF
+      const unsigned second = b[i + 1];
+      ok = !(len == 2 && c < 0xC2) && !(len == 3 && c == 0xE0 && second < 0xA0) &&
+           !(len == 3 && c == 0xED && second >= 0xA0) && !(len == 4 && c == 0xF0 && second < 0x90) &&
+           !(len == 4 && (c > 0xF4 || (c == 0xF4 && second >= 0x90)));
+    }
+    if (ok) {
+      out.append(s, i, len);
+      i += len;
+    } else {
+      out += "\xEF\xBF\xBD";
+      ++i;
+    }
+  }
+  return out;
+}
 
 // Python's pickle opcodes (protocol 2) for the values a snapshot holds.
 class Pickler {
@@ -61,7 +94,7 @@ class Pickler {
             'u');
         break;
       default:
-        put_string(v.dump());
+        put_string(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     }
   }
 
@@ -103,8 +136,9 @@ class Pickler {
     }
   }
 
-  void put_string(const std::string& s) {
-    out_.put('X');  // BINUNICODE: 4-byte length, UTF-8
+  void put_string(const std::string& text) {
+    const auto s = valid_utf8(text);  // Python refuses a BINUNICODE that is not UTF-8
+    out_.put('X');                    // BINUNICODE: 4-byte length, UTF-8
     put_le(s.size(), 4);
     out_.write(s.data(), static_cast<std::streamsize>(s.size()));
   }
@@ -263,7 +297,7 @@ void write_events_json(const Recording& r, std::ostream& out) {
                           {"phase", to_string(r.peak.phase)},
                           {"groups", groups}}},
                         {"events", events}}
-             .dump()
+             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
       << "\n";
 }
 
@@ -284,11 +318,10 @@ void write_recording(const Recording& recording, std::ostream& out, const std::s
 
 void write_recording(const Recording& recording, const std::string& path) {
   check_recording_kind(path);
-  std::ofstream out(path, std::ios::binary);
-  FRUGAL_CHECK(out.good(), "frugal: cannot write the memory recording to '", path, "'");
+  std::ostringstream out;  // whole in memory first: a failed write leaves the old file
   write_recording(recording, out, extension(path));
-  out.flush();
-  FRUGAL_CHECK(out.good(), "frugal: writing the memory recording to '", path, "' failed");
+  const auto bytes = out.str();
+  write_whole(path, {{bytes.data(), bytes.size()}});
 }
 
 }  // namespace frugal::detail

@@ -104,7 +104,7 @@ void write_timeline_html(const Recording& r, std::ostream& out) {
       {"events", r.events.size()},
       {"dropped", r.dropped}};
   // "</" cannot end the script early: JSON allows "<\/".
-  std::string json = data.dump();
+  std::string json = data.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   for (std::size_t at = json.find("</"); at != std::string::npos; at = json.find("</", at + 3)) {
     json.replace(at, 2, "<\\/");
   }

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <map>
+
 #include "frugal/error.h"
 #include "nn/nf4.h"
 #include "nn/unit_weights.h"
@@ -14,6 +16,8 @@ struct FrozenLayer {
   LinearSlot* slot = nullptr;
   std::vector<std::int64_t> shape;
   std::vector<torch::Tensor> buffers;  // the codes and statistics, as registered
+  std::string name;                    // the weight's, as the unit names it
+  torch::Dtype dtype = torch::kFloat;  // what it is made whole in
 };
 
 struct FrozenState {
@@ -34,13 +38,15 @@ torch::Tensor materialise(const FrozenLayer& layer, const FrozenWeightsOptions& 
     q.qabsmax = b[1];
     q.absmax2 = b[2];
     q.offset = b[3];
-    return nf4_dequantize(q, o.dtype());
+    q.name = layer.name;
+    return nf4_dequantize(q, layer.dtype);
   }
   optim::detail::StoredWeights stored;
   stored.codes = b[0];
   stored.qparams = b[1];
   stored.group = o.group();
-  auto out = torch::empty(layer.shape, b[0].options().dtype(o.dtype()));
+  stored.name = layer.name;
+  auto out = torch::empty(layer.shape, b[0].options().dtype(layer.dtype));
   optim::detail::dequantize_into(stored, out);
   return out;
 }
@@ -63,9 +69,10 @@ std::vector<std::pair<std::string, torch::Tensor>> encode(const torch::Tensor& w
 
 FrozenWeights::FrozenWeights(FrozenWeightsOptions options)
     : options_(options), state_(std::make_shared<detail::FrozenState>()) {
-  FRUGAL_CHECK(options_.dtype() == torch::kBFloat16 || options_.dtype() == torch::kFloat,
+  FRUGAL_CHECK(!options_.dtype() || *options_.dtype() == torch::kBFloat16 ||
+                   *options_.dtype() == torch::kFloat,
                "frugal: FrozenWeightsOptions dtype must be bfloat16 or float32, got ",
-               options_.dtype());
+               *options_.dtype());
   FRUGAL_CHECK(options_.group() >= 1 && options_.group() <= 4096,
                "frugal: FrozenWeightsOptions group must be 1 to 4096 elements, got ",
                options_.group());
@@ -98,6 +105,10 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
     FRUGAL_CHECK(stored.module != unit, "frugal: module '", unit->name(), "' is stored already");
   }
   std::vector<torch::nn::LinearImpl*> linears;
+  std::map<const torch::nn::Module*, std::string> names;
+  for (const auto& item : unit->named_modules()) {
+    names[item.value().get()] = item.key();
+  }
   for (const auto& m : unit->modules(/*include_self=*/true)) {
     auto* linear = dynamic_cast<torch::nn::LinearImpl*>(m.get());
     if (linear == nullptr) {
@@ -110,6 +121,14 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
       linears.push_back(linear);
     }
   }
+  // The unit's dtype: the options', or its first Linear weight's.
+  const auto dtype = options_.dtype().value_or(
+      linears.empty() ? torch::kFloat
+                      : linears.front()->named_parameters(false)["weight"].scalar_type());
+  FRUGAL_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat, "frugal: module '",
+               unit->name(), "' has ", dtype,
+               " weights; FrozenWeights makes them whole in bfloat16 or float32: say which with "
+               "FrozenWeightsOptions::dtype");
   auto weights = detail::unit_weights(unit);  // an error for another kind of unit
   auto& hook = weights.hook;
   // From here the unit changes.
@@ -119,10 +138,12 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
     layer->slot = &hook->slot(linear);
     auto weight = layer->slot->param;
     layer->shape = weight.sizes().vec();
+    layer->name = names.count(linear) ? names[linear] + ".weight" : "weight";
+    layer->dtype = dtype;
     for (auto& [name, tensor] : detail::encode(weight, options_)) {
       layer->buffers.push_back(linear->register_buffer(name, tensor));
     }
-    weight.set_data(torch::empty({0}, weight.options().dtype(options_.dtype())));
+    weight.set_data(torch::empty({0}, weight.options().dtype(dtype)));
     const auto* raw = layer.get();
     const auto options = options_;
     layer->slot->stored = [raw, options] { return detail::materialise(*raw, options); };
@@ -131,8 +152,8 @@ void FrozenWeights::add_module(const std::shared_ptr<torch::nn::Module>& unit) {
   hook->leave_run();  // the members as between runs: the stored weights read only inside
   for (auto& p : unit->parameters()) {
     p.set_requires_grad(false);
-    if (p.is_floating_point() && p.numel() > 0 && p.scalar_type() != options_.dtype()) {
-      p.set_data(p.to(options_.dtype()));
+    if (p.is_floating_point() && p.numel() > 0 && p.scalar_type() != dtype) {
+      p.set_data(p.to(dtype));
     }
   }
   state_->units.push_back(std::move(weights));

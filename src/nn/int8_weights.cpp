@@ -34,7 +34,6 @@ struct Int8Unit {
 };
 
 struct Int8State {
-  torch::Dtype dtype = torch::kBFloat16;
   std::vector<std::unique_ptr<Int8Unit>> units;
   int pinned = 0;  // Materialised scopes alive: units stay whole
 
@@ -52,7 +51,7 @@ struct Int8State {
                    "Int8Weights units, not the whole model");
       auto& whole = stored->whole;
       if (whole.device() != stored->codes.device()) {  // the model moved since
-        whole.set_data(torch::empty(whole.sizes(), stored->codes.options().dtype(dtype)));
+        whole.set_data(torch::empty(whole.sizes(), stored->codes.options().dtype(whole.dtype())));
         frugal::detail::drop_bytes(whole);
       }
       if (!frugal::detail::holds_bytes(whole)) {
@@ -192,18 +191,30 @@ Int8Weights::Int8Weights(Int8WeightsOptions options)
   FRUGAL_CHECK(options_.group() >= 1 && options_.group() <= 4096,
                "frugal: Int8WeightsOptions group must be 1 to 4096 elements, got ",
                options_.group());
-  FRUGAL_CHECK(options_.dtype() == torch::kBFloat16 || options_.dtype() == torch::kFloat32,
+  FRUGAL_CHECK(!options_.dtype() || *options_.dtype() == torch::kBFloat16 ||
+                   *options_.dtype() == torch::kFloat32,
                "frugal: Int8WeightsOptions dtype must be bfloat16 or float32, got ",
-               options_.dtype());
-  state_->dtype = options_.dtype();
+               *options_.dtype());
 }
 
 Int8Weights::~Int8Weights() {
+  bool room = true;
   for (auto& unit : state_->units) {
-    const bool alive = !unit->owner.expired();
-    if (alive) {
-      state_->materialise(*unit);
+    bool alive = !unit->owner.expired();
+    if (alive && room) {
+      try {
+        state_->materialise(*unit);
+      } catch (const std::exception& e) {
+        // Out of memory (a cap, say): a destructor must not throw. This unit and the rest
+        // keep their codes in their buffers, which a later Int8Weights::add can take again.
+        room = false;
+        TORCH_WARN("frugal: ~Int8Weights could not make the weights of module '",
+                   unit->module->name(), "' whole (", frugal::error_message(e),
+                   "); it and the later units keep their 8-bit codes in their _codes and "
+                   "_qparams buffers, and their weights hold no bytes");
+      }
     }
+    alive = alive && room;
     unit->accumulated.clear();
     nn::detail::remove_unit_hook(unit->module);
     for (auto& p : unit->params) {
@@ -227,6 +238,19 @@ void Int8Weights::add_module(const std::shared_ptr<torch::nn::Module>& module) {
     FRUGAL_CHECK(optim::detail::stored_weights(p) == nullptr, "frugal: parameter '", name,
                  "' of module '", module->name(), "' is stored in 8 bits already");
   }
+  // The unit's dtype: the options', or its first stored matrix's.
+  std::optional<torch::Dtype> unit_dtype = options_.dtype();
+  for (const auto& [owner, name] : found) {
+    const auto p = owner->named_parameters(false)[name];
+    if (!unit_dtype && detail::stored_kind(p, options_)) {
+      unit_dtype = p.scalar_type();
+    }
+  }
+  const auto dtype = unit_dtype.value_or(torch::kFloat32);
+  FRUGAL_CHECK(dtype == torch::kBFloat16 || dtype == torch::kFloat32, "frugal: module '",
+               module->name(), "' has ", dtype,
+               " weights; Int8Weights makes them whole in bfloat16 or float32: say which with "
+               "Int8WeightsOptions::dtype");
   // Everything is checked: from here the unit changes.
   auto unit = std::make_unique<detail::Int8Unit>();
   unit->module = module.get();
@@ -235,15 +259,16 @@ void Int8Weights::add_module(const std::shared_ptr<torch::nn::Module>& module) {
   for (const auto& [owner, name] : found) {
     auto p = owner->named_parameters(false)[name];
     if (!detail::stored_kind(p, options_)) {
-      if (p.is_floating_point() && p.scalar_type() != options_.dtype()) {
-        p.set_data(p.to(options_.dtype()));
+      if (p.is_floating_point() && p.scalar_type() != dtype) {
+        p.set_data(p.to(dtype));
       }
       continue;
     }
     auto stored = std::make_shared<optim::detail::StoredWeights>();
     stored->group = options_.group();
+    stored->name = name;
     std::tie(stored->codes, stored->qparams) = optim::detail::quantize_weights(p, options_.group());
-    stored->whole = torch::empty(p.sizes(), p.options().dtype(options_.dtype()));
+    stored->whole = torch::empty(p.sizes(), p.options().dtype(dtype));
     frugal::detail::drop_bytes(stored->whole);
     owner->register_buffer(name + "_codes", stored->codes);
     owner->register_buffer(name + "_qparams", stored->qparams);
@@ -259,7 +284,7 @@ void Int8Weights::add_module(const std::shared_ptr<torch::nn::Module>& module) {
         }
       }));
     }
-    p.set_data(torch::empty({0}, p.options().dtype(options_.dtype())));
+    p.set_data(torch::empty({0}, p.options().dtype(dtype)));
     compat::refresh_grad_accumulator(p);
     optim::detail::add_stored_weights(p, stored);
     unit->params.push_back({p, std::move(stored)});
@@ -318,12 +343,19 @@ std::int64_t Int8Weights::materialised_bytes() const {
 
 Int8Weights::Materialised::Materialised(Int8Weights& weights) : state_(weights.state_) {
   ++state_->pinned;
-  for (auto& unit : state_->units) {
-    state_->materialise(*unit);
+  try {
+    for (auto& unit : state_->units) {
+      state_->materialise(*unit);
+    }
+  } catch (...) {
+    unpin();  // refused (out of memory, say): no unit stays pinned whole
+    throw;
   }
 }
 
-Int8Weights::Materialised::~Materialised() {
+Int8Weights::Materialised::~Materialised() { unpin(); }
+
+void Int8Weights::Materialised::unpin() {
   if (--state_->pinned > 0) {
     return;
   }

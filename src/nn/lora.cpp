@@ -70,6 +70,8 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
     : options_(std::move(options)), state_(std::make_shared<detail::LoraState>()) {
   FRUGAL_CHECK(options_.rank() >= 1, "frugal: LoraOptions rank must be >= 1, got ",
                options_.rank());
+  FRUGAL_CHECK(std::isfinite(options_.alpha()) && options_.alpha() > 0,
+               "frugal: LoraOptions alpha must be a finite number > 0, got ", options_.alpha());
   FRUGAL_CHECK(options_.dropout() >= 0 && options_.dropout() < 1,
                "frugal: LoraOptions dropout must be in [0, 1), got ", options_.dropout());
   state_->scaling = scaling();

@@ -3,13 +3,15 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "frugal/error.h"
 #include "frugal/io/safetensors.h"
 #include "frugal/nn/lora.h"
+#include "file_write.h"
+#include "io/untrusted.h"
 #include "nn/lora_state.h"
 
 namespace frugal::nn {
@@ -25,36 +27,67 @@ std::set<std::string> as_set(const std::vector<std::string>& v) { return {v.begi
 }  // namespace
 
 LoraOptions read_lora_config(const std::string& dir) {
-  const auto path = fs::path(dir) / kConfig;
-  std::ifstream in(path);
-  FRUGAL_CHECK(in.good(), "frugal: cannot open ", path.string());
-  const auto json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  FRUGAL_CHECK(json.is_object(), "frugal: ", path.string(), " is not a JSON object");
-  FRUGAL_CHECK(json.value("peft_type", std::string()) == "LORA", "frugal: ", path.string(),
-               " describes peft_type ", json.value("peft_type", nlohmann::json()).dump(),
-               ", not LORA");
+  const auto path = (fs::path(dir) / kConfig).string();
+  const auto json = io::detail::read_json(path);
+  FRUGAL_CHECK(json.is_object(), "frugal: ", path, " is not a JSON object");
+  // A field of the expected JSON type, or an error naming the field and what it holds.
+  auto field = [&](const char* key, bool (nlohmann::json::*is)() const noexcept,
+                   const char* expected) -> const nlohmann::json* {
+    const auto it = json.find(key);
+    if (it == json.end() || it->is_null()) {
+      return nullptr;
+    }
+    FRUGAL_CHECK(((*it).*is)(), "frugal: ", path, " gives ", key, " as ",
+                 io::detail::describe(*it), "; it must be ", expected);
+    return &*it;
+  };
+  const auto* type = field("peft_type", &nlohmann::json::is_string, "a string");
+  FRUGAL_CHECK(type != nullptr && type->get_ref<const std::string&>() == "LORA", "frugal: ", path,
+               " describes peft_type ", type ? io::detail::excerpt(*type) : "null", ", not LORA");
   LoraOptions o;
-  o.rank(json.value("r", o.rank()));
-  o.alpha(json.value("lora_alpha", o.alpha()));
-  o.dropout(json.value("lora_dropout", o.dropout()));
-  o.use_rslora(json.value("use_rslora", o.use_rslora()));
-  o.fan_in_fan_out(json.value("fan_in_fan_out", o.fan_in_fan_out()));
-  const auto targets = json.value("target_modules", nlohmann::json());
-  FRUGAL_CHECK(targets.is_null() || targets.is_array(), "frugal: ", path.string(),
-               " gives target_modules as ", targets.dump(),
-               "; a list of module names is understood, not a pattern");
-  if (targets.is_array()) {
-    o.target_modules(targets.get<std::vector<std::string>>());
+  if (const auto* r = field("r", &nlohmann::json::is_number_integer, "a whole number >= 1")) {
+    FRUGAL_CHECK(r->get<std::int64_t>() >= 1 && !(r->is_number_unsigned() &&
+                                                    r->get<std::uint64_t>() > (1ull << 62)),
+                 "frugal: ", path, " gives r as ", io::detail::excerpt(*r),
+                 "; it must be a whole number >= 1");
+    o.rank(r->get<std::int64_t>());
+  }
+  if (const auto* a = field("lora_alpha", &nlohmann::json::is_number, "a number > 0")) {
+    o.alpha(a->get<double>());
+  }
+  if (const auto* d = field("lora_dropout", &nlohmann::json::is_number, "a number in [0, 1)")) {
+    o.dropout(d->get<double>());
+  }
+  if (const auto* b = field("use_rslora", &nlohmann::json::is_boolean, "true or false")) {
+    o.use_rslora(b->get<bool>());
+  }
+  if (const auto* b = field("fan_in_fan_out", &nlohmann::json::is_boolean, "true or false")) {
+    o.fan_in_fan_out(b->get<bool>());
+  }
+  if (const auto* targets = field("target_modules", &nlohmann::json::is_array,
+                                  "a list of module names (a pattern is not understood)")) {
+    std::vector<std::string> names;
+    for (const auto& t : *targets) {
+      FRUGAL_CHECK(t.is_string(), "frugal: ", path, " lists ", io::detail::describe(t),
+                   " in target_modules; it must list module names");
+      names.push_back(t.get<std::string>());
+    }
+    o.target_modules(names);
   }
   for (const char* unsupported : {"use_dora", "lora_bias"}) {
-    FRUGAL_CHECK(!json.value(unsupported, false), "frugal: ", path.string(), " sets ", unsupported,
+    const auto* b = field(unsupported, &nlohmann::json::is_boolean, "true or false");
+    FRUGAL_CHECK(b == nullptr || !b->get<bool>(), "frugal: ", path, " sets ", unsupported,
                  ", which frugal's LoRA does not do");
   }
   for (const char* patterns : {"rank_pattern", "alpha_pattern"}) {
-    const auto p = json.value(patterns, nlohmann::json::object());
-    FRUGAL_CHECK(p.is_object() && p.empty(), "frugal: ", path.string(), " sets ", patterns, " ",
-                 p.dump(), "; frugal's LoRA has one rank and one alpha");
+    const auto* p = field(patterns, &nlohmann::json::is_object, "an object");
+    FRUGAL_CHECK(p == nullptr || p->empty(), "frugal: ", path, " sets ", patterns, " ",
+                 io::detail::excerpt(*p), "; frugal's LoRA has one rank and one alpha");
   }
+  FRUGAL_CHECK(std::isfinite(o.alpha()) && o.alpha() > 0, "frugal: ", path,
+               " gives lora_alpha as ", o.alpha(), "; it must be a finite number > 0");
+  FRUGAL_CHECK(o.dropout() >= 0 && o.dropout() < 1, "frugal: ", path, " gives lora_dropout as ",
+               o.dropout(), "; it must be in [0, 1)");
   return o;
 }
 
@@ -86,10 +119,8 @@ void Lora::save(const std::string& dir, const std::string& prefix) const {
       {"rank_pattern", nlohmann::json::object()},
       {"alpha_pattern", nlohmann::json::object()},
   };
-  const auto path = fs::path(dir) / kConfig;
-  std::ofstream out(path, std::ios::trunc);
-  out << config.dump(2) << "\n";
-  FRUGAL_CHECK(out.good(), "frugal: writing ", path.string(), " failed");
+  const auto text = config.dump(2) + "\n";
+  frugal::detail::write_whole((fs::path(dir) / kConfig).string(), {{text.data(), text.size()}});
 }
 
 void Lora::load(const std::string& dir, const std::string& prefix) {

@@ -1,5 +1,7 @@
 #include "nn/nf4.h"
 
+#include "frugal/error.h"
+
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -133,6 +135,34 @@ Nf4Tensor nf4_quantize(const torch::Tensor& w) {
   return q;
 }
 
+void check_nf4(const Nf4Tensor& q) {
+  std::int64_t n = 1;
+  for (const auto d : q.shape) {
+    n *= d;
+  }
+  const auto blocks = (n + kNf4Block - 1) / kNf4Block;
+  const auto device = q.packed.defined() ? q.packed.device() : torch::Device(torch::kCPU);
+  auto need = [&](const torch::Tensor& t, const char* buffer, torch::Dtype dtype,
+                  std::int64_t numel) {
+    if (t.defined() && t.scalar_type() == dtype && t.numel() == numel && t.is_contiguous() &&
+        t.device() == device) {
+      return;
+    }
+    throw Error(c10::str(
+        "frugal: the NF4 weights '", q.name, "' (shape ", c10::IntArrayRef(q.shape),
+        ") cannot use their buffer '", q.name, buffer, "': it is ",
+        t.defined() ? c10::str(t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+                               t.is_contiguous() ? "" : " (not contiguous)")
+                    : std::string("undefined"),
+        " where they need ", dtype, " [", numel, "] on ", device,
+        "; were they loaded from a model saved with other shapes?"));
+  };
+  need(q.packed, "_nf4", torch::kUInt8, (n + 1) / 2);
+  need(q.qabsmax, "_nf4_absmax", torch::kUInt8, blocks);
+  need(q.absmax2, "_nf4_absmax2", torch::kFloat, (blocks + kNf4StatsBlock - 1) / kNf4StatsBlock);
+  need(q.offset, "_nf4_offset", torch::kFloat, 1);
+}
+
 torch::Tensor nf4_absmax(const Nf4Tensor& q) {
   const auto n = q.qabsmax.numel();
   auto values = dynamic_map().to(q.qabsmax.device()).index_select(0, q.qabsmax.to(torch::kLong));
@@ -173,6 +203,7 @@ void dequantize_cpu(const Nf4Tensor& q, const torch::Tensor& absmax, torch::Tens
 }  // namespace
 
 torch::Tensor nf4_dequantize(const Nf4Tensor& q, torch::Dtype dtype) {
+  check_nf4(q);
   torch::NoGradGuard no_grad;
   auto out = torch::empty(q.shape, q.packed.options().dtype(dtype));
   const auto absmax = nf4_absmax(q).contiguous();

@@ -5,6 +5,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace frugal::nn::detail {
@@ -18,8 +19,14 @@ struct Nf4Tensor {
   torch::Tensor qabsmax;  ///< uint8, one a block of 64
   torch::Tensor absmax2;  ///< float32, one a block of 256 absmaxes
   torch::Tensor offset;   ///< float32 [1], the absmaxes' mean
+  std::string name = "weight";  ///< what errors call the buffers: "<name>_nf4", ...
   std::int64_t bytes() const;
 };
+
+/// An error naming the buffer and both shapes unless `q`'s tensors are what its shape
+/// needs (dtype, element count, contiguity, one device): checked before every decode, so a
+/// state dict saved under another shape is refused, never read past its end.
+void check_nf4(const Nf4Tensor& q);
 
 constexpr std::int64_t kNf4Block = 64;
 constexpr std::int64_t kNf4StatsBlock = 256;

@@ -111,6 +111,29 @@ bool holds_stored_weights(const at::Tensor& buffer) {
   return false;
 }
 
+void check_codes(const StoredWeights& stored, std::int64_t numel) {
+  const auto& c = stored.codes;
+  const auto& q = stored.qparams;
+  const auto groups = weight_groups(numel, stored.group);
+  auto refuse = [&](const char* buffer, const at::Tensor& t, const std::string& need) {
+    throw Error(c10::str("frugal: the 8-bit weights '", stored.name, "' (", numel,
+                         " elements in groups of ", stored.group, ") cannot use their buffer '",
+                         stored.name, buffer, "': it is ",
+                         t.defined() ? c10::str(t.scalar_type(), " ", t.sizes(),
+                                                t.is_contiguous() ? "" : " (not contiguous)")
+                                     : std::string("undefined"),
+                         " where they need ", need,
+                         "; were they loaded from a model saved with other groups or shapes?"));
+  };
+  if (!c.defined() || c.scalar_type() != at::kByte || c.numel() != numel || !c.is_contiguous()) {
+    refuse("_codes", c, c10::str("Byte [", numel, "], contiguous"));
+  }
+  if (!q.defined() || q.scalar_type() != at::kBFloat16 || q.dim() != 2 || q.size(0) != groups ||
+      q.size(1) != 2 || !q.is_contiguous() || q.device() != c.device()) {
+    refuse("_qparams", q, c10::str("BFloat16 [", groups, ", 2], contiguous, on ", c.device()));
+  }
+}
+
 void dequantize_weights_ops(const at::Tensor& codes, const at::Tensor& qparams, std::int64_t group,
                             const at::Tensor& out) {
   const auto n = out.numel();
@@ -145,7 +168,9 @@ void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t 
     if (count == 0) {
       return;
     }
-    quantize_groups(flat.narrow(0, at, count), width, stochastic, noise.narrow(0, at, count), stats,
+    // Without stochastic rounding there is no noise: an undefined tensor cannot be narrowed.
+    const auto part_noise = stochastic ? noise.narrow(0, at, count) : at::Tensor();
+    quantize_groups(flat.narrow(0, at, count), width, stochastic, part_noise, stats,
                     codes.view(-1).narrow(0, begin + at, count),
                     qparams.narrow(0, (begin + at) / group, weight_groups(count, width)));
   };
@@ -155,6 +180,10 @@ void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t 
 
 void decode_range(const StoredWeights& stored, std::int64_t offset, std::int64_t length,
                   const at::Tensor& out) {
+  check_codes(stored, stored.whole.numel());
+  FRUGAL_CHECK(offset >= 0 && length == out.numel() && offset + length <= stored.whole.numel(),
+               "frugal: elements [", offset, ", ", offset + length, ") of the 8-bit weights '",
+               stored.name, "' are not among their ", stored.whole.numel());
   if (out.device().is_cpu()) {
     dequantize_weights_cpu(
         stored.codes.data_ptr<std::uint8_t>(),
@@ -170,6 +199,10 @@ void decode_range(const StoredWeights& stored, std::int64_t offset, std::int64_t
 
 void encode_range(StoredWeights& stored, const at::Tensor& w, std::int64_t offset, bool stochastic,
                   std::uint64_t key, const at::Tensor& noise, const at::Tensor& stats) {
+  check_codes(stored, stored.whole.numel());
+  FRUGAL_CHECK(offset >= 0 && offset + w.numel() <= stored.whole.numel(), "frugal: elements [",
+               offset, ", ", offset + w.numel(), ") of the 8-bit weights '", stored.name,
+               "' are not among their ", stored.whole.numel());
   if (w.device().is_cpu()) {
     quantize_weights_cpu(w.data_ptr<float>(), stored.group, offset, w.numel(), stochastic, key,
                          stored.codes.data_ptr<std::uint8_t>(),

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace frugal::optim::detail {
@@ -22,7 +23,16 @@ struct StoredWeights {
   std::int64_t group = 128;
   /// Set by the optimizer when it wrote new codes; the unit materialises from them again.
   bool written = false;
+  /// What errors call the buffers: "<name>_codes" and "<name>_qparams".
+  std::string name = "weight";
 };
+
+/// An error, naming the buffer and both shapes, unless `stored`'s codes and qparams are
+/// what `numel` weights in groups of stored.group need: uint8 codes, one an element;
+/// bfloat16 qparams [groups, 2]; both contiguous, on one device. Every read and write of
+/// codes checks first: buffers replaced by a state dict or torch::load saved under other
+/// groups or shapes are refused, never read or written past their end.
+void check_codes(const StoredWeights& stored, std::int64_t numel);
 
 /// Registers `stored` under the TensorImpls of `param` and of stored->whole; an error when
 /// one is registered already.

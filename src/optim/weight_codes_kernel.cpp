@@ -224,6 +224,7 @@ std::pair<at::Tensor, at::Tensor> quantize_weights(const at::Tensor& w, std::int
 
 void dequantize_into(const StoredWeights& stored, const at::Tensor& out) {
   const auto n = out.numel();
+  check_codes(stored, n);
   const auto group = stored.group;
   const auto type = out.scalar_type();
   if (!out.device().is_cpu() || (type != at::kFloat && type != at::kBFloat16)) {

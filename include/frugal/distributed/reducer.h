@@ -22,6 +22,10 @@ struct ReducerOptions {
   /// Copy rank 0's buffers (BatchNorm's running statistics) to every rank at each step's
   /// start, as DDP's broadcast_buffers does.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// The Loop reports each model's loss as the mean over the ranks (one small all-reduce at
+  /// Loop::end, as DataParallelOptions::global_loss does for the Trainer); off, each rank
+  /// reports its own.
+  TORCH_ARG(bool, global_loss) = true;
 };
 
 /// Averages one model's gradients over the ranks of a group, weighted by each rank's count
@@ -46,6 +50,7 @@ class BucketReducer : public ModelReducer {
   ReduceResult finalize(const ReduceShare& share) override;
   bool keeps_gradients() const override { return keeper_ != nullptr; }
   bool agrees_in_backward() const override { return keeper_ != nullptr; }
+  double global_loss(double loss) override;
 
   /// Stage 3: what a forward needs whole, without the step's communication (a trial step).
   void gather_for_forward();

@@ -37,7 +37,8 @@ struct TensorInfo {
 /// when the file opens: its size, its JSON, each tensor's dtype, shape and byte range (inside
 /// the file, of the size its shape and dtype need, no two overlapping, none missing), so a
 /// truncated or corrupted file is refused before anything reads it, naming the file and
-/// what is wrong.
+/// what is wrong. A sharded index may name only files inside its own folder, and only
+/// regular files are opened (a FIFO is refused, not waited on).
 ///
 /// Example:
 ///   frugal::io::SafetensorsFile file("gpt2/model.safetensors");
@@ -55,6 +56,11 @@ class SafetensorsFile {
   /// lives). Writing to it changes this process's copy only, never the file. An error
   /// for a dtype this LibTorch has no type for.
   torch::Tensor tensor(const std::string& name) const;
+  /// An error naming the file when another program shortened a file of the checkpoint
+  /// since it was opened (re-saving it in place, say). Reading such a file's vanished
+  /// bytes gives zeros, never a crash; tensor() and load() call this, so what they return
+  /// was read from whole files.
+  void check_unchanged() const;
   /// The header's `__metadata__` (of the first shard, or the index's `metadata`).
   const Metadata& metadata() const { return metadata_; }
 
@@ -91,7 +97,10 @@ struct LoadResult {
 
 /// Copies the checkpoint's tensors into `module`'s parameters and buffers, by name. Every
 /// tensor is checked before any is written: one error lists each missing, unexpected,
-/// mis-shaped and mis-typed tensor, and the module is left as it was. Writes go in place
+/// mis-shaped and mis-typed tensor, and the module is left as it was. A file that another
+/// program shortens while the load copies from it is an error after the copy
+/// (SafetensorsFile::check_unchanged): the module then holds zeros where the file's bytes
+/// were gone, and must be loaded again. Writes go in place
 /// (the parameters keep their identity, so an optimizer over them stays valid).
 ///
 /// Example:

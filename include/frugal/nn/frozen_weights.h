@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "frugal/nn/module_pointer.h"
 
@@ -29,8 +30,9 @@ enum class FrozenFormat {
 struct FrozenWeightsOptions {
   TORCH_ARG(FrozenFormat, format) = FrozenFormat::NF4;
   /// The dtype the weights are made whole in while their unit runs; the unit's other
-  /// floating-point parameters (norms, biases) are cast to it.
-  TORCH_ARG(torch::Dtype, dtype) = torch::kBFloat16;
+  /// floating-point parameters (norms, biases) are cast to it. torch::kBFloat16 or
+  /// torch::kFloat. Unset: the dtype the unit's first Linear weight had when it was added.
+  TORCH_ARG(std::optional<torch::Dtype>, dtype) = std::nullopt;
   /// Int8's group size.
   TORCH_ARG(std::int64_t, group) = 128;
 };
@@ -48,7 +50,7 @@ struct FrozenWeightsOptions {
 /// in `dtype` beside the codes.
 ///
 /// Example:
-///   frugal::nn::FrozenWeights base;  // NF4, made whole in bfloat16
+///   frugal::nn::FrozenWeights base;  // NF4, made whole in the blocks' dtype (bfloat16)
 ///   for (int i = 0; i < layers; ++i) {
 ///     frugal::nn::DefaultDtypeGuard bf16(torch::kBFloat16);
 ///     auto block = model->add_block();

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "frugal/nn/module_pointer.h"
@@ -19,8 +20,10 @@ struct Int8WeightsOptions {
   TORCH_ARG(std::int64_t, group) = 128;
   /// The dtype a unit's stored weights are materialised in while it runs; its other
   /// floating-point parameters (norms, biases, small tensors) are cast to it and stay so.
-  /// torch::kBFloat16 or torch::kFloat32.
-  TORCH_ARG(torch::Dtype, dtype) = torch::kBFloat16;
+  /// torch::kBFloat16 or torch::kFloat32. Unset: the dtype the unit's weights had when it
+  /// was added (its first stored matrix's), so a float32 model runs in float32 and one
+  /// built in bfloat16 in bfloat16.
+  TORCH_ARG(std::optional<torch::Dtype>, dtype) = std::nullopt;
   /// Parameters of at least two dimensions and this many elements are stored in 8 bits;
   /// the others stay in `dtype`.
   TORCH_ARG(std::int64_t, min_elements) = 4096;
@@ -52,6 +55,7 @@ class DefaultDtypeGuard {
 /// model's state dict, torch::save and frugal's training state save and load them.
 ///
 /// Each unit `add`ed (a block reached through frugal::nn::call) is materialised in `dtype`
+/// (by default the dtype its weights had when added)
 /// when its forward begins and released when it ends; backward materialises it again
 /// before its own backward (and a checkpoint's recompute) and releases it once every stored
 /// parameter has its gradient. Between uses its stored parameters are empty tensors (the
@@ -121,6 +125,7 @@ class Int8Weights {
     Materialised& operator=(const Materialised&) = delete;
 
    private:
+    void unpin();
     std::shared_ptr<detail::Int8State> state_;
   };
 

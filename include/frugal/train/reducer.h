@@ -43,6 +43,10 @@ class ModelReducer {
   /// Whether the processes agree on a non-finite loss during backward, as the first
   /// gradients leave (so `add`'s share must say it); otherwise in finalize alone.
   virtual bool agrees_in_backward() const { return true; }
+  /// The loss a process reports for the iteration: the processes' mean of their `loss`
+  /// (each the loss of its share of an equal split); collective, at Loop::end. One process,
+  /// or a reducer that keeps each process's own figure: `loss`.
+  virtual double global_loss(double loss) { return loss; }
 };
 
 /// Makes the reducer of each model a frugal::Loop prepares (LoopOptions::reducer);
