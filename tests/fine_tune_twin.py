@@ -238,4 +238,33 @@ done = run(*common[:2], "--full", "--save-adapters", os.path.join(WORK, "none"),
 check(done.returncode == 1 and "leave out --save-adapters" in done.stderr
       and not os.path.exists(os.path.join(WORK, "none")),
       f"a full fine-tune asked to save adapters is refused before it trains: {done.stderr.strip()[:160]}")
+
+# A config.json that does not describe the checkpoint, or describes no model, is refused by
+# name: no SIGFPE, no half-loaded model; flags out of range likewise.
+def edited_base(name, **changes):
+    folder = os.path.join(WORK, name)
+    shutil.copytree(os.path.join(WORK, "base"), folder)
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+    return folder
+
+
+for name, changes, expected in [
+        ("no_heads", {"n_head": 0}, "n_head must be a whole number from 1 to 2^31, got 0"),
+        ("odd_heads", {"n_head": 3}, "3 heads do not divide 64 embedding dimensions"),
+        ("text_heads", {"n_head": "4"}, "n_head must be a whole number from 1 to 2^31, got string"),
+        ("one_layer", {"n_layer": 1}, "beyond the 1 blocks its config.json gives (n_layer)")]:
+    done = run("--base", edited_base(name, **changes), "--steps", "1", ok=False)
+    check(done.returncode == 1 and expected in done.stderr,
+          f"a config.json with {changes} is refused: {done.stderr.strip()[:160]}")
+for flags, expected in [(["--random-base", "--heads", "0"], "heads must be >= 1, got 0"),
+                        (["--random-base", "--heads", "5"], "5 heads do not divide 64"),
+                        (["--seed", "-1"], "must be a whole number >= 0, got -1"),
+                        (["--threads", "100000"], "100000")]:
+    done = subprocess.run([BINARY, *flags, "--steps", "1"], capture_output=True, text=True)
+    check(done.returncode > 0 and expected in done.stdout + done.stderr,
+          f"fine_tune {' '.join(flags)} is refused (exit {done.returncode}): "
+          f"{(done.stdout + done.stderr).strip()[:160]}")
 finish()

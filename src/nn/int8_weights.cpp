@@ -38,6 +38,18 @@ struct Int8State {
   int pinned = 0;  // Materialised scopes alive: units stay whole
 
   void materialise(Int8Unit& unit) {
+    try {
+      materialise_params(unit);
+    } catch (...) {
+      if (!unit.whole) {
+        drop(unit);  // refused midway (out of memory): the parameters made whole give back
+      }
+      throw;
+    }
+    unit.whole = true;
+  }
+
+  void materialise_params(Int8Unit& unit) {
     torch::NoGradGuard no_grad;
     for (auto& [param, stored] : unit.params) {
       if (unit.whole && !stored->written) {
@@ -64,13 +76,16 @@ struct Int8State {
         compat::refresh_grad_accumulator(param);
       }
     }
-    unit.whole = true;
   }
 
   void release(Int8Unit& unit) {
     if (!unit.whole || pinned > 0) {
       return;
     }
+    drop(unit);
+  }
+
+  void drop(Int8Unit& unit) {
     torch::NoGradGuard no_grad;
     for (auto& [param, stored] : unit.params) {
       // The parameter keeps its dtype: a new one would drop its gradient hooks.

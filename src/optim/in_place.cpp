@@ -253,6 +253,7 @@ void InPlaceOptimizer::plan_low_precision(Planned& w) {
     FRUGAL_CHECK(low.rounding != Rounding::Compensated, "frugal: a parameter of shape ",
                  w.target.sizes(),
                  " is stored in 8 bits; its update rounds Stochastic or Nearest, not Compensated");
+    detail::check_codes(*w.stored, w.target.numel());  // before any parameter is written
     low.stored = w.stored.get();
     // Off the CPU, random fractions and each group's statistics have buffers too.
     low.buffers.resize(w.target.device().is_cpu() ? 1 : 3);
