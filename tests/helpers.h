@@ -3,7 +3,6 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
 #include <unistd.h>
 
 #include <filesystem>

@@ -199,10 +199,11 @@ TEST(FrozenWeights, CodesOfAnotherShapeOrGroupAreRefusedNamingTheBufferBeforeAny
                      ("frugal_frozen_groups_" + std::to_string(::getpid()) + ".pt"))
                         .string();
   auto stored = [](LoraNet& net, std::int64_t group) {
-    auto base = std::make_unique<frugal::nn::FrozenWeights>(frugal::nn::FrozenWeightsOptions()
-                                                                .format(frugal::nn::FrozenFormat::Int8)
-                                                                .dtype(torch::kFloat)
-                                                                .group(group));
+    auto base =
+        std::make_unique<frugal::nn::FrozenWeights>(frugal::nn::FrozenWeightsOptions()
+                                                        .format(frugal::nn::FrozenFormat::Int8)
+                                                        .dtype(torch::kFloat)
+                                                        .group(group));
     for (auto& unit : net->units()) {
       base->add_module(unit);
     }

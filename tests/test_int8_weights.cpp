@@ -1,7 +1,6 @@
 // Weights stored in 8 bits, materialised one unit at a time, updated in their codes.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -82,7 +81,8 @@ struct Model {
   // The blocks are made in float32 and run in bfloat16 unless `o` says otherwise.
   explicit Model(Int8WeightsOptions o = {}, int layers = 3, std::uint64_t seed = 11,
                  bool parts = false)
-      : int8(o.dtype() ? o : Int8WeightsOptions(o).dtype(torch::kBFloat16)), net((torch::manual_seed(seed), Net(kDim, layers, &int8, parts))) {}
+      : int8(o.dtype() ? o : Int8WeightsOptions(o).dtype(torch::kBFloat16)),
+        net((torch::manual_seed(seed), Net(kDim, layers, &int8, parts))) {}
   Int8Weights int8;
   Net net;
 };
@@ -542,9 +542,10 @@ TEST(Int8Weights, CodesLoadedUnderOtherGroupsOrShapesAreRefusedNamingTheBuffer) 
     frugal::testing::expect_error_contains([&] { into.net->forward(x); },
                                            "cannot use their buffer 'weight_qparams'");
     frugal::testing::expect_error_contains(
-        [&] { into.net->forward(x); },
-        c10::str("in groups of ", loaded, ") cannot use their buffer 'weight_qparams': it is "
-                 "BFloat16 [", 4 * kDim * kDim / saved, ", 2]"));
+        [&] { into.net->forward(x); }, c10::str("in groups of ", loaded,
+                                                ") cannot use their buffer 'weight_qparams': it is "
+                                                "BFloat16 [",
+                                                4 * kDim * kDim / saved, ", 2]"));
   }
   // Codes of another length, set after backward: the optimizer's update refuses too, and
   // leaves the other parameters' codes as they were.
@@ -557,8 +558,8 @@ TEST(Int8Weights, CodesLoadedUnderOtherGroupsOrShapesAreRefusedNamingTheBuffer) 
     codes.set_(torch::zeros({10}, torch::kUInt8));
   }
   const auto before = codes_of(m.net);
-  frugal::testing::expect_error_contains(
-      [&] { adamw.step(); }, "cannot use their buffer 'weight_codes': it is Byte [10]");
+  frugal::testing::expect_error_contains([&] { adamw.step(); },
+                                         "cannot use their buffer 'weight_codes': it is Byte [10]");
   EXPECT_TRUE(same(before, codes_of(m.net)));
   std::remove(path.c_str());
 }

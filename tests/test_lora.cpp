@@ -5,6 +5,8 @@
 #include <fstream>
 
 #include "frugal/io/safetensors.h"
+#include "frugal/memory/memory_cap.h"
+#include "frugal/memory/probe.h"
 #include "frugal/nn/checkpoint.h"
 #include "frugal/nn/frozen_weights.h"
 #include "frugal/nn/lora.h"
@@ -218,6 +220,20 @@ TEST(Lora, MergeRunsTheBaseAloneAndUnmergeRestoresItBitForBit) {
   lora.unmerge();
   EXPECT_TRUE(torch::equal(net->named_parameters()["blocks.0.attn.weight"], base));
   EXPECT_TRUE(torch::equal(net->forward(x), folded));
+}
+
+TEST(Lora, GoingWhileMergedUnderAMemoryCapKeepsTheFoldedWeightsInsteadOfEndingTheProcess) {
+  LoraNet net;
+  auto lora = std::make_unique<frugal::nn::Lora>(*net, net->units(), options());
+  perturb(*lora);
+  lora->merge();
+  const auto merged = net->named_parameters()["blocks.0.attn.weight"].clone();
+  {
+    frugal::MemoryProbe probe(torch::kCPU);
+    frugal::ScopedMemoryCap cap(torch::kCPU, probe.allocated() + 64);
+    lora.reset();  // no room to unmerge: a warning, not std::terminate
+  }
+  EXPECT_TRUE(torch::equal(net->named_parameters()["blocks.0.attn.weight"], merged));
 }
 
 TEST(Lora, TrainsTheAdaptersOnlyInTheTrainer) {

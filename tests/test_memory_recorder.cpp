@@ -1,7 +1,6 @@
 #include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include <sys/resource.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -12,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/memory_cap.h"
@@ -21,7 +21,6 @@
 #include "frugal/policy/checkpoint_policy.h"
 #include "frugal/policy/memory_timeline.h"
 #include "frugal/train/trainer.h"
-#include "frugal/error.h"
 #include "helpers.h"
 
 namespace {

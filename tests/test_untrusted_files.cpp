@@ -77,12 +77,11 @@ TEST(UntrustedFiles, DeeplyNestedJsonIsRefusedWithABoundedExcerpt) {
   const auto dir = scratch_dir("nested");
   const auto deep = nested(100000);  // 200 KB: printed whole, it would overflow the stack
   write_text(dir / "entry.safetensors", safetensors_bytes(R"({"w": )" + deep + "}"));
-  auto what = expect_refused(
-      [&] { frugal::io::SafetensorsFile f((dir / "entry.safetensors").string()); },
-      "tensor 'w' has an entry without dtype and data_offsets: [[[[...]]]]");
-  write_text(dir / "shape.safetensors",
-             safetensors_bytes(R"({"w": {"dtype": "F32", "shape": )" + deep +
-                               R"(, "data_offsets": [0, 0]}})"));
+  auto what =
+      expect_refused([&] { frugal::io::SafetensorsFile f((dir / "entry.safetensors").string()); },
+                     "tensor 'w' has an entry without dtype and data_offsets: [[[[...]]]]");
+  write_text(dir / "shape.safetensors", safetensors_bytes(R"({"w": {"dtype": "F32", "shape": )" +
+                                                          deep + R"(, "data_offsets": [0, 0]}})"));
   expect_refused([&] { frugal::io::SafetensorsFile f((dir / "shape.safetensors").string()); },
                  "has a shape of [[[[...]]]]");
   write_text(dir / "model.safetensors.index.json", R"({"weight_map": {"w": )" + deep + "}}");
@@ -92,8 +91,8 @@ TEST(UntrustedFiles, DeeplyNestedJsonIsRefusedWithABoundedExcerpt) {
              R"({"peft_type": "LORA", "target_modules": [)" + deep + "]}");
   expect_refused([&] { frugal::nn::read_lora_config(dir.string()); },
                  "lists a JSON array in target_modules");
-  write_text(dir / "adapter_config.json", R"({"peft_type": "LORA", "rank_pattern": {"a": )" +
-                                              deep + "}}");
+  write_text(dir / "adapter_config.json",
+             R"({"peft_type": "LORA", "rank_pattern": {"a": )" + deep + "}}");
   expect_refused([&] { frugal::nn::read_lora_config(dir.string()); },
                  "sets rank_pattern {\"a\": [[[...]]]}");
   // A long string is cut, not copied into the message.
@@ -171,8 +170,10 @@ TEST(UntrustedFiles, ShapesWhoseBytesOverflowSixtyFourBitsAreRefused) {
     expect_refused([&] { frugal::io::SafetensorsFile f(path.string()); }, c.expected);
   }
   const auto path = dir / "offsets.safetensors";
-  write_text(path, safetensors_bytes(
-                       R"({"w": {"dtype": "F32", "shape": [0], "data_offsets": [18446744073709551615, 18446744073709551615]}})"));
+  write_text(
+      path,
+      safetensors_bytes(
+          R"({"w": {"dtype": "F32", "shape": [0], "data_offsets": [18446744073709551615, 18446744073709551615]}})"));
   expect_refused([&] { frugal::io::SafetensorsFile f(path.string()); },
                  "has an entry without dtype and data_offsets");
 }
@@ -240,7 +241,8 @@ TEST(UntrustedFiles, AdapterConfigsAreCheckedByTypeAndRange) {
       {R"("lora_alpha": 0)", "gives lora_alpha as 0"},
       {R"("lora_dropout": 1.5)", "gives lora_dropout as 1.5; it must be in [0, 1)"},
       {R"("lora_dropout": [0.1])", "gives lora_dropout as a JSON array"},
-      {R"("use_rslora": "yes")", "gives use_rslora as a JSON string \"yes\"; it must be true or false"},
+      {R"("use_rslora": "yes")",
+       "gives use_rslora as a JSON string \"yes\"; it must be true or false"},
       {R"("fan_in_fan_out": 1)", "gives fan_in_fan_out as a JSON number 1"},
       {R"("target_modules": "fc")", "gives target_modules as a JSON string \"fc\""},
       {R"("target_modules": ["fc", 3])", "lists a JSON number 3 in target_modules"},

@@ -54,9 +54,11 @@ struct Gpt2Config {
       const auto it = j.find(key);
       if (it == j.end() || !it->is_number_integer() || it->get<std::int64_t>() < 1 ||
           it->get<std::int64_t>() > (std::int64_t{1} << 31)) {
-        throw std::runtime_error(path + ": " + key + " must be a whole number from 1 to 2^31, got " +
-                                 (it == j.end() ? std::string("none")
-                                                : it->is_number() ? it->dump() : it->type_name()));
+        throw std::runtime_error(path + ": " + key +
+                                 " must be a whole number from 1 to 2^31, got " +
+                                 (it == j.end()     ? std::string("none")
+                                  : it->is_number() ? it->dump()
+                                                    : it->type_name()));
       }
       return it->get<std::int64_t>();
     };
@@ -81,8 +83,10 @@ struct Gpt2Config {
   /// An error unless the shape is one this model computes: heads dividing the width.
   void check(const std::string& where) const {
     for (const auto& [name, value] : {std::pair<const char*, std::int64_t>{"vocab", vocab},
-                                      {"positions", positions}, {"embd", embd},
-                                      {"layers", layers}, {"heads", heads}}) {
+                                      {"positions", positions},
+                                      {"embd", embd},
+                                      {"layers", layers},
+                                      {"heads", heads}}) {
       if (value < 1) {
         throw std::runtime_error(where + ": " + name + " must be >= 1, got " +
                                  std::to_string(value));

@@ -107,17 +107,17 @@ int run(const Args& a) {
     // Blocks the config leaves out would be skipped silently by the block-wise load.
     for (const auto& name : checkpoint->names()) {
       const std::string blocks = "transformer.h.";
-      const auto index = name.rfind(blocks, 0) == 0
-                             ? name.substr(blocks.size(), name.find('.', blocks.size()) -
-                                                              blocks.size())
-                             : std::string();
+      const auto index =
+          name.rfind(blocks, 0) == 0
+              ? name.substr(blocks.size(), name.find('.', blocks.size()) - blocks.size())
+              : std::string();
       const bool beyond = !index.empty() && index.size() < 10 &&
                           index.find_first_not_of("0123456789") == std::string::npos &&
                           std::stoll(index) >= config.layers;
       if (beyond) {
-        throw std::runtime_error(fmt::format(
-            "{} holds '{}', beyond the {} blocks its config.json gives (n_layer)", a.base, name,
-            config.layers));
+        throw std::runtime_error(
+            fmt::format("{} holds '{}', beyond the {} blocks its config.json gives (n_layer)",
+                        a.base, name, config.layers));
       }
     }
   }

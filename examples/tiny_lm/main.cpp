@@ -17,8 +17,8 @@
 #include <optional>
 
 #include "corpus.h"
-#include "main_flags.h"
 #include "device.h"
+#include "main_flags.h"
 #include "memory_timeline_flags.h"
 #include "model.h"
 

@@ -20,6 +20,7 @@ struct Slot {
 
 constexpr int kSlots = 512;
 Slot slots[kSlots];
+std::uintptr_t page_size = 4096;  // read at install: sysconf is no call for a signal handler
 struct sigaction previous {};
 std::mutex registering;
 
@@ -31,10 +32,9 @@ void on_bus_error(int sig, siginfo_t* info, void* context) {
       continue;
     }
     // The page left the file: a private zero page takes its place and the read goes on.
-    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-    void* start = reinterpret_cast<void*>(at & ~(page - 1));
-    if (::mmap(start, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1,
-               0) != MAP_FAILED) {
+    void* start = reinterpret_cast<void*>(at & ~(page_size - 1));
+    if (::mmap(start, page_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+               -1, 0) != MAP_FAILED) {
       if (auto* flag = slot.truncated.load(std::memory_order_relaxed)) {
         flag->store(true, std::memory_order_relaxed);
       }
@@ -55,6 +55,7 @@ void on_bus_error(int sig, siginfo_t* info, void* context) {
 void install_once() {
   static std::once_flag once;
   std::call_once(once, [] {
+    page_size = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
     struct sigaction action {};
     action.sa_sigaction = on_bus_error;
     action.sa_flags = SA_SIGINFO | SA_NODEFER;

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <limits>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "frugal/error.h"
@@ -51,10 +51,11 @@ struct SafetensorsShard {
     struct stat st {};
     const bool stated = ::fstat(fd, &st) == 0;
     if (truncated.load() || !stated || static_cast<std::size_t>(st.st_size) < size) {
-      throw Error(c10::str("frugal: ", path, " changed while it was read: it had ", size,
-                           " bytes when opened and has ",
-                           stated ? std::to_string(st.st_size) : std::string("an unknown number of"),
-                           " now; what was read from it since is not its data, so load it again"));
+      throw Error(
+          c10::str("frugal: ", path, " changed while it was read: it had ", size,
+                   " bytes when opened and has ",
+                   stated ? std::to_string(st.st_size) : std::string("an unknown number of"),
+                   " now; what was read from it since is not its data, so load it again"));
     }
   }
 };
@@ -138,8 +139,8 @@ std::map<std::string, TensorInfo> read_header(SafetensorsShard& shard,
         !entry["data_offsets"][1].is_number_unsigned() ||
         entry["data_offsets"][0].get<std::uint64_t>() > kMaxIndex ||
         entry["data_offsets"][1].get<std::uint64_t>() > kMaxIndex) {
-      refuse(path, "tensor " + quote_name(name) + " has an entry without dtype and data_offsets: " +
-                       excerpt(entry));
+      refuse(path, "tensor " + quote_name(name) +
+                       " has an entry without dtype and data_offsets: " + excerpt(entry));
     }
     TensorInfo info;
     info.dtype = entry["dtype"].get<std::string>();
@@ -147,15 +148,16 @@ std::map<std::string, TensorInfo> read_header(SafetensorsShard& shard,
     info.file = path;
     const auto bytes = detail::dtype_bytes(info.dtype);
     if (bytes == 0) {
-      refuse(path, "tensor " + quote_name(name) + " has dtype " + quote_name(info.dtype) + ", which safetensors lacks");
+      refuse(path, "tensor " + quote_name(name) + " has dtype " + quote_name(info.dtype) +
+                       ", which safetensors lacks");
     }
     const auto begin = entry["data_offsets"][0].get<std::int64_t>();
     const auto end = entry["data_offsets"][1].get<std::int64_t>();
     std::int64_t need = bytes;
     for (const auto d : info.shape) {
       if (__builtin_mul_overflow(need, d, &need)) {
-        refuse(path, c10::str("tensor ", quote_name(name), " has a shape of ", c10::IntArrayRef(info.shape),
-                              ", more bytes than 64 bits count"));
+        refuse(path, c10::str("tensor ", quote_name(name), " has a shape of ",
+                              c10::IntArrayRef(info.shape), ", more bytes than 64 bits count"));
       }
     }
     if (end < begin || end > data_bytes || end - begin != need) {
@@ -239,20 +241,21 @@ SafetensorsFile::SafetensorsFile(const std::string& path) {
   }
   const auto dir = fs::path(file).parent_path();
   for (const auto& [name, shard_name] : index["weight_map"].items()) {
-    FRUGAL_CHECK(shard_name.is_string(), "frugal: ", file, " maps ", detail::quote_name(name), " to ",
-                 detail::excerpt(shard_name), ", not a file name");
+    FRUGAL_CHECK(shard_name.is_string(), "frugal: ", file, " maps ", detail::quote_name(name),
+                 " to ", detail::excerpt(shard_name), ", not a file name");
     const auto shard_path = detail::shard_in(dir, shard_name.get<std::string>(), file);
     if (shards_.count(shard_path) == 0) {
       auto shard = detail::map_file(shard_path);
       for (auto& [tensor, info] : detail::read_header(*shard, nullptr)) {
-        FRUGAL_CHECK(infos_.count(tensor) == 0, "frugal: tensor ", detail::quote_name(tensor), " is in both ",
-                     infos_[tensor].file, " and ", shard_path);
+        FRUGAL_CHECK(infos_.count(tensor) == 0, "frugal: tensor ", detail::quote_name(tensor),
+                     " is in both ", infos_[tensor].file, " and ", shard_path);
         infos_.emplace(tensor, std::move(info));
       }
       shards_.emplace(shard_path, std::move(shard));
     }
     FRUGAL_CHECK(infos_.count(name) == 1 && infos_[name].file == shard_path, "frugal: ", file,
-                 " puts tensor ", detail::quote_name(name), " in ", shard_path, ", which does not hold it");
+                 " puts tensor ", detail::quote_name(name), " in ", shard_path,
+                 ", which does not hold it");
   }
 }
 
@@ -274,15 +277,16 @@ bool SafetensorsFile::contains(const std::string& name) const { return infos_.co
 
 const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   const auto it = infos_.find(name);
-  FRUGAL_CHECK(it != infos_.end(), "frugal: the checkpoint has no tensor ", detail::quote_name(name));
+  FRUGAL_CHECK(it != infos_.end(), "frugal: the checkpoint has no tensor ",
+               detail::quote_name(name));
   return it->second;
 }
 
 torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const auto& i = info(name);
   const auto type = detail::scalar_type(i.dtype);
-  FRUGAL_CHECK(type.has_value(), "frugal: tensor ", detail::quote_name(name), " has dtype ", i.dtype,
-               ", which this LibTorch has no type for");
+  FRUGAL_CHECK(type.has_value(), "frugal: tensor ", detail::quote_name(name), " has dtype ",
+               i.dtype, ", which this LibTorch has no type for");
   const auto& shard = shards_.at(i.file);
   shard->check_intact();
   const auto [begin, end] = shard->ranges.at(name);

@@ -6,10 +6,10 @@
 #include <nlohmann/json.hpp>
 #include <unordered_map>
 
+#include "file_write.h"
 #include "frugal/error.h"
 #include "frugal/io/safetensors.h"
 #include "io/safetensors_format.h"
-#include "file_write.h"
 #include "io/untrusted.h"
 
 namespace frugal::io {
@@ -92,9 +92,9 @@ LoadResult load(torch::nn::Module& module, const SafetensorsFile& file,
       continue;
     }
     if (!source.emplace(target, name).second) {
-      problems.push_back(
-          c10::str(detail::quote_name(name), " and ", detail::quote_name(source[target]),
-                   " both map to ", detail::quote_name(target)));
+      problems.push_back(c10::str(detail::quote_name(name), " and ",
+                                  detail::quote_name(source[target]), " both map to ",
+                                  detail::quote_name(target)));
       continue;
     }
     const auto& info = file.info(name);
@@ -178,8 +178,8 @@ void save(const std::string& path,
   auto text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   const std::uint64_t n = text.size();
-  std::vector<std::pair<const char*, std::size_t>> parts{
-      {reinterpret_cast<const char*>(&n), 8}, {text.data(), text.size()}};
+  std::vector<std::pair<const char*, std::size_t>> parts{{reinterpret_cast<const char*>(&n), 8},
+                                                         {text.data(), text.size()}};
   for (const auto& item : items) {
     parts.emplace_back(static_cast<const char*>(item.data.data_ptr()), item.data.nbytes());
   }

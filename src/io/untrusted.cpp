@@ -133,9 +133,9 @@ std::string excerpt(const nlohmann::json& value, std::size_t max_chars) {
 }
 
 std::string quote_name(const std::string& name, std::size_t max_chars) {
-  return name.size() <= max_chars ? "'" + name + "'"
-                                  : "'" + name.substr(0, max_chars) + "...' (" +
-                                        std::to_string(name.size()) + " bytes)";
+  return name.size() <= max_chars
+             ? "'" + name + "'"
+             : "'" + name.substr(0, max_chars) + "...' (" + std::to_string(name.size()) + " bytes)";
 }
 
 std::string describe(const nlohmann::json& value) {

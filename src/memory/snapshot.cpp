@@ -8,8 +8,8 @@
 #include <sstream>
 #include <string>
 
-#include "frugal/error.h"
 #include "file_write.h"
+#include "frugal/error.h"
 #include "frugal/memory/format.h"
 #include "recorder_impl.h"
 
@@ -25,7 +25,11 @@ std::string valid_utf8(const std::string& s) {
   const std::size_t n = s.size();
   for (std::size_t i = 0; i < n;) {
     const unsigned c = b[i];
-    const std::size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    const std::size_t len = c < 0x80         ? 1
+                            : (c >> 5) == 6  ? 2
+                            : (c >> 4) == 14 ? 3
+                            : (c >> 3) == 30 ? 4
+                                             : 0;
     bool ok = len > 0 && i + len <= n;
     for (std::size_t k = 1; ok && k < len; ++k) {
       ok = (b[i + k] & 0xC0) == 0x80;
@@ -33,7 +37,8 @@ std::string valid_utf8(const std::string& s) {
     if (ok && len > 1) {  // no overlong forms, surrogates or code points past U+10FFFF
       const unsigned second = b[i + 1];
       ok = !(len == 2 && c < 0xC2) && !(len == 3 && c == 0xE0 && second < 0xA0) &&
-           !(len == 3 && c == 0xED && second >= 0xA0) && !(len == 4 && c == 0xF0 && second < 0x90) &&
+           !(len == 3 && c == 0xED && second >= 0xA0) &&
+           !(len == 4 && c == 0xF0 && second < 0x90) &&
            !(len == 4 && (c > 0xF4 || (c == 0xF4 && second >= 0x90)));
     }
     if (ok) {

@@ -164,7 +164,12 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
 
 Lora::~Lora() {
   if (state_->merged) {
-    unmerge();
+    try {
+      unmerge();
+    } catch (const std::exception& e) {  // out of memory (a cap): a destructor must not throw
+      TORCH_WARN("frugal: ~Lora could not unmerge the adapters (", frugal::error_message(e),
+                 "); the base weights keep them folded in");
+    }
   }
   for (auto& layer : state_->layers) {
     if (layer->own_hook != nullptr) {

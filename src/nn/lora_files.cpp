@@ -2,15 +2,15 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "file_write.h"
 #include "frugal/error.h"
 #include "frugal/io/safetensors.h"
 #include "frugal/nn/lora.h"
-#include "file_write.h"
 #include "io/untrusted.h"
 #include "nn/lora_state.h"
 
@@ -37,8 +37,8 @@ LoraOptions read_lora_config(const std::string& dir) {
     if (it == json.end() || it->is_null()) {
       return nullptr;
     }
-    FRUGAL_CHECK(((*it).*is)(), "frugal: ", path, " gives ", key, " as ",
-                 io::detail::describe(*it), "; it must be ", expected);
+    FRUGAL_CHECK(((*it).*is)(), "frugal: ", path, " gives ", key, " as ", io::detail::describe(*it),
+                 "; it must be ", expected);
     return &*it;
   };
   const auto* type = field("peft_type", &nlohmann::json::is_string, "a string");
@@ -46,8 +46,8 @@ LoraOptions read_lora_config(const std::string& dir) {
                " describes peft_type ", type ? io::detail::excerpt(*type) : "null", ", not LORA");
   LoraOptions o;
   if (const auto* r = field("r", &nlohmann::json::is_number_integer, "a whole number >= 1")) {
-    FRUGAL_CHECK(r->get<std::int64_t>() >= 1 && !(r->is_number_unsigned() &&
-                                                    r->get<std::uint64_t>() > (1ull << 62)),
+    FRUGAL_CHECK(r->get<std::int64_t>() >= 1 &&
+                     !(r->is_number_unsigned() && r->get<std::uint64_t>() > (1ull << 62)),
                  "frugal: ", path, " gives r as ", io::detail::excerpt(*r),
                  "; it must be a whole number >= 1");
     o.rank(r->get<std::int64_t>());
@@ -84,8 +84,8 @@ LoraOptions read_lora_config(const std::string& dir) {
     FRUGAL_CHECK(p == nullptr || p->empty(), "frugal: ", path, " sets ", patterns, " ",
                  io::detail::excerpt(*p), "; frugal's LoRA has one rank and one alpha");
   }
-  FRUGAL_CHECK(std::isfinite(o.alpha()) && o.alpha() > 0, "frugal: ", path,
-               " gives lora_alpha as ", o.alpha(), "; it must be a finite number > 0");
+  FRUGAL_CHECK(std::isfinite(o.alpha()) && o.alpha() > 0, "frugal: ", path, " gives lora_alpha as ",
+               o.alpha(), "; it must be a finite number > 0");
   FRUGAL_CHECK(o.dropout() >= 0 && o.dropout() < 1, "frugal: ", path, " gives lora_dropout as ",
                o.dropout(), "; it must be in [0, 1)");
   return o;

@@ -1,12 +1,12 @@
 #include "nn/nf4.h"
 
-#include "frugal/error.h"
-
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
+
+#include "frugal/error.h"
 
 namespace frugal::nn::detail {
 namespace {
@@ -148,14 +148,14 @@ void check_nf4(const Nf4Tensor& q) {
         t.device() == device) {
       return;
     }
-    throw Error(c10::str(
-        "frugal: the NF4 weights '", q.name, "' (shape ", c10::IntArrayRef(q.shape),
-        ") cannot use their buffer '", q.name, buffer, "': it is ",
-        t.defined() ? c10::str(t.scalar_type(), " ", t.sizes(), " on ", t.device(),
-                               t.is_contiguous() ? "" : " (not contiguous)")
-                    : std::string("undefined"),
-        " where they need ", dtype, " [", numel, "] on ", device,
-        "; were they loaded from a model saved with other shapes?"));
+    throw Error(c10::str("frugal: the NF4 weights '", q.name, "' (shape ",
+                         c10::IntArrayRef(q.shape), ") cannot use their buffer '", q.name, buffer,
+                         "': it is ",
+                         t.defined() ? c10::str(t.scalar_type(), " ", t.sizes(), " on ", t.device(),
+                                                t.is_contiguous() ? "" : " (not contiguous)")
+                                     : std::string("undefined"),
+                         " where they need ", dtype, " [", numel, "] on ", device,
+                         "; were they loaded from a model saved with other shapes?"));
   };
   need(q.packed, "_nf4", torch::kUInt8, (n + 1) / 2);
   need(q.qabsmax, "_nf4_absmax", torch::kUInt8, blocks);

@@ -15,10 +15,10 @@ namespace frugal::nn::detail {
 /// bitsandbytes' signed dynamic map, less their mean `offset`).
 struct Nf4Tensor {
   std::vector<std::int64_t> shape;
-  torch::Tensor packed;   ///< uint8, two codes a byte, the first in the high nibble
-  torch::Tensor qabsmax;  ///< uint8, one a block of 64
-  torch::Tensor absmax2;  ///< float32, one a block of 256 absmaxes
-  torch::Tensor offset;   ///< float32 [1], the absmaxes' mean
+  torch::Tensor packed;         ///< uint8, two codes a byte, the first in the high nibble
+  torch::Tensor qabsmax;        ///< uint8, one a block of 64
+  torch::Tensor absmax2;        ///< float32, one a block of 256 absmaxes
+  torch::Tensor offset;         ///< float32 [1], the absmaxes' mean
   std::string name = "weight";  ///< what errors call the buffers: "<name>_nf4", ...
   std::int64_t bytes() const;
 };

@@ -31,10 +31,24 @@ bool ends_with(const std::string& s, const std::string& tail) {
 
 // Edits that keep the text JSON-like: deep nesting, extreme numbers, a value of another type.
 void edit_json(std::string& text, std::mt19937_64& rng) {
-  static const char* kNumbers[] = {"18446744073709551615", "9223372036854775807",
-                                   "4611686018427387904", "-1", "1e308", "2.9", "0", "-0.0"};
-  static const char* kValues[] = {"null", "true", "[]", "{}", "\"\"", "[1, [2]]", "{\"a\": {}}",
-                                  "\"F32\"", "\"../x.safetensors\"", "\"/etc/passwd\""};
+  static const char* kNumbers[] = {"18446744073709551615",
+                                   "9223372036854775807",
+                                   "4611686018427387904",
+                                   "-1",
+                                   "1e308",
+                                   "2.9",
+                                   "0",
+                                   "-0.0"};
+  static const char* kValues[] = {"null",
+                                  "true",
+                                  "[]",
+                                  "{}",
+                                  "\"\"",
+                                  "[1, [2]]",
+                                  "{\"a\": {}}",
+                                  "\"F32\"",
+                                  "\"../x.safetensors\"",
+                                  "\"/etc/passwd\""};
   const auto at = fuzz::pick(rng, text.size() + 1);
   switch (rng() % 4) {
     case 0: {  // nesting deep enough to overflow a recursive printer
@@ -113,8 +127,8 @@ void read_all(const frugal::io::SafetensorsFile& file) {
     std::int64_t numel = 1;
     for (const auto d : info.shape) numel *= d;
     if (t.numel() != numel) {
-      throw std::logic_error(fmt::format("tensor '{}' has {} elements, its shape {}", name,
-                                         t.numel(), numel));
+      throw std::logic_error(
+          fmt::format("tensor '{}' has {} elements, its shape {}", name, t.numel(), numel));
     }
     if (t.numel() > 0) {  // the first and the last byte: inside the mapping
       const auto bytes = t.reshape(-1).view(torch::kByte);
@@ -186,8 +200,8 @@ int main(int argc, char** argv) {
       }
       refused.add(what, fs::path(path).filename().string());
     } catch (const std::exception& e) {
-      fmt::print(stderr, "fuzz_safetensors: input {} ({}) escaped as another error: {}\n", i,
-                 name, std::string(e.what()).substr(0, 600));
+      fmt::print(stderr, "fuzz_safetensors: input {} ({}) escaped as another error: {}\n", i, name,
+                 std::string(e.what()).substr(0, 600));
       return 1;
     }
   }

@@ -75,9 +75,9 @@ class Lora {
  public:
   /// Adapts the Linear layers of `model` that `options` chooses; each must lie inside exactly
   /// one of `units`. Refused, changing nothing, naming the layer or value: a rank below 1,
-  /// an alpha that is not a finite number above 0, a dropout outside [0, 1), target_modules that match no Linear, a chosen layer outside
-  /// every unit (or, with dropout, a unit itself), a unit that is a unit already, a model
-  /// adapted already.
+  /// an alpha that is not a finite number above 0, a dropout outside [0, 1), target_modules that
+  /// match no Linear, a chosen layer outside every unit (or, with dropout, a unit itself), a unit
+  /// that is a unit already, a model adapted already.
   Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
        LoraOptions options = {});
   /// The model as it was: adapters removed, its parameters trainable again, the base
