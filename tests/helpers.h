@@ -21,7 +21,7 @@
 namespace frugal::testing {
 
 /// An empty folder of the system's temporary folder, named for `name` and this process.
-inline std::filesystem::path fresh_dir(const std::string& name) {
+inline std::filesystem::path fresh_temp_dir(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("frugal_" + name + "_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);

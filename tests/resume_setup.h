@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "compat.h"
+#include "helpers.h"
 
 namespace frugal::testing {
 
@@ -117,7 +118,6 @@ inline std::unique_ptr<ResumeSetup> make_resume_setup(const std::string& config,
   return out;
 }
 
-/// An empty folder of this process under the system's temporary folder.
 /// Trains `steps` batches of 32 of resume_data(), going on from the trainer's batch count.
 inline void train(ResumeSetup& s, int steps) {
   const auto data = resume_data();
@@ -125,14 +125,6 @@ inline void train(ResumeSetup& s, int steps) {
     const auto start = (s.trainer->counters().batches * 32) % 320;
     s.trainer->step(data.slice(start, 32));
   }
-}
-
-inline std::filesystem::path fresh_temp_dir(const std::string& name) {
-  auto dir =
-      std::filesystem::temp_directory_path() / ("frugal_" + name + "_" + std::to_string(getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
 }
 
 /// Puts a new optimizer under the setup's model, with a new trainer and no policies.

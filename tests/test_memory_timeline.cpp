@@ -32,7 +32,7 @@ frugal::Batch batch() {
   return {torch::randn({64, 256}), torch::randint(0, 10, {64})};
 }
 
-using frugal::testing::fresh_dir;
+using frugal::testing::fresh_temp_dir;
 
 std::string read(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -40,7 +40,7 @@ std::string read(const fs::path& path) {
 }
 
 TEST(MemoryTimeline, RecordsTheChosenStepsAndWritesTheFileAfterTheLast) {
-  const auto dir = fresh_dir("timeline");
+  const auto dir = fresh_temp_dir("timeline");
   auto net = deep();
   torch::optim::SGD sgd(net->parameters(), 0.05);
   frugal::Trainer trainer(net, sgd, ce);
@@ -71,7 +71,7 @@ TEST(MemoryTimeline, RecordsTheChosenStepsAndWritesTheFileAfterTheLast) {
 }
 
 TEST(MemoryTimeline, AnAllocationRefusedWhileRecordingIsWrittenBeforeTheRecovery) {
-  const auto dir = fresh_dir("timeline_oom");
+  const auto dir = fresh_temp_dir("timeline_oom");
   frugal::MemoryProbe probe;
   const auto b = batch();
   // A recorded first step with OomRecovery: once without a cap (its rise above the bytes
@@ -107,7 +107,7 @@ TEST(MemoryTimeline, AnAllocationRefusedWhileRecordingIsWrittenBeforeTheRecovery
 }
 
 TEST(MemoryTimeline, ALoopRecordsItsChosenIterationAndTheUsersForward) {
-  const auto dir = fresh_dir("timeline_loop");
+  const auto dir = fresh_temp_dir("timeline_loop");
   const auto path = (dir / "iteration.json").string();
   auto net = deep();
   torch::optim::SGD sgd(net->parameters(), 0.05);

@@ -17,7 +17,7 @@ using frugal::testing::expect_error_contains;
 namespace {
 
 fs::path scratch_dir(const std::string& name) {
-  return frugal::testing::fresh_dir("safetensors_" + name);
+  return frugal::testing::fresh_temp_dir("safetensors_" + name);
 }
 
 std::string read_bytes(const fs::path& p) {

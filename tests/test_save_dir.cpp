@@ -10,6 +10,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,33 @@ TEST(SaveDir, SweepsAbandonedTemporaryFilesButNotOneAnotherSaveIsWriting) {
   saves.save(*s->trainer);
   EXPECT_FALSE(fs::exists(in_use));
   EXPECT_EQ(saves.files().size(), 2u);
+  fs::remove_all(dir);
+}
+
+TEST(SaveDir, ASecondLiveRunSavingIntoTheFolderIsRefusedNamingTheFirst) {
+  const auto dir = frugal::testing::fresh_temp_dir("state_savedir_two_runs");
+  auto first = make_resume_setup("plain");
+  auto second = make_resume_setup("plain");
+  auto mine = std::make_unique<frugal::SaveDir>(dir.string());
+  train(*first, 1);
+  mine->save(*first->trainer);
+  frugal::SaveDir theirs(dir.string());
+  train(*second, 2);
+  const auto before = theirs.files();
+  try {
+    theirs.save(*second->trainer);
+    ADD_FAILURE() << "two runs saved into one folder";
+  } catch (const frugal::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("another run saves into '" + dir.string() + "' (process " +
+                        std::to_string(::getpid()) + ")"),
+              std::string::npos)
+        << what;
+  }
+  EXPECT_EQ(theirs.files(), before) << "nothing was saved";
+  mine.reset();  // the first run ends: the folder is free
+  theirs.save(*second->trainer);
+  EXPECT_EQ(theirs.files().size(), 2u);
   fs::remove_all(dir);
 }
 

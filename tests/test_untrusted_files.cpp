@@ -26,7 +26,7 @@ namespace untrusted_files_test {  // helper names of its own in the unity build
 namespace fs = std::filesystem;
 
 fs::path scratch_dir(const std::string& name) {
-  return frugal::testing::fresh_dir("untrusted_" + name);
+  return frugal::testing::fresh_temp_dir("untrusted_" + name);
 }
 
 void write_text(const fs::path& p, const std::string& text) {

@@ -1,9 +1,15 @@
 #include "frugal/state/save_dir.h"
 
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
+#include <cstring>
+#include <fstream>
 #include <cstdio>
 #include <filesystem>
 
@@ -28,6 +34,35 @@ std::int64_t step_of(const std::string& name) {
     return -1;
   }
   return std::stoll(digits);
+}
+
+// The folder's lock, held while this process saves into it: `.lock` locked with flock, which
+// the system releases when the process ends however it ends. Its text names the holder.
+std::shared_ptr<int> lock_folder(const std::string& dir) {
+  const auto path = (fs::path(dir) / ".lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  FRUGAL_CHECK(fd >= 0, "frugal: cannot open ", path, ": ", std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    std::string holder;
+    std::getline(std::ifstream(path), holder);
+    throw Error(c10::str(
+        "frugal: another run saves into '", dir, "'",
+        error == EWOULDBLOCK ? " (" + (holder.empty() ? "a live process" : holder) + ")"
+                             : ": " + std::string(std::strerror(error)),
+        "; two runs in one folder would interleave their saves: give each its own. Nothing was "
+        "saved"));
+  }
+  const auto text = "process " + std::to_string(::getpid()) + "\n";
+  // Without its text the lock still holds: the text only names the holder to another run.
+  const bool named = ::ftruncate(fd, 0) == 0 &&
+                     ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  (void)named;
+  return std::shared_ptr<int>(new int(fd), [](int* held) {
+    ::close(*held);  // releases the lock
+    delete held;
+  });
 }
 
 }  // namespace
@@ -91,6 +126,9 @@ UserState SaveDir::resume_at(Trainer& trainer, std::int64_t step) {
 }
 
 std::string SaveDir::save(Trainer& trainer, const UserState& user) {
+  if (!lock_) {
+    lock_ = lock_folder(dir_);
+  }
   const auto path = file_of(trainer.steps());
   save_training_state(trainer, path, user);
   const auto saved = files();

@@ -5,7 +5,9 @@
 // with a frugal::Error naming the file. Another exception, a crash or a sanitizer report
 // fails the run.
 //
-//   fuzz_safetensors <corpus dir> <inputs> [seed]
+//   fuzz_safetensors <corpus dir> <inputs> [seed] [seconds]
+//
+// With `seconds`, the run also stops once that long has passed (for long runs by hand).
 //
 // The corpus: *.safetensors files, files named *index.json (an index; the corpus's
 // safetensors files lie beside it as its shards) and *config.json (adapter configs).
@@ -13,6 +15,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "frugal/error.h"
@@ -144,12 +147,14 @@ void read_all(const frugal::io::SafetensorsFile& file) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    fmt::print(stderr, "usage: fuzz_safetensors <corpus dir> <inputs> [seed]\n");
+    fmt::print(stderr, "usage: fuzz_safetensors <corpus dir> <inputs> [seed] [seconds]\n");
     return 2;
   }
   const auto corpus = fuzz::read_corpus(argv[1]);
-  const long inputs = std::stol(argv[2]);
+  long inputs = std::stol(argv[2]);
   std::mt19937_64 rng(argc > 3 ? std::stoull(argv[3]) : 1);
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::seconds(argc > 4 ? std::stol(argv[4]) : 365L * 24 * 3600);
   if (corpus.empty()) {
     fmt::print(stderr, "fuzz_safetensors: no corpus in {}\n", argv[1]);
     return 2;
@@ -164,6 +169,10 @@ int main(int argc, char** argv) {
   fuzz::Reasons refused;
   long opened = 0;
   for (long i = 0; i < inputs; ++i) {
+    if (i % 256 == 0 && std::chrono::steady_clock::now() > until) {
+      inputs = i;
+      break;
+    }
     const auto& [name, seed_bytes] = corpus[fuzz::pick(rng, corpus.size())];
     std::string path;
     try {

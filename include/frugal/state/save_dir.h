@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -25,7 +26,9 @@ class SaveDir {
   explicit SaveDir(std::string dir, std::int64_t keep = 3);
 
   /// Saves the trainer's state as the file of its current step, then removes all but the
-  /// newest `keep` files (and temporary files a crash left). Returns the file's path.
+  /// newest `keep` files (and temporary files a crash left). Returns the file's path. The
+  /// first save locks the folder for as long as this SaveDir (or a copy) lives: a save of
+  /// another live run (or SaveDir) into the same folder is refused, naming the holder.
   std::string save(Trainer& trainer, const UserState& user = {});
   /// The saved files, newest (highest step) first.
   std::vector<std::string> files() const;
@@ -52,6 +55,7 @@ class SaveDir {
   std::string dir_;
   std::int64_t keep_;
   std::string resumed_from_;
+  std::shared_ptr<int> lock_;  // the folder's lock, from the first save on
 };
 
 }  // namespace frugal
