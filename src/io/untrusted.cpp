@@ -133,9 +133,17 @@ std::string excerpt(const nlohmann::json& value, std::size_t max_chars) {
 }
 
 std::string quote_name(const std::string& name, std::size_t max_chars) {
-  return name.size() <= max_chars
-             ? "'" + name + "'"
-             : "'" + name.substr(0, max_chars) + "...' (" + std::to_string(name.size()) + " bytes)";
+  const bool cut = name.size() > max_chars;
+  std::string out(1, '\'');
+  out.append(name, 0, cut ? max_chars : name.size());
+  if (cut) {
+    out += "...' (";
+    out += std::to_string(name.size());
+    out += " bytes)";
+  } else {
+    out += '\'';
+  }
+  return out;
 }
 
 std::string describe(const nlohmann::json& value) {
