@@ -56,7 +56,10 @@ void edit_json(std::string& text, std::mt19937_64& rng) {
   switch (rng() % 4) {
     case 0: {  // nesting deep enough to overflow a recursive printer
       const std::size_t depth = 1 + fuzz::pick(rng, rng() % 4 == 0 ? 200000 : 64);
-      text.insert(at, std::string(depth, '[') + "0" + std::string(depth, ']'));
+      std::string deep(depth, '[');
+      deep += '0';
+      deep.append(depth, ']');
+      text.insert(at, deep);
       break;
     }
     case 1: {  // a number made extreme
@@ -78,7 +81,9 @@ void edit_json(std::string& text, std::mt19937_64& rng) {
       break;
     }
     default: {  // a long string
-      text.insert(at, "\"" + std::string(1 + fuzz::pick(rng, 100000), 'x') + "\"");
+      std::string quoted(1 + fuzz::pick(rng, 100000) + 2, 'x');
+      quoted.front() = quoted.back() = '"';
+      text.insert(at, quoted);
       break;
     }
   }
