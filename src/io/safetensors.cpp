@@ -295,7 +295,9 @@ torch::Tensor SafetensorsFile::tensor(const std::string& name) const {
   const auto bytes = detail::dtype_bytes(i.dtype);
   if (reinterpret_cast<std::uintptr_t>(data) % bytes != 0) {  // a writer that did not align
     auto out = torch::empty(i.shape, options);
-    std::memcpy(out.data_ptr(), data, static_cast<std::size_t>(end - begin));
+    if (end > begin) {  // an empty tensor has no data pointer to copy to
+      std::memcpy(out.data_ptr(), data, static_cast<std::size_t>(end - begin));
+    }
     return out;
   }
   auto keep = shard;  // the mapping lives while the view does
