@@ -34,7 +34,9 @@ struct Gpt2Config {
       throw std::runtime_error("no config.json in '" + dir + "'");
     }
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_object() || j.value("model_type", nlohmann::json()) != "gpt2") {
+    // Values are read in place (find): a copy of one is recursive, and a file may nest deep.
+    const auto type = j.is_object() ? j.find("model_type") : j.end();
+    if (type == j.end() || *type != "gpt2") {
       throw std::runtime_error(path + " is not a GPT-2 config");
     }
     for (const auto& [key, expected] : std::vector<std::pair<std::string, nlohmann::json>>{
@@ -68,12 +70,13 @@ struct Gpt2Config {
     c.embd = size("n_embd");
     c.layers = size("n_layer");
     c.heads = size("n_head");
-    const auto eps = j.value("layer_norm_epsilon", nlohmann::json(1e-5));
-    if (!eps.is_number() || !(eps.get<double>() > 0) || !std::isfinite(eps.get<double>())) {
+    const auto eps = j.find("layer_norm_epsilon");
+    c.eps = eps == j.end() ? 1e-5 : eps->is_number() ? eps->get<double>() : -1.0;
+    if (!(c.eps > 0) || !std::isfinite(c.eps)) {
       throw std::runtime_error(path + ": layer_norm_epsilon must be a number > 0");
     }
-    c.eps = eps.get<double>();
-    if (!j.value("n_inner", nlohmann::json()).is_null()) {
+    const auto inner = j.find("n_inner");
+    if (inner != j.end() && !inner->is_null()) {
       throw std::runtime_error(path + " sets n_inner; this model's MLP is 4 n_embd wide");
     }
     c.check(path);

@@ -144,7 +144,10 @@ std::map<std::string, TensorInfo> read_header(SafetensorsShard& shard,
     }
     TensorInfo info;
     info.dtype = entry["dtype"].get<std::string>();
-    info.shape = read_shape(entry.value("shape", nlohmann::json()), path, name);
+    // Read in place: a copy of a value is recursive, and a file may nest one deep.
+    static const nlohmann::json kNone;
+    const auto shape = entry.find("shape");
+    info.shape = read_shape(shape == entry.end() ? kNone : *shape, path, name);
     info.file = path;
     const auto bytes = detail::dtype_bytes(info.dtype);
     if (bytes == 0) {

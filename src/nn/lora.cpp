@@ -164,12 +164,7 @@ Lora::Lora(torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn
 
 Lora::~Lora() {
   if (state_->merged) {
-    try {
-      unmerge();
-    } catch (const std::exception& e) {  // out of memory (a cap): a destructor must not throw
-      TORCH_WARN("frugal: ~Lora could not unmerge the adapters (", frugal::error_message(e),
-                 "); the base weights keep them folded in");
-    }
+    unmerge();  // puts back the weights kept aside: nothing to allocate
   }
   for (auto& layer : state_->layers) {
     if (layer->own_hook != nullptr) {
