@@ -72,9 +72,9 @@ int open_regular(const std::string& path, std::size_t* size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   FRUGAL_CHECK(fd >= 0, "frugal: cannot open ", path, ": ", std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  const bool stated = ::fstat(fd, &st) == 0;
+  if (!stated || !S_ISREG(st.st_mode)) {
     const int error = errno;
-    const bool stated = ::fstat(fd, &st) == 0;
     ::close(fd);
     throw Error(c10::str("frugal: cannot read ", path, ": ",
                          stated ? kind_of(st.st_mode) : std::strerror(error),
