@@ -149,7 +149,8 @@ void refresh_grad_accumulator(const at::Tensor& leaf);
 
 /// The CUDA caching allocator's figures for one device, aggregated over pool kinds.
 struct CudaAllocatorStats {
-  std::int64_t allocated = 0, allocated_peak = 0;
+  std::int64_t allocated = 0, allocated_peak = 0;  // blocks: requests rounded as it rounds them
+  std::int64_t requested = 0, requested_peak = 0;  // the requests (LibTorch 2.1 or later)
   std::int64_t reserved = 0, reserved_peak = 0;
   std::int64_t active = 0, active_peak = 0;
   std::int64_t allocations = 0, alloc_retries = 0, ooms = 0;

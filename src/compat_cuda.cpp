@@ -35,6 +35,10 @@ CudaAllocatorStats cuda_allocator_stats(int device) {
   CudaAllocatorStats out;
   out.allocated = stats.allocated_bytes[kAggregate].current;
   out.allocated_peak = stats.allocated_bytes[kAggregate].peak;
+#if FRUGAL_TORCH_AT_LEAST(2, 1)
+  out.requested = stats.requested_bytes[kAggregate].current;
+  out.requested_peak = stats.requested_bytes[kAggregate].peak;
+#endif
   out.reserved = stats.reserved_bytes[kAggregate].current;
   out.reserved_peak = stats.reserved_bytes[kAggregate].peak;
   out.active = stats.active_bytes[kAggregate].current;

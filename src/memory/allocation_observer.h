@@ -13,7 +13,7 @@ struct DeviceEvent {
   enum class Kind : std::uint8_t { Alloc, Free, Refused } kind = Kind::Alloc;
   int device = 0;
   std::uintptr_t address = 0;
-  std::int64_t bytes = 0;  // the block's (rounded as the allocator rounds); a refusal: the request
+  std::int64_t bytes = 0;  // the request the block serves (as the trace gives it, not rounded)
   std::int64_t device_free = 0;  // a refusal: the device's free bytes
 };
 

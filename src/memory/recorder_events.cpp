@@ -171,7 +171,9 @@ void MemoryRecorder::Impl::start() {
     compat::cuda_initialise(device_);
     compat::cuda_attach_trace();
     // Read before the lock: the allocator's lock is taken while ours is wanted, never after.
-    allocated = compat::cuda_allocator_stats(device_).allocated;
+    // The trace gives each block's request, not the block (rounded to 512 bytes, a large one
+    // to the part of a segment it did not split): the recording counts requests throughout.
+    allocated = compat::cuda_allocator_stats(device_).requested;
 #else
     FRUGAL_CHECK(false, "frugal: a memory recorder of ", options_.device(),
                  ": this LibTorch was built without CUDA");

@@ -1,5 +1,6 @@
 // What the calling thread is doing, for a MemoryRecorder: the phase of the step and the
-// unit (module) it runs. Marking costs a thread-local write when nothing records.
+// unit (module) it runs. Marking costs little when nothing records (a phase: one small
+// allocation; a unit: a thread-local write).
 #pragma once
 
 #include <cstdint>
@@ -23,17 +24,15 @@ enum class MemoryPhase : std::uint8_t {
 const char* to_string(MemoryPhase phase);
 
 /// Marks what the calling thread does until the scope ends (the Trainer, the Loop and the
-/// checkpoint mark theirs); nests, restoring the phase before it. Costs a thread-local
-/// write when nothing records.
+/// checkpoint mark theirs); nests, restoring the phase before it. The threads that work for
+/// this one as autograd's do (given its at::ThreadLocalState: autograd's device threads,
+/// at::launch) are in the phase too. Scopes end in the reverse order of their making.
 class PhaseScope {
  public:
   explicit PhaseScope(MemoryPhase phase);
   ~PhaseScope();
   PhaseScope(const PhaseScope&) = delete;
   PhaseScope& operator=(const PhaseScope&) = delete;
-
- private:
-  MemoryPhase before_;
 };
 
 /// The phase the calling thread is in.
