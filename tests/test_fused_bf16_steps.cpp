@@ -46,9 +46,9 @@ void expect_rounded_float32_step(bool factored, fo::Rounding rounding) {
     wide_adam.step();
     auto expected = wide.detach().clone();
     if (rounding == fo::Rounding::Stochastic) {
-      frugal::optim::detail::round_stochastic_cpu(
-          expected.data_ptr<float>(), expected.numel(),
-          frugal::optim::detail::rounding_key(seed, update), 0);
+      frugal::optim::detail::round_stochastic_cpu(expected.data_ptr<float>(), expected.numel(),
+                                                  frugal::optim::detail::rounding_key(seed, update),
+                                                  0);
     }
     expected = expected.to(torch::kBFloat16);
     EXPECT_TRUE(torch::equal(low.detach(), expected))
@@ -114,13 +114,13 @@ TEST(FusedBf16Step, EightBitStatesAllocateNoWholeParameterTemporaries) {
   std::vector<torch::Tensor> params{torch::randn({big}).to(torch::kBFloat16).requires_grad_()};
   fo::Adam8bit adam(params, to::AdamOptions(1e-3));
   const auto overhead = frugal::testing::step_overhead(adam, params, probe);
-  // The float32 weights' chunk the base lends every bfloat16 update (the fused loop does
-  // not use it), and LibTorch's few-byte wrappers; a float32 copy of the parameter would
-  // be 4 MiB.
-  const auto chunk_bytes = adam.in_place_options().chunk() * 4;
+  // The scratch the step says it needs (among it the float32 weights' chunk the base lends
+  // every bfloat16 update, which the fused loop does not use), and LibTorch's few-byte
+  // wrappers; a float32 copy of the parameter would be 4 MiB.
   std::cout << "[ bf16     ] Adam8bit step on 2^20 bfloat16 weights allocates " << overhead
             << " B above its start\n";
-  EXPECT_LE(overhead, chunk_bytes + 64);
+  EXPECT_GE(overhead, adam.scratch_bytes());
+  EXPECT_LE(overhead, adam.scratch_bytes() + 64);
   EXPECT_LT(overhead, big * 2);
 }
 
@@ -151,9 +151,8 @@ WidenedAdam widened_adam_step(const torch::Tensor& p16, const torch::Tensor& g16
       v.sqrt().div_(std::sqrt(1 - std::pow(beta2, static_cast<double>(step)))).add_(eps);
   p.add_(m.div(denom).mul_(-lr / (1 - std::pow(beta1, static_cast<double>(step)))));
   if (rounding == fo::Rounding::Stochastic) {
-    frugal::optim::detail::round_stochastic_cpu(p.data_ptr<float>(), p.numel(),
-                                                frugal::optim::detail::rounding_key(seed, update),
-                                                0);
+    frugal::optim::detail::round_stochastic_cpu(
+        p.data_ptr<float>(), p.numel(), frugal::optim::detail::rounding_key(seed, update), 0);
   }
   return {p.to(torch::kBFloat16), m.to(torch::kBFloat16), v.to(torch::kBFloat16)};
 }
@@ -170,9 +169,9 @@ void expect_fused_bf16_adam(bool decoupled, fo::Rounding rounding) {
   torch::Tensor m, v;
   for (std::int64_t step = 1; step <= 4; ++step) {
     p.mutable_grad() = torch::randn({50, 100}, generator).to(torch::kBFloat16);
-    const auto expected = widened_adam_step(p.detach(), p.grad(), m, v, step == 1, decoupled, lr,
-                                            decay, step, rounding, seed,
-                                            static_cast<std::uint64_t>(step - 1));
+    const auto expected =
+        widened_adam_step(p.detach(), p.grad(), m, v, step == 1, decoupled, lr, decay, step,
+                          rounding, seed, static_cast<std::uint64_t>(step - 1));
     adam.step();
     const auto& state = dynamic_cast<const State&>(*adam.state().begin()->second);
     m = state.exp_avg();
@@ -199,7 +198,8 @@ TEST(FusedBf16Step, AdamOnBf16MomentsRoundsOnceAStep) {
   std::vector<torch::Tensor> params{torch::randn({big}).to(torch::kBFloat16).requires_grad_()};
   fo::AdamW adamw(params, to::AdamWOptions(1e-3));
   const auto overhead = frugal::testing::step_overhead(adamw, params, probe);
-  EXPECT_LE(overhead, adamw.scratch_bytes() + adamw.in_place_options().chunk() * 4 + 64);
+  EXPECT_GE(overhead, adamw.scratch_bytes());  // the float32 weights' chunk counted too
+  EXPECT_LE(overhead, adamw.scratch_bytes() + 64);
   EXPECT_LT(overhead, big * 2);
 }
 

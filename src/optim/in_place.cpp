@@ -39,6 +39,23 @@ bool low_precision(const torch::Tensor& t) {
   return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
 }
 
+// The chunk-sized float32 buffers a parameter's update goes through besides its own
+// (ParamUpdate::LowPrecision::buffers): the weights of a bfloat16, float16 or 8-bit parameter,
+// and off the CPU the random bits of stochastic rounding (8-bit: the random fractions and each
+// group's statistics as well).
+std::size_t weight_buffers(const torch::Tensor& param, Rounding rounding) {
+  const bool cpu = param.device().is_cpu();
+  if (detail::stored_weights(param) != nullptr) {
+    return cpu ? 1 : 3;
+  }
+  if (!low_precision(param)) {
+    return 0;
+  }
+  const bool stochastic =
+      rounding == Rounding::Stochastic && param.scalar_type() == torch::kBFloat16;
+  return stochastic && !cpu ? 2 : 1;
+}
+
 }  // namespace
 
 torch::Tensor ParamUpdate::weights(std::int64_t offset, std::int64_t length) {
@@ -195,7 +212,9 @@ void InPlaceOptimizer::apply(std::vector<Planned>& work) {
       // where those are float32 too.
       w.weights_from = scratch_type(p) == torch::kFloat32 ? static_cast<std::size_t>(w.buffers) : 0;
       auto& weights = sizes[kind_of(p, torch::kFloat32)];
-      weights.first = std::max(weights.first, w.chunk);
+      // An 8-bit group's three statistics fit even a parameter of one or two elements.
+      weights.first = std::max(weights.first,
+                               w.stored != nullptr ? std::max<std::int64_t>(w.chunk, 3) : w.chunk);
       weights.second = std::max(weights.second,
                                 static_cast<int>(w.weights_from + w.low_precision.buffers.size()));
     }
@@ -255,8 +274,7 @@ void InPlaceOptimizer::plan_low_precision(Planned& w) {
                  " is stored in 8 bits; its update rounds Stochastic or Nearest, not Compensated");
     detail::check_codes(*w.stored, w.target.numel());  // before any parameter is written
     low.stored = w.stored.get();
-    // Off the CPU, random fractions and each group's statistics have buffers too.
-    low.buffers.resize(w.target.device().is_cpu() ? 1 : 3);
+    low.buffers.resize(weight_buffers(w.param, low.rounding));
     return;
   }
   if (low.rounding == Rounding::Stochastic && w.param.scalar_type() != torch::kBFloat16) {
@@ -272,8 +290,7 @@ void InPlaceOptimizer::plan_low_precision(Planned& w) {
       low.compensation = w.new_compensation;
     }
   }
-  const bool bits = low.rounding == Rounding::Stochastic && !w.param.device().is_cpu();
-  low.buffers.resize(bits ? 2 : 1);
+  low.buffers.resize(weight_buffers(w.param, low.rounding));
 }
 
 std::pair<torch::optim::OptimizerParamGroup*, std::uint64_t> InPlaceOptimizer::group_of(
@@ -302,8 +319,7 @@ std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
   request.device = param.device().type();
   request.chunk = in_place_.chunk();
   request.device_scratch = in_place_.device_scratch();
-  request.bytes_per_element = std::max(1, scratch_buffers(param, flat, state, options)) *
-                              static_cast<std::int64_t>(c10::elementSize(scratch_type(param)));
+  request.bytes_per_element = scratch_per_element(param, flat, state, options);
   request.multiple = chunk_multiple(param, state, options);
   if (const auto stored = detail::stored_weights(param)) {  // whole groups of 8-bit weights
     request.multiple = std::lcm(request.multiple, stored->group);
@@ -311,6 +327,15 @@ std::int64_t InPlaceOptimizer::chunk_of(const torch::Tensor& param, bool flat,
   request.numel = param.numel();
   request.flat = flat;
   return frugal::detail::chunk_elements(request);
+}
+
+std::int64_t InPlaceOptimizer::scratch_per_element(
+    const torch::Tensor& param, bool flat, const torch::optim::OptimizerParamState* state,
+    const torch::optim::OptimizerOptions& options) const {
+  const auto own =
+      static_cast<std::int64_t>(std::max(1, scratch_buffers(param, flat, state, options)) *
+                                c10::elementSize(scratch_type(param)));
+  return own + static_cast<std::int64_t>(weight_buffers(param, in_place_.rounding()) * 4);
 }
 
 std::int64_t InPlaceOptimizer::scratch_bytes() {
@@ -321,10 +346,12 @@ std::int64_t InPlaceOptimizer::scratch_bytes() {
       const auto& p = stored != nullptr ? stored->whole : param;
       const auto it = optimizer().state().find(compat::optimizer_state_key(param));
       const auto* param_state = it == optimizer().state().end() ? nullptr : it->second.get();
-      const int buffers = scratch_buffers(p, p.is_contiguous(), param_state, group.options());
       const auto elements = chunk_of(p, p.is_contiguous(), param_state, group.options());
-      const auto element = static_cast<std::int64_t>(c10::elementSize(scratch_type(p)));
-      most = std::max(most, elements * element * buffers);
+      const auto buffers =
+          elements * (scratch_buffers(p, p.is_contiguous(), param_state, group.options()) *
+                          c10::elementSize(scratch_type(p)) +
+                      weight_buffers(p, in_place_.rounding()) * 4);
+      most = std::max(most, static_cast<std::int64_t>(buffers));
     }
   }
   return most;

@@ -127,7 +127,9 @@ class InPlaceOptimizer : public LedgerParts {
   const InPlaceOptions& in_place_options() const { return in_place_; }
   /// The optimizer itself, as LibTorch's interface.
   virtual torch::optim::Optimizer& optimizer() = 0;
-  /// Bytes of scratch one step needs at most: the buffers of the largest parameter's chunks.
+  /// Bytes of scratch one step needs at most: the buffers of the largest parameter's chunks,
+  /// with the float32 weights (and, off the CPU, random bits) that a bfloat16, float16 or
+  /// 8-bit parameter is updated through.
   std::int64_t scratch_bytes();
   /// The compensation buffers of Rounding::Compensated: optimizer state to the ledger.
   std::vector<torch::Tensor> ledger_optimizer_state() const override;
@@ -183,6 +185,11 @@ class InPlaceOptimizer : public LedgerParts {
   std::int64_t chunk_of(const torch::Tensor& param, bool flat,
                         const torch::optim::OptimizerParamState* state,
                         const torch::optim::OptimizerOptions& options) const;
+  // The scratch bytes an element of `param`'s chunk needs: the update's buffers and the
+  // float32 weights (and random bits) a low-precision or 8-bit parameter goes through.
+  std::int64_t scratch_per_element(const torch::Tensor& param, bool flat,
+                                   const torch::optim::OptimizerParamState* state,
+                                   const torch::optim::OptimizerOptions& options) const;
 
   std::vector<torch::Tensor> all_params();
 
