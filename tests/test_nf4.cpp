@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/probe.h"
 #include "nn/nf4.h"
 
 namespace fd = frugal::nn::detail;
@@ -58,4 +60,38 @@ TEST(Nf4, CodesAreTheNearestPublishedValueOfEachBlocksScaledElements) {
   // bfloat16 is the float32 product rounded once.
   EXPECT_TRUE(torch::equal(fd::nf4_dequantize(q, torch::kBFloat16),
                            back.reshape({37, 29}).to(torch::kBFloat16)));
+}
+
+TEST(Nf4, TheTensorOpsPathDecodesAsTheElementLoopWithTemporariesWithinTheOutput) {
+  // The path a GPU takes (tensor operations, a stretch at a time), run on the CPU through a
+  // dtype the element loop does not take: the same values, and no more scratch than the
+  // output's own size beyond the output (the absmaxes' decoding aside: a few floats a block).
+  frugal::CountingAllocator::install();
+  frugal::MemoryProbe probe(torch::kCPU);
+  torch::manual_seed(4);
+  for (const auto& shape : {std::vector<std::int64_t>{3, 43}, std::vector<std::int64_t>{301, 77},
+                            std::vector<std::int64_t>{1024, 1031}}) {
+    const auto q = fd::nf4_quantize(torch::randn(shape));
+    const auto loop = fd::nf4_dequantize(q, torch::kFloat);  // the CPU's element loop
+    const auto n = loop.numel();
+    const auto blocks = (n + 63) / 64;
+    (void)fd::nf4_dequantize(q, torch::kHalf);  // the tables, made once, made before
+    torch::Tensor ops;
+    {
+      frugal::ScopedPeak peak(probe);
+      const auto base = probe.allocated();
+      ops = fd::nf4_dequantize(q, torch::kHalf);
+      // The output, temporaries of at most its size (or of one stretch of 128 elements:
+      // 768 bytes), and the absmaxes' decoding (an index, the values and their scaled sum:
+      // under 24 bytes a block).
+      const auto out_bytes = static_cast<std::int64_t>(ops.nbytes());
+      EXPECT_LE(peak.end() - base,
+                out_bytes + std::max<std::int64_t>(out_bytes, 768) + blocks * 24 + 1024)
+          << "elements " << n;
+    }
+    EXPECT_EQ(ops.sizes(), loop.sizes());
+    EXPECT_TRUE(torch::equal(ops, loop.to(torch::kHalf))) << "elements " << n;
+    // Float64 takes the same path: the float products, widened.
+    EXPECT_TRUE(torch::equal(fd::nf4_dequantize(q, torch::kDouble), loop.to(torch::kDouble)));
+  }
 }

@@ -5,6 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
 
 #include "frugal/error.h"
 
@@ -38,6 +42,40 @@ std::uint16_t lut_index(float val) {
   val = std::clamp(val, -1.0F, 1.0F);
   const float scaled = (val + 1.0F) * 0.5F * static_cast<float>(kLutSize - 1);
   return static_cast<std::uint16_t>(scaled + 0.5F);
+}
+
+}  // namespace
+
+namespace {
+
+// A fixed table's copy on each device it is used on, made once (the CPU's is the table
+// itself): decoding on a GPU then copies nothing from the host. Kept for the process's life.
+const torch::Tensor& on_device(const torch::Tensor& table, const torch::Device& device) {
+  if (device.is_cpu()) {
+    return table;
+  }
+  static std::mutex mutex;
+  static auto* copies = new std::map<std::pair<const void*, std::string>, torch::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key =
+      std::make_pair(static_cast<const void*>(table.unsafeGetTensorImpl()), device.str());
+  auto it = copies->find(key);
+  if (it == copies->end()) {
+    it = copies->emplace(key, table.to(device)).first;
+  }
+  return it->second;
+}
+
+// The two NF4 values of each packed byte: [256, 2], the high half first.
+const torch::Tensor& nf4_pairs() {
+  static const torch::Tensor pairs = [] {
+    const auto byte = torch::arange(256, torch::kLong);
+    return torch::stack({nf4_values().index_select(0, byte.bitwise_right_shift(4)),
+                         nf4_values().index_select(0, byte.bitwise_and(15))},
+                        1)
+        .contiguous();
+  }();
+  return pairs;
 }
 
 }  // namespace
@@ -165,7 +203,8 @@ void check_nf4(const Nf4Tensor& q) {
 
 torch::Tensor nf4_absmax(const Nf4Tensor& q) {
   const auto n = q.qabsmax.numel();
-  auto values = dynamic_map().to(q.qabsmax.device()).index_select(0, q.qabsmax.to(torch::kLong));
+  auto values =
+      on_device(dynamic_map(), q.qabsmax.device()).index_select(0, q.qabsmax.to(torch::kInt));
   const auto full = n - n % kNf4StatsBlock;
   auto scaled = (values.slice(0, 0, full).reshape({-1, kNf4StatsBlock}) *
                  q.absmax2.slice(0, 0, full / kNf4StatsBlock).view({-1, 1}))
@@ -215,19 +254,37 @@ torch::Tensor nf4_dequantize(const Nf4Tensor& q, torch::Dtype dtype) {
     }
     return out;
   }
+  // Elsewhere (a GPU; other dtypes) in tensor operations: each packed byte looks up its two
+  // values, scaled by its block's absmax into `out`, a stretch at a time so that the
+  // temporaries (a 4-byte index a byte, a float a value: 6 bytes an element) stay within the
+  // output's own size, and 24 MiB; a stretch is whole bytes of whole blocks.
   const auto n = out.numel();
-  const auto codes =
-      torch::stack({q.packed.bitwise_right_shift(4), q.packed.bitwise_and(15)}, 1).reshape(-1);
-  auto values =
-      nf4_values().to(q.packed.device()).index_select(0, codes.slice(0, 0, n).to(torch::kLong));
-  const auto full = n - n % kNf4Block;
-  auto flat = (values.slice(0, 0, full).reshape({-1, kNf4Block}) *
-               absmax.slice(0, 0, full / kNf4Block).view({-1, 1}))
-                  .reshape(-1);
-  if (full < n) {
-    flat = torch::cat({flat, values.slice(0, full) * absmax[full / kNf4Block]});
+  const auto& pairs = on_device(nf4_pairs(), q.packed.device());
+  const auto packed = q.packed.view(-1);
+  auto flat = out.view(-1);
+  constexpr std::int64_t kStretch = 2 * kNf4Block;
+  const auto fits = std::min<std::int64_t>(n * out.element_size() / 6, std::int64_t{1} << 22);
+  const auto chunk = std::max(kStretch, fits / kStretch * kStretch);
+  for (std::int64_t start = 0; start < n; start += chunk) {
+    const auto length = std::min(chunk, n - start);
+    // The values (float32, scaled in place), then one cast into the output: no operation
+    // mixes dtypes, so no backend makes a temporary for it.
+    auto values =
+        pairs.index_select(0, packed.narrow(0, start / 2, (length + 1) / 2).to(torch::kInt))
+            .view(-1)
+            .narrow(0, 0, length);
+    const auto full = length / kNf4Block * kNf4Block;
+    if (full > 0) {
+      values.narrow(0, 0, full)
+          .view({-1, kNf4Block})
+          .mul_(absmax.narrow(0, start / kNf4Block, full / kNf4Block).view({-1, 1}));
+    }
+    if (full < length) {
+      values.narrow(0, full, length - full).mul_(absmax[(start + full) / kNf4Block]);
+    }
+    flat.narrow(0, start, length).copy_(values);
   }
-  return out.copy_(flat.reshape(q.shape));
+  return out;
 }
 
 }  // namespace frugal::nn::detail
