@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include "frugal/memory/counting_allocator.h"
+#include "frugal/memory/probe.h"
 #include "optim/rounding.h"
 
 namespace {
@@ -65,9 +67,21 @@ TEST(StochasticRounding, TheTensorOpsPathKeepsEveryNanANanAndInfinitiesInfinite)
   }
   const auto before = x.clone();
   auto bits = torch::empty({x.numel()}, torch::kInt32);
-  frugal::optim::detail::round_stochastic_ops(x, bits, 21, 0);
+  {
+    // An optimizer's update runs it: it allocates nothing (no mask of the NaNs).
+    frugal::CountingAllocator::install();
+    frugal::MemoryProbe probe(torch::kCPU);
+    frugal::ScopedPeak peak(probe);
+    const auto base = probe.allocated();
+    frugal::optim::detail::round_stochastic_ops(x, bits, 21, 0);
+    EXPECT_LE(peak.end() - base, 64) << "bytes allocated for " << x.numel() << " elements";
+  }
   const auto was_nan = torch::isnan(before);
   EXPECT_TRUE(torch::equal(torch::isnan(x), was_nan));
+  // Each NaN is bfloat16's quiet NaN, its bits exactly.
+  EXPECT_TRUE(
+      torch::equal(x.view(torch::kInt32).masked_select(was_nan),
+                   torch::full({was_nan.sum().item<std::int64_t>()}, 0x7FC00000, torch::kInt32)));
   const auto infinite = torch::isinf(before);
   EXPECT_TRUE(torch::equal(x.masked_select(infinite), before.masked_select(infinite)));
   // The finite values land on bfloat16 values next to them (the largest may round to

@@ -107,7 +107,8 @@ TEST(WeightCodes, TensorOperationsGiveTheKernelsCodesBitForBit) {
   torch::manual_seed(3);
   const auto x = torch::cat({torch::randn({1024}) * 0.02, torch::randn({100}) * 3});
   for (const bool stochastic : {false, true}) {
-    for (const std::int64_t group : {128, 64, 100}) {
+    // Groups of 1 and 2 need more statistics than the chunk-sized buffer holds at once.
+    for (const std::int64_t group : {128, 64, 100, 1, 2, 3}) {
       const auto k = kernel_codes(x, group, stochastic, 77);
       const auto o = ops_codes(x, group, stochastic, 77);
       EXPECT_TRUE(torch::equal(k.codes, o.codes)) << "group " << group << " " << stochastic;
@@ -185,6 +186,11 @@ TEST(WeightCodes, AGroupHoldingANonFiniteValueDecodesNonFinite) {
     const auto back = decoded(kernel_codes(x, 128, stochastic, 1), 128);
     EXPECT_FALSE(torch::isfinite(back.narrow(0, 0, 128)).any().item<bool>());
     EXPECT_FALSE(torch::isfinite(back.narrow(0, 128, 128)).any().item<bool>());
+    // The tensor operations (a GPU's codec) too, though their statistics' bits may differ.
+    const auto o = ops_codes(x, 128, stochastic, 1);
+    auto ops_back = torch::empty({256});
+    fd::dequantize_weights_ops(o.codes, o.qparams, 128, ops_back);
+    EXPECT_FALSE(torch::isfinite(ops_back).any().item<bool>());
   }
   const auto constant = decoded(kernel_codes(torch::full({128}, 0.3F), 128, false, 0), 128);
   EXPECT_LE((constant - 0.3F).abs().max().item<float>(), 0.3F / 256);

@@ -191,12 +191,16 @@ void round_stochastic_ops(const at::Tensor& x, at::Tensor bits, std::uint64_t ke
   auto as_bits = x.view(at::kInt);
   // Infinity + noise, cut, is infinity. A NaN's bits plus noise may carry out of the payload
   // (CUDA's canonical NaN, 0x7FFFFFFF, wraps to -0.0) or cut a low payload to infinity: each
-  // NaN becomes bfloat16's quiet NaN instead.
-  const auto nan = at::isnan(x);
-  bits.add_(as_bits)
-      .bitwise_and_(static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)))
-      .masked_fill_(nan, static_cast<std::int64_t>(0x7FC00000));
-  as_bits.copy_(bits);
+  // NaN becomes bfloat16's quiet NaN instead. In place, with no mask to allocate (an update
+  // allocates nothing): x's own bits become the mask once the sum is taken. A magnitude m
+  // (the bits less the sign) is a NaN's where m > 0x7F800000, so (m - 0x7F800001) >> 31 is
+  // 0 for a NaN and all ones otherwise.
+  bits.add_(as_bits).bitwise_and_(
+      static_cast<std::int64_t>(static_cast<std::int32_t>(0xFFFF0000U)));
+  as_bits.bitwise_and_(0x7FFFFFFF).sub_(0x7F800001).__irshift__(31);  // all ones: not a NaN
+  bits.bitwise_and_(as_bits);
+  as_bits.bitwise_not_().bitwise_and_(0x7FC00000);  // 0x7FC00000 where a NaN was, else 0
+  as_bits.bitwise_or_(bits);
 }
 
 void round_stochastic(const at::Tensor& x, at::Tensor bits, std::uint64_t key, std::int64_t first) {

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -50,7 +51,9 @@ void quantize_groups(const at::Tensor& x, std::int64_t group, bool stochastic,
   zero.add_(0.0);  // a least -0 as +0, as the CPU kernel takes it
   at::amax_out(scale, rows, {1});
   round_to_bfloat16(zero, carry, false);
-  scale.sub_(zero).div_(255.0).clamp_min_(std::numeric_limits<float>::min());
+  scale.sub_(zero)
+      .mul_(static_cast<double>(kInverse255))
+      .clamp_min_(std::numeric_limits<float>::min());
   round_to_bfloat16(scale, carry, true);
   rows.sub_(zero.unsqueeze(1)).div_(scale.unsqueeze(1));
   if (stochastic) {
@@ -168,11 +171,18 @@ void quantize_weights_ops(const at::Tensor& x, std::int64_t group, std::int64_t 
     if (count == 0) {
       return;
     }
-    // Without stochastic rounding there is no noise: an undefined tensor cannot be narrowed.
-    const auto part_noise = stochastic ? noise.narrow(0, at, count) : at::Tensor();
-    quantize_groups(flat.narrow(0, at, count), width, stochastic, part_noise, stats,
-                    codes.view(-1).narrow(0, begin + at, count),
-                    qparams.narrow(0, (begin + at) / group, weight_groups(count, width)));
+    // A pass's groups keep three statistics each in `stats` (as long as the range): groups
+    // of one or two elements take several passes.
+    const auto per_pass = std::max<std::int64_t>(1, stats.numel() / 3) * width;
+    for (std::int64_t done = 0; done < count; done += per_pass) {
+      const auto length = std::min(per_pass, count - done);
+      const auto from = at + done;
+      // Without stochastic rounding there is no noise: an undefined tensor cannot be narrowed.
+      const auto part_noise = stochastic ? noise.narrow(0, from, length) : at::Tensor();
+      quantize_groups(flat.narrow(0, from, length), width, stochastic, part_noise, stats,
+                      codes.view(-1).narrow(0, begin + from, length),
+                      qparams.narrow(0, (begin + from) / group, weight_groups(length, width)));
+    }
   };
   part(0, full, group);
   part(full, n - full, n - full);

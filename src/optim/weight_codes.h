@@ -13,6 +13,10 @@
 
 namespace frugal::optim::detail {
 
+/// A group's code step is its range times this float: a multiplication, as CUDA's division
+/// by a scalar is, so that the CPU's kernel and the tensor operations agree bit for bit.
+inline constexpr float kInverse255 = 1.0F / 255.0F;
+
 /// One parameter stored in 8 bits.
 struct StoredWeights {
   at::Tensor codes;    ///< uint8, one per element, flat

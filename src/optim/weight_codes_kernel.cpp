@@ -138,8 +138,9 @@ void encode_one_group(const float* v, std::int64_t n, std::int64_t first, std::i
   const float zero =
       r.finite ? bfloat16_down(r.lo + 0.0F) : std::numeric_limits<float>::quiet_NaN();
   const float scale =
-      r.finite ? bfloat16_up(std::max((r.hi - zero) / 255.0F, std::numeric_limits<float>::min()))
-               : zero;
+      r.finite
+          ? bfloat16_up(std::max((r.hi - zero) * kInverse255, std::numeric_limits<float>::min()))
+          : zero;
   if (!stochastic) {
     encode_nearest(v, n, zero, scale, codes + first);
   } else if (noise != nullptr) {
