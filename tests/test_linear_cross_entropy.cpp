@@ -116,6 +116,42 @@ TEST(LinearCrossEntropy, SumWithoutBiasAndUnderNoGrad) {
   EXPECT_NEAR(eval.item<double>(), expected.item<double>() / 16.0, 1e-5);  // 16 of 24 counted
 }
 
+TEST(LinearCrossEntropy, AFloat16HeadUnderALossScaleOf65536GetsFiniteScaledGradients) {
+  // A GradScaler's first scale is 65536, one more than float16 holds: the loss's gradient is
+  // applied in float32, never cast to float16 itself. The float16 gradients are the float32
+  // head's, scaled, to float16's precision.
+  if (!FRUGAL_TORCH_AT_LEAST(2, 1)) {
+    GTEST_SKIP() << "float16 products on the CPU need LibTorch 2.1 or later";
+  }
+  torch::manual_seed(8);
+  const auto hidden = torch::randn({12, 16}) * 0.05;
+  const auto weight = torch::randn({7, 16}) * 0.2;
+  const auto targets = torch::randint(0, 7, {12}, torch::kLong);
+  const auto sum =
+      LinearCrossEntropyOptions().chunk(5).reduction(frugal::nn::LinearCrossEntropyReduction::Sum);
+  const auto gradients = [&](torch::Dtype dtype, bool recompute) {
+    auto h = hidden.to(dtype).detach().requires_grad_();
+    auto w = weight.to(dtype).detach().requires_grad_();
+    const auto loss = frugal::nn::linear_cross_entropy(
+        h, w, torch::Tensor(), targets, LinearCrossEntropyOptions(sum).recompute(recompute));
+    loss.backward(torch::full({}, 65536.0, loss.options()));
+    return std::vector<torch::Tensor>{h.grad().to(torch::kFloat), w.grad().to(torch::kFloat)};
+  };
+  const auto expected = gradients(torch::kFloat, false);
+  for (const auto& g : expected) {  // the scaled gradients themselves fit float16
+    ASSERT_LT(g.abs().max().item<double>(), 65504.0 / 2);
+  }
+  for (const bool recompute : {false, true}) {
+    const auto half = gradients(torch::kHalf, recompute);
+    for (std::size_t i = 0; i < half.size(); ++i) {
+      EXPECT_TRUE(half[i].isfinite().all().item<bool>()) << "recompute " << recompute;
+      EXPECT_TRUE(torch::allclose(half[i], expected[i], 2e-2, 65536 * 1e-4))
+          << "recompute " << recompute << ", gradient " << i << ": "
+          << (half[i] - expected[i]).abs().max().item<double>();
+    }
+  }
+}
+
 TEST(LinearCrossEntropy, MicroBatchesOfUnevenTokenCountsGiveTheWholeBatchsGradient) {
   // Tokens per sample differ (a third of the targets ignored, unevenly), so each
   // micro-batch's mean must be weighted by its share of the counted tokens.

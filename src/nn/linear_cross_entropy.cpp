@@ -39,8 +39,12 @@ std::int64_t check_targets(const torch::Tensor& t, std::int64_t classes, std::in
   return counts[1].item<std::int64_t>();
 }
 
+// `grad_scale` (a float32 scalar, or undefined for 1): the loss's gradient over its divisor,
+// applied to the logits' gradient in float32 before it is cast to a float16 product, so that
+// a GradScaler's scale keeps small gradients from underflowing there, as it is meant to.
 ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const torch::Tensor& b,
-                         const torch::Tensor& t, const LinearCrossEntropyOptions& o, Needs needs) {
+                         const torch::Tensor& t, const LinearCrossEntropyOptions& o, Needs needs,
+                         const torch::Tensor& grad_scale = {}) {
   const auto n = h.size(0);
   const auto classes = w.size(0);
   const double s = o.label_smoothing();
@@ -93,6 +97,9 @@ ChunkedSums chunked_sums(const torch::Tensor& h, const torch::Tensor& w, const t
       g.sub_(s / static_cast<double>(classes));
     }
     g.mul_(kept.unsqueeze(1));
+    if (grad_scale.defined()) {
+      g.mul_(grad_scale);
+    }
     if (needs.bias) {
       out.bias += g.sum(0);
     }
@@ -135,7 +142,12 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // A mean over no counted token (every target ignored, or no token) is NaN, as
+    // cross_entropy's; its gradient sums are zeros, and stay zeros, as cross_entropy's do.
+    const double divisor = ctx->saved_data["divisor"].toDouble();
+    const auto scale = grads[0].to(torch::kFloat) / (divisor == 0 ? 1.0 : divisor);
     auto saved = ctx->get_saved_variables();
+    bool scaled_already = false;
     if (ctx->saved_data.count("chunk") > 0) {
       const auto o = LinearCrossEntropyOptions()
                          .chunk(ctx->saved_data["chunk"].toInt())
@@ -143,20 +155,22 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
                          .label_smoothing(ctx->saved_data["label_smoothing"].toDouble());
       const auto flags = ctx->saved_data["needs"].toBoolList();
       const auto& b = saved[2];
-      // The chunks run again under the forward's autocast state.
+      // The chunks run again under the forward's autocast state, the loss's gradient (a
+      // loss scale among it) applied before the products.
       AutocastGuard autocast(saved[0].device().type(),
                              static_cast<torch::Dtype>(ctx->saved_data["autocast_dtype"].toInt()),
                              ctx->saved_data["autocast"].toBool());
       auto sums = chunked_sums(saved[0], saved[1], b.numel() > 0 ? b : torch::Tensor(), saved[3], o,
-                               Needs{flags.get(0), flags.get(1), flags.get(2)});
+                               Needs{flags.get(0), flags.get(1), flags.get(2)}, scale);
       saved = {sums.hidden, sums.weight, sums.bias};
+      scaled_already = true;
     }
-    // A mean over no counted token (every target ignored, or no token) is NaN, as
-    // cross_entropy's; its gradient sums are zeros, and stay zeros, as cross_entropy's do.
-    const double divisor = ctx->saved_data["divisor"].toDouble();
-    const auto scale = grads[0].to(torch::kFloat) / (divisor == 0 ? 1.0 : divisor);
+    // The scale stays a float32 scalar: cast to float16, a loss scale of 65536 is infinite.
     auto scaled = [&](const torch::Tensor& g, bool needed) {
-      return g.defined() && needed ? g * scale.to(g.scalar_type()) : torch::Tensor();
+      if (!g.defined() || !needed) {
+        return torch::Tensor();
+      }
+      return scaled_already ? g : g * scale;
     };
     return {scaled(saved[0], ctx->needs_input_grad(0)),
             scaled(saved[1], ctx->needs_input_grad(1)),
