@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <map>

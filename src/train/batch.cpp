@@ -129,4 +129,13 @@ Batch Batch::to(torch::Device device) const {
   });
 }
 
+Batch Batch::pinned_for(torch::Device device) const {
+  if (!device.is_cuda()) {
+    return *this;
+  }
+  return map(*this, [](const torch::Tensor& t) {
+    return t.is_cpu() && !t.is_pinned() ? t.pin_memory() : t;
+  });
+}
+
 }  // namespace frugal

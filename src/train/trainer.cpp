@@ -129,8 +129,10 @@ void Trainer::unscale_gradients() {
   }
 }
 
-StepReport Trainer::step(const Batch& batch) {
+StepReport Trainer::step(const Batch& given) {
   auto& s = impl_->state;
+  // Pinned once for a CUDA device: the micro-batches are views of it.
+  const Batch batch = given.pinned_for(s.options.device());
   s.begin_timing();
   StepReport report = impl_->open_report(batch);
   // A bad count fails here, before anything is computed.
@@ -177,8 +179,9 @@ StepReport Trainer::step(const Batch& batch) {
   return report;
 }
 
-StepReport Trainer::trial(const Batch& batch) {
+StepReport Trainer::trial(const Batch& given) {
   auto& s = impl_->state;
+  const Batch batch = given.pinned_for(s.options.device());
   s.begin_timing();
   StepReport report = impl_->open_report(batch);
   auto aside = s.window.take();

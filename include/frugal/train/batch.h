@@ -50,6 +50,10 @@ struct Batch {
   /// The batch on `device` (no copy of a tensor that is there already). From the host to
   /// a CUDA device the copies go through page-locked memory without blocking the host.
   Batch to(torch::Device device) const;
+  /// For `device` a CUDA device: the batch with its host tensors in page-locked memory, once,
+  /// so that each micro-batch's `to` copies from it without a page-locked block of its own;
+  /// for any other device the batch itself.
+  Batch pinned_for(torch::Device device) const;
 };
 
 /// A batch as LibTorch's data API yields it: an Example (a Stack transform's), a
