@@ -72,7 +72,13 @@ PhaseScope::PhaseScope(MemoryPhase phase) {
 
 PhaseScope::~PhaseScope() {
   detail::tell_phase_boundary();
-  c10::ThreadLocalDebugInfo::_pop(kPhaseInfo);
+  // Its own record is on top where scopes end in the reverse order of their making; where
+  // they do not (or another kind was pushed over it and kept), the thread's information is
+  // left as it is rather than an error thrown from a destructor.
+  try {
+    c10::ThreadLocalDebugInfo::_pop(kPhaseInfo);
+  } catch (const c10::Error&) {
+  }
 }
 
 MemoryPhase current_phase() {
