@@ -222,15 +222,14 @@ void ZeroLayout::all_gather(std::size_t u, bool own_too) {
       1, std::min(range, gather_bytes / (n * static_cast<std::int64_t>(shard.element_size()))));
   for (std::int64_t start = 0; start < range; start += piece) {
     const auto length = std::min(piece, range - start);
+    // Into one tensor (NCCL writes it in place; the list form would gather into a buffer of
+    // its own and copy out of it), then each rank's piece to its place.
     auto gathered = torch::empty({n * length}, mine.options());
-    std::vector<torch::Tensor> pieces;
-    for (std::int64_t r = 0; r < n; ++r) {
-      pieces.push_back(gathered.narrow(0, r * length, length));
-    }
-    group->all_gather(pieces, mine.narrow(0, start, length));
+    group->all_gather_flat_async(gathered, mine.narrow(0, start, length)).wait();
     for (std::int64_t r = 0; r < n; ++r) {
       if (own_too || r != group->rank()) {
-        unit.flat.narrow(0, r * range + start, length).copy_(pieces[r]);
+        unit.flat.narrow(0, r * range + start, length)
+            .copy_(gathered.narrow(0, r * length, length));
       }
     }
   }
