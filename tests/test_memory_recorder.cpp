@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -123,6 +124,18 @@ TEST(MemoryRecorder, APhaseReachesTheThreadsThatWorkForTheMarkingThread) {
   EXPECT_EQ(frugal::current_phase(), MemoryPhase::Other);  // the scope ended
   EXPECT_EQ(recorder.peak().phase, MemoryPhase::Backward);
   EXPECT_EQ(recorder.peak_bytes() - recorder.start_bytes(), 4 << 20);
+}
+
+TEST(MemoryRecorder, PhaseScopesEndedOutOfOrderEndWithoutAnError) {
+  // A scope held by an object (the Loop holds one between its verbs) may end while a scope
+  // made after it lives: nothing throws, and once both end no phase is left behind.
+  auto outer = std::make_unique<frugal::PhaseScope>(MemoryPhase::Forward);
+  {
+    frugal::PhaseScope inner(MemoryPhase::Evaluation);
+    EXPECT_EQ(frugal::current_phase(), MemoryPhase::Evaluation);
+    EXPECT_NO_THROW(outer.reset());
+  }
+  EXPECT_EQ(frugal::current_phase(), MemoryPhase::Other);
 }
 
 TEST(MemoryRecorder, OneAtATime) {

@@ -101,11 +101,12 @@ void ZeroLayout::start_gather(std::size_t u) {
   if (n == 1) {
     return;
   }
-  // Straight into the flat buffer, a piece of every rank's share at a time; where one piece
-  // is the whole share, the buffer is the gather's output as it is.
+  // Straight into the flat buffer. On a GPU in one all-gather: the buffer is its output as
+  // it is (NCCL writes each rank's range in place, with no buffer of its own to bound). Else
+  // a piece of every rank's share at a time, the list form's buffer at most gather_bytes.
   const std::int64_t piece = std::max<std::int64_t>(
       1, std::min(unit.range, gather_bytes / (n * static_cast<std::int64_t>(mine.element_size()))));
-  if (piece == unit.range) {
+  if (piece == unit.range || unit.flat.is_cuda()) {
     unit.arriving.push_back(group->all_gather_flat_async(unit.flat, mine));
     return;
   }
