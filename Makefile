@@ -12,11 +12,14 @@ DEMO_FLAGS ?= --model cnn --epochs 1 --threads 2 --memory-timeline build/torch2/
 
 .PHONY: demo test bench-doc clean $(addprefix build-,$(BUILDS)) $(addprefix test-,$(BUILDS))
 
-# The demo builds only the library and the example it runs, not the tests.
+# The demo installs only what it uses (scripts/setup.sh demo) and builds only the library
+# and the example it runs: the tests and benchmarks are left out of its configure (make
+# test's presets turn them on again), and it compiles through make test's torch2 cache.
 demo:
-	@scripts/setup.sh torch2
+	@scripts/setup.sh demo
 	@echo "demo: configuring the 'torch2' preset and building the fashion_mnist example"
-	cmake --preset torch2 > build-demo.log 2>&1 || (cat build-demo.log; exit 1)
+	cmake --preset torch2 -DFRUGAL_BUILD_TESTS=OFF -DFRUGAL_BUILD_BENCHMARKS=OFF \
+	  -DFRUGAL_CCACHE_DIR=$(CCACHE_ROOT)/torch2 > build-demo.log 2>&1 || (cat build-demo.log; exit 1)
 	cmake --build build/torch2 -j 2 --target fashion_mnist
 	@rm -f build-demo.log
 	@echo "demo: training the Fashion-MNIST CNN for one epoch ($(DEMO_FLAGS))"

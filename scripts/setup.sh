@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Installs what frugal needs on Debian 12, and nothing that is there already.
-#   scripts/setup.sh [torch2|debian|sanitize|all]   (default: all)
-# torch2: LibTorch 2.x from PyPI's torch wheel, in a virtual environment outside the
-#         repository ($FRUGAL_VENV, default ~/.cache/frugal/venv).
+#   scripts/setup.sh [demo|torch2|debian|sanitize|all]   (default: all)
+# demo:   what `make demo` needs and no more: the compiler, CMake, Ninja, the library's and
+#         the examples' headers, Fashion-MNIST, and the torch wheel (LibTorch 2.x) in a
+#         virtual environment outside the repository ($FRUGAL_VENV, default
+#         ~/.cache/frugal/venv).
+# torch2: what demo installs, and what the suite compares against and uses: GoogleTest,
+#         Google Benchmark, fortunes, Chromium (the timeline page), matplotlib (the plots), and
+#         transformers, peft, safetensors and bitsandbytes in the same venv.
 # debian: LibTorch 1.13 from Debian's libtorch-dev, with OpenBLAS for its BLAS calls.
 # sanitize: what debian needs (the sanitizer build uses LibTorch 1.13; GCC brings ASan).
 set -euo pipefail
@@ -20,12 +25,14 @@ as_root() {
 }
 
 packages=(cmake ninja-build g++ make ccache python3 zlib1g-dev libfmt-dev libcli11-dev
-          nlohmann-json3-dev libgloo-dev libgtest-dev libgmock-dev libbenchmark-dev dataset-fashion-mnist
-          fortunes chromium)
+          nlohmann-json3-dev libgloo-dev dataset-fashion-mnist)
+suite=(libgtest-dev libgmock-dev libbenchmark-dev fortunes chromium)
 case "$which_builds" in
-  torch2) ;;
-  debian|sanitize|all) packages+=(libtorch-dev libopenblas0-pthread) ;;
-  *) echo "setup: unknown build '$which_builds' (torch2, debian, sanitize or all)" >&2; exit 2 ;;
+  demo) ;;
+  torch2) packages+=("${suite[@]}") ;;
+  debian|sanitize|all) packages+=("${suite[@]}" libtorch-dev libopenblas0-pthread) ;;
+  *) echo "setup: unknown build '$which_builds' (demo, torch2, debian, sanitize or all)" >&2
+     exit 2 ;;
 esac
 
 missing=()
@@ -51,9 +58,18 @@ else
     say "installing python3-venv"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q python3-venv
   fi
-  say "installing torch==$torch_version (and matplotlib for the plots) into $venv"
+  say "installing torch==$torch_version into $venv"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" matplotlib
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version"
+fi
+if [ "$which_builds" = demo ]; then
+  exit 0
+fi
+if "$venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+  say "matplotlib present in $venv"
+else
+  say "installing matplotlib (for scripts/plot_report.py) into $venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check matplotlib
 fi
 if "$venv/bin/python" -c "import transformers, peft, safetensors, bitsandbytes" 2>/dev/null; then
   say "transformers, peft, safetensors and bitsandbytes present in $venv"

@@ -9,7 +9,8 @@
   bit, and its fine-tune ends within 2 % of LoRA's loss on the bf16 base;
   with lora_dropout, from the same seed, frugal draws PEFT's masks and gives its losses
   (when the binary's LibTorch is this Python's torch), checkpointed blocks the same;
-  a truncated checkpoint and adapters of another rank are refused with a clear message.
+  a truncated checkpoint and adapters of another rank are refused with a clear message;
+  the random base fine_tune --write-base writes loads in transformers and gives frugal's logits.
 Run with the Python that has transformers and peft (scripts/setup.sh installs them).
 Usage: fine_tune_twin.py PATH/TO/fine_tune WORK_DIR [BINARY'S LIBTORCH VERSION]
 """
@@ -259,6 +260,25 @@ for name, changes, expected in [
     done = run("--base", edited_base(name, **changes), "--steps", "1", ok=False)
     check(done.returncode == 1 and expected in done.stderr,
           f"a config.json with {changes} is refused: {done.stderr.strip()[:160]}")
+# The base --write-base makes, as transformers would load it; then the fine-tune on it, as
+# the README prints it (NF4 base, adapters saved).
+tiny = os.path.join(WORK, "tiny")
+done = run("--write-base", tiny, "--embd", "32", "--layers", "2", "--heads", "2",
+           "--base-format", "nf4", "--steps", "3", "--batch", "2", "--seq", str(SEQ),
+           "--save-adapters", os.path.join(WORK, "written_adapters"))
+theirs = GPT2LMHeadModel.from_pretrained(tiny, attn_implementation="eager")
+with torch.no_grad():
+    their_logits = theirs(input_ids=batch_of(seqs, 0)[:2, :SEQ]).logits
+# NF4 changes the blocks' weights: the tiny float32 base is compared through a float32 run.
+run("--base", tiny, "--steps", "0", "--batch", "2", "--seq", str(SEQ),
+    "--dump-logits", os.path.join(WORK, "written_f32.safetensors"))
+exact = load_file(os.path.join(WORK, "written_f32.safetensors"))["before"]
+gap = (exact - their_logits).abs().max().item()
+check(theirs.config.n_layer == 2 and theirs.config.n_embd == 32 and gap <= 1e-5
+      and "wrote a random GPT-2" in done.stdout
+      and os.path.exists(os.path.join(WORK, "written_adapters", "adapter_model.safetensors")),
+      f"transformers loads the base fine_tune --write-base writes and gives its logits "
+      f"(max gap {gap:.2e}), and the NF4 fine-tune on it saves adapters")
 for flags, expected in [(["--random-base", "--heads", "0"], "heads must be >= 1, got 0"),
                         (["--random-base", "--heads", "5"], "5 heads do not divide 64"),
                         (["--seed", "-1"], "must be a whole number >= 0, got -1"),

@@ -5,6 +5,11 @@
 //   fine_tune --base gpt2-folder [--lora-rank 8] [--lora-alpha 16] [--lora-dropout 0.05]
 //             [--targets c_attn]
 //             [--base-format float32|bf16|int8|nf4] [--checkpoint] [--save-adapters out]
+//   fine_tune --write-base tiny-gpt2 [--embd 64 --layers 2 --heads 4] [as above]
+//
+// --write-base makes a GPT-2 of random weights (transformers' initialisation), writes it as
+// save_pretrained does (config.json, model.safetensors with Conv1D's layout) and fine-tunes
+// it as --base would: a base to try on a machine with no checkpoint at hand.
 //
 // nf4 is QLoRA: the frozen blocks' Linear weights in 4-bit NormalFloat, made whole in bf16
 // one block at a time; int8 keeps them as 8-bit codes.
@@ -17,6 +22,8 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -45,6 +52,7 @@ struct Args {
   std::string save_adapters;
   std::string dump_logits;
   std::string save_base;
+  std::string write_base;
   bool random_base = false;
   bool full = false;  // every parameter trains; no adapters
   std::string compute = "bf16";
@@ -74,8 +82,48 @@ void init_like_gpt2(torch::nn::Module& module) {
   }
 }
 
-int run(const Args& a) {
+// A random GPT-2 written as transformers' save_pretrained writes one: config.json and
+// model.safetensors, the Conv1D weights stored (in, out) and the tied head left out.
+void write_random_base(const std::string& dir, const fine_tune::Gpt2Config& c) {
+  c.check("--embd, --layers, --heads");
+  fine_tune::Gpt2 model(c);
+  for (std::int64_t i = 0; i < c.layers; ++i) {
+    model->add_block();
+  }
+  init_like_gpt2(*model);
+  std::filesystem::create_directories(dir);
+  frugal::io::save(dir + "/model.safetensors", *model,
+                   frugal::io::SaveOptions().transposed(frugal::io::gpt2_conv1d));
+  const nlohmann::json config = {{"model_type", "gpt2"},
+                                 {"architectures", {"GPT2LMHeadModel"}},
+                                 {"vocab_size", c.vocab},
+                                 {"n_positions", c.positions},
+                                 {"n_embd", c.embd},
+                                 {"n_layer", c.layers},
+                                 {"n_head", c.heads},
+                                 {"n_inner", nullptr},
+                                 {"layer_norm_epsilon", c.eps},
+                                 {"activation_function", "gelu_new"},
+                                 {"tie_word_embeddings", true},
+                                 {"resid_pdrop", 0.0},
+                                 {"embd_pdrop", 0.0},
+                                 {"attn_pdrop", 0.0}};
+  std::ofstream out(dir + "/config.json");
+  out << config.dump(2) << "\n";
+  if (!out.flush()) {
+    throw std::runtime_error("could not write " + dir + "/config.json");
+  }
+  fmt::print("fine_tune: wrote a random GPT-2 ({} blocks of width {}) to {}\n", c.layers, c.embd,
+             dir);
+}
+
+int run(Args a) {
   torch::manual_seed(a.seed);
+  if (!a.write_base.empty()) {  // then fine-tuned as --base would
+    write_random_base(a.write_base, a.shape);
+    a.base = a.write_base;
+    torch::manual_seed(a.seed);
+  }
   if (a.memory_cap > 0) {
     frugal::CountingAllocator::install();
     frugal::CountingAllocator::set_cap(a.memory_cap);
@@ -260,7 +308,13 @@ int main(int argc, char** argv) {
   auto* random = app.add_flag("--random-base", a.random_base,
                               "A base of random weights shaped by --embd, --layers, --heads (for "
                               "measuring what fits under --memory-cap)");
+  auto* write =
+      app.add_option("--write-base", a.write_base,
+                     "Write a GPT-2 of random weights shaped by --embd, --layers, --heads "
+                     "here, as transformers saves one, then fine-tune it as --base");
   base->excludes(random);
+  write->excludes(base);
+  write->excludes(random);
   app.add_option("--embd", a.shape.embd, "A random base's width")->capture_default_str();
   app.add_option("--layers", a.shape.layers, "A random base's blocks")->capture_default_str();
   app.add_option("--heads", a.shape.heads, "A random base's attention heads")
@@ -312,8 +366,8 @@ int main(int argc, char** argv) {
                       "of dropout's masks");
   examples::threads_flag(app, a.threads);
   return examples::parse_and_run(app, argc, argv, [&] {
-    if (a.base.empty() && !a.random_base) {
-      throw std::invalid_argument("give --base FOLDER or --random-base");
+    if (a.base.empty() && !a.random_base && a.write_base.empty()) {
+      throw std::invalid_argument("give --base FOLDER, --write-base FOLDER or --random-base");
     }
     return run(a);
   });
