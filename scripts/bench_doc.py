@@ -8,7 +8,8 @@ programs print, so that refreshing a number is a run, not an edit.
   scripts/bench_doc.py --render         write the pages from the kept outputs only
   scripts/bench_doc.py --check          exit 1 if the pages differ from what --render writes
 
-`make bench-doc` is `--run` on every entry. Run it on a quiet machine: each result records the
+`make bench-doc` is `--run` on every entry. The README's speed and memory tables are written
+from the same results, each with the machine, date and LibTorch beside it. Run it on a quiet machine: each result records the
 load average when the runs began, and the page shows it.
 """
 import argparse
@@ -27,7 +28,11 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 README = os.path.join(ROOT, "README.md")
 SPEED_BEGIN = "<!-- bench-doc: engine -->"
-SPEED_END = "<!-- /bench-doc -->"
+MEMORY_BEGIN = "<!-- bench-doc: memory -->"
+BLOCK_END = "<!-- /bench-doc -->"
+# The memory tour's rows the README shows (the page shows them all).
+README_POLICIES = ["baseline", "micro-batching", "autocast bf16", "checkpointing every block",
+                   "set_to_none", "all together", "evaluation under no_grad"]
 
 
 def entries(manifest):
@@ -59,14 +64,14 @@ def run(entry, load):
         sys.exit(f"bench_doc: {entry['id']} exited {done.returncode}:\n{done.stderr[-2000:]}")
     lines = done.stdout.splitlines()
     data = [line for line in lines if line.startswith("{")]
-    if not data:
+    if not data and entry.get("json", True):
         sys.exit(f"bench_doc: {entry['id']} printed no JSON line")
     table = [line for line in lines if line.startswith("|")]
     summary = next((line for line in lines if line.strip() and not line.startswith(("|", "{"))),
                    "")
     result = {"id": entry["id"], "build": entry["build"],
               "command": " ".join(entry["command"]), "summary": summary,
-              "table": table, "json": json.loads(data[-1]),
+              "table": table, "json": json.loads(data[-1]) if data else {},
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
               "machine": machine(), "load_before": round(load, 2)}
     os.makedirs(RESULTS, exist_ok=True)
@@ -96,7 +101,7 @@ def page(manifest):
            "Each table is a benchmark program's own output, kept in `docs/results/` with its",
            "command, build, machine, date and the load average when its runs began. To refresh them:",
            "`make bench-doc` (runs every entry of `bench/doc.json`, then writes this page and the",
-           "README's speed table); `scripts/bench_doc.py --run ID` runs one. Back to the",
+           "README's speed and memory tables); `scripts/bench_doc.py --run ID` runs one. Back to the",
            "[README](../README.md).", ""]
     for section in manifest["sections"]:
         out += [f"## {section['title']}", "", textwrap.fill(section["about"], 92), ""]
@@ -121,27 +126,58 @@ def page(manifest):
     return "\n".join(out)
 
 
+def provenance(results):
+    """Where and when the results were measured, for the line beside a README table."""
+    machines = sorted({r["machine"] for r in results})
+    dates = sorted({r["date"] for r in results})
+    versions = sorted({libtorch(r) for r in results})
+    when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return (f"*Measured {when} on {'; '.join(machines)}; LibTorch {', '.join(versions)} "
+            f"(`make bench-doc`, [benchmarks](docs/benchmarks.md)).*")
+
+
 def speed_table(manifest):
+    results = []
     rows = ["| model | LibTorch | threads | hand-written (ms/step) | frugal::Trainer | "
             "frugal::Loop | Loop ratio |", "|---|---|---|---|---|---|---|"]
     for _, entry in entries(manifest):
         result = kept(entry)
         if result is None or result["json"].get("bench") != "engine_overhead":
             continue
+        results.append(result)
         j = result["json"]
         rows.append(f"| Fashion-MNIST {j['model'].upper()}, batch 64 | {libtorch(result)} | "
                     f"{j['threads']} | {j['hand_ms']:.3f} | {j['engine_ms']:.3f} "
                     f"({j['ratio']:.3f}) | {j['loop_ms']:.3f} | **{j['loop_ratio']:.3f}** |")
-    return "\n".join(rows)
+    return "\n".join(rows + ["", provenance(results)] if results else rows)
+
+
+def memory_table(manifest):
+    result = next((kept(e) for _, e in entries(manifest) if e["id"] == "memory-tour-torch2"), None)
+    if result is None:
+        return "Not run yet: `scripts/bench_doc.py --run memory-tour-torch2`."
+    rows = ["| policy | peak | x | allocated after the step | x |", "|---|---|---|---|---|"]
+    for line in result["table"][2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if any(cells[0].startswith(p) for p in README_POLICIES) and not cells[0].startswith(
+                "all together +"):
+            rows.append("| " + " | ".join(cells[:5]) + " |")
+    return "\n".join(rows + ["", provenance([result])])
+
+
+def replace_block(text, begin_mark, body):
+    begin = text.find(begin_mark)
+    end = text.find(BLOCK_END, begin)
+    if begin < 0 or end < begin:
+        sys.exit(f"bench_doc: README.md lacks the {begin_mark} ... {BLOCK_END} block")
+    return text[:begin + len(begin_mark)] + "\n" + body + "\n" + text[end:]
 
 
 def readme(manifest):
     with open(README) as f:
         text = f.read()
-    begin, end = text.find(SPEED_BEGIN), text.find(SPEED_END)
-    if begin < 0 or end < begin:
-        sys.exit(f"bench_doc: README.md lacks the {SPEED_BEGIN} ... {SPEED_END} block")
-    return text[:begin + len(SPEED_BEGIN)] + "\n" + speed_table(manifest) + "\n" + text[end:]
+    text = replace_block(text, SPEED_BEGIN, speed_table(manifest))
+    return replace_block(text, MEMORY_BEGIN, memory_table(manifest))
 
 
 def main():
@@ -180,7 +216,7 @@ def main():
         for path, text in written.items():
             with open(path, "w") as f:
                 f.write(text)
-        print("bench_doc: wrote docs/benchmarks.md and README.md's speed table")
+        print("bench_doc: wrote docs/benchmarks.md and README.md's speed and memory tables")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Every relative link of README.md and docs/*.md leads somewhere: the file exists and, where
 the link names a section (#anchor), the page has a heading with that anchor (GitHub's
 rule: lower case, punctuation dropped, spaces to hyphens). And every row of every table has
-the columns of its header.
+the columns of its header, and every test a page names (`Suite.Case`, of a suite the tests
+define; the history pages aside, which tell what was) is a test of tests/.
 
     python3 docs_links.py SOURCE_DIR
 """
@@ -44,18 +45,41 @@ def table_errors(page, text):
     return bad
 
 
+def defined_tests(root):
+    """The GoogleTest cases of tests/, by suite."""
+    suites = {}
+    for folder, _, files in os.walk(os.path.join(root, "tests")):
+        for name in files:
+            if name.endswith(".cpp"):
+                text = open(os.path.join(folder, name), encoding="utf-8").read()
+                for suite, case in re.findall(r"\bTEST(?:_F|_P)?\(\s*(\w+),\s*(\w+)\)", text):
+                    suites.setdefault(suite, set()).add(case)
+    return suites
+
+
+def test_errors(page, text, suites):
+    bad = []
+    for suite, case in re.findall(r"`([A-Z]\w+)\.([A-Z]\w+)`", text):
+        if suite in suites and case not in suites[suite]:
+            bad.append(f"{page}: `{suite}.{case}`: no such test in tests/")
+    return bad
+
+
 def main(root):
     pages = [os.path.join(root, "README.md")]
     docs = os.path.join(root, "docs")
     pages += sorted(os.path.join(docs, p) for p in os.listdir(docs) if p.endswith(".md"))
     bad = []
     checked = 0
+    suites = defined_tests(root)
     for page in pages:
         text = open(page, encoding="utf-8").read()
         # Code is neither links nor tables (kept as empty lines, so that lines keep their numbers).
         text = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text,
                       flags=re.S | re.M)
         bad += table_errors(os.path.relpath(page, root), text)
+        if "history" not in os.path.basename(page):
+            bad += test_errors(os.path.relpath(page, root), text, suites)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
                 continue

@@ -75,6 +75,20 @@ for name in ["weights", "gradients", "optimizer state", "activations", "other",
         held.append(name)
 check(drawn == held, f"areas drawn {drawn}, categories recorded {held}")
 check(len(re.findall(r'class="legend-item"', dom)) == len(held), "a legend entry an area")
+# The legend gives each category's bytes at the peak; they add up to the probe's peak.
+parts = [int(b) for b in re.findall(r'class="legend-item" data-bytes="(\d+)"', dom)]
+shown = re.search(r'class="sum" data-bytes="(\d+)"', dom)
+check(len(parts) == len(held) and sum(parts) == expected["peak_bytes"] and shown is not None
+      and int(shown.group(1)) == expected["peak_bytes"],
+      f"the legend's parts at the peak ({parts}) add up to the probe's peak "
+      f"({expected['peak_bytes']}), and its sum says so")
+# The phases drawn as a band under the areas: each phase the events happened in, and no other.
+bands = re.findall(r'class="phase" data-phase="([^"]+)"', dom)
+phases = {e["at"] for e in recorded["events"]}
+check(bands and set(bands) == phases,
+      f"the band shows the phases {sorted(set(bands))}, the events' {sorted(phases)}")
+check(re.search(r'value="time" checked', dom) is not None and "time since the recording began" in dom,
+      "the x axis is time unless the reader chooses the order of events")
 check('class="peak"' in dom and 'class="oom"' in dom, "the peak and the refusal are marked")
 shot = os.path.join(work, "page.png")
 subprocess.run([chromium, *flags, f"--screenshot={shot}", page], check=True,

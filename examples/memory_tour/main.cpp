@@ -220,9 +220,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     fmt::print("memory_tour: residual MLP, {} blocks, width {}, hidden {}, batch {}, SGD with "
-               "momentum (unless the row says), {} steps each, {}, {} threads, LibTorch {}.{}\n\n",
+               "momentum (unless the row says), {} steps each, {}, {} threads, LibTorch {}.{}.{}\n\n",
                a.blocks, a.width, a.hidden, a.batch, a.steps, device.str(),
-               torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR);
+               torch::get_num_threads(), TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR,
+               TORCH_VERSION_PATCH);
     fmt::print("| policy | peak | x | allocated after step | x | time (ms) | x | note |\n");
     fmt::print("|---|---|---|---|---|---|---|---|\n");
     for (const auto& r : rows) {

@@ -1,5 +1,6 @@
-// A recording as a self-contained HTML page: the bytes of each category stacked over the
-// events, each event's block on hover, the peak and any refused allocation marked.
+// A recording as a self-contained HTML page: the bytes of each category stacked over time
+// (or the order of events), the phase of each event as a band under them, each event's block
+// on hover, the peak's parts in the legend, the peak and any refused allocation marked.
 #include "timeline.h"
 
 #include <fmt/format.h>
@@ -85,8 +86,8 @@ void write_timeline_html(const Recording& r, std::ostream& out) {
                          : e.action == EventAction::Free ? "free"
                                                          : "refused";
     rows.push_back({e.seq, e.time_us, p.bytes, action, e.bytes, to_string(e.category),
-                    e.unit < 0 ? "" : r.units[static_cast<std::size_t>(e.unit)],
-                    to_string(e.phase)});
+                    e.unit < 0 ? "" : r.units[static_cast<std::size_t>(e.unit)], to_string(e.phase),
+                    to_string(e.at)});
   }
   auto refused = nlohmann::json::array();
   for (std::size_t i = 0; i < points.size(); ++i) {
