@@ -32,7 +32,8 @@ MEMORY_BEGIN = "<!-- bench-doc: memory -->"
 BLOCK_END = "<!-- /bench-doc -->"
 # The memory tour's rows the README shows (the page shows them all).
 README_POLICIES = ["baseline", "micro-batching", "autocast bf16", "checkpointing every block",
-                   "set_to_none", "all together", "evaluation under no_grad"]
+                   "set_to_none", "all together", "evaluation with grad",
+                   "evaluation under no_grad"]
 
 
 def entries(manifest):
