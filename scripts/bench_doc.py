@@ -56,11 +56,15 @@ def machine():
 
 
 def run(entry, load):
-    binary = os.path.join(ROOT, "build", entry["build"], entry["command"][0])
-    if not os.path.exists(binary):
-        sys.exit(f"bench_doc: {entry['id']}: {binary} is not built (make build-{entry['build']})")
-    done = subprocess.run([binary] + entry["command"][1:], cwd=ROOT, capture_output=True,
-                          text=True)
+    if entry.get("runner") == "python":  # a Python twin, run by the venv's Python from ROOT
+        venv = os.environ.get("FRUGAL_VENV", os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "frugal", "venv"))
+        argv = [os.path.join(venv, "bin", "python"), os.path.join(ROOT, entry["command"][0])]
+    else:
+        argv = [os.path.join(ROOT, "build", entry["build"], entry["command"][0])]
+    if not os.path.exists(argv[0]):
+        sys.exit(f"bench_doc: {entry['id']}: {argv[0]} is not there (make build-{entry['build']})")
+    done = subprocess.run(argv + entry["command"][1:], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_doc: {entry['id']} exited {done.returncode}:\n{done.stderr[-2000:]}")
     lines = done.stdout.splitlines()
@@ -91,7 +95,7 @@ def kept(entry):
 
 
 def libtorch(result):
-    found = re.search(r"LibTorch (\d+\.\d+\.\d+)", result["summary"])
+    found = re.search(r"LibTorch \(?(\d+\.\d+\.\d+)", result["summary"])
     return found.group(1) if found else "?"
 
 
