@@ -67,13 +67,19 @@ flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
 dom = subprocess.run([chromium, *flags, "--dump-dom", page], check=True, capture_output=True,
                      text=True, timeout=120).stdout
 drawn = re.findall(r'class="area" data-category="([^"]+)"', dom)
+# The parts, then the names given with name_memory (a peak group "(name)"), each its own area.
+names = [g["module"][1:-1] for g in recorded["peak"]["groups"]
+         if g["module"].startswith("(") and g["module"] != "(alive before the recording)"]
 held = []
 for name in ["weights", "gradients", "optimizer state", "activations", "other",
              "weights (materialised)"]:
     if any(e["category"] == name for e in recorded["events"]) or any(
-            g["category"] == name for g in recorded["peak"]["groups"]):
+            g["category"] == name and g["module"][1:-1] not in names
+            for g in recorded["peak"]["groups"]):
         held.append(name)
-check(drawn == held, f"areas drawn {drawn}, categories recorded {held}")
+held += names
+check("data set" in names, f"the step's batch is named: {names}")
+check(drawn == held, f"areas drawn {drawn}, categories and names recorded {held}")
 check(len(re.findall(r'class="legend-item"', dom)) == len(held), "a legend entry an area")
 # The legend gives each category's bytes at the peak; they add up to the probe's peak.
 parts = [int(b) for b in re.findall(r'class="legend-item" data-bytes="(\d+)"', dom)]

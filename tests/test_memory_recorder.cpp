@@ -19,6 +19,7 @@
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/ledger.h"
 #include "frugal/memory/memory_cap.h"
+#include "frugal/memory/memory_names.h"
 #include "frugal/memory/probe.h"
 #include "frugal/memory/recorder.h"
 #include "frugal/nn/checkpoint.h"
@@ -413,6 +414,8 @@ TEST(MemoryRecorderFiles, AStepForTheViewers) {
   torch::optim::Adam adam(model->parameters(), 1e-3);
   frugal::Trainer trainer(model, adam, cross_entropy);
   const auto batch = batch_of(128);
+  frugal::name_memory(batch.inputs, "data set");  // the page draws it as a part of its own
+  frugal::name_memory(batch.targets, "data set");
   trainer.step(batch);
   frugal::MemoryProbe probe;
   frugal::MemoryRecorder recorder;

@@ -13,10 +13,64 @@
 #include "frugal/error.h"
 #include "frugal/memory/counting_allocator.h"
 #include "frugal/memory/format.h"
+#include "frugal/memory/memory_names.h"
 #include "module_tensors.h"
 #include "recorder_impl.h"
 
 namespace frugal {
+
+namespace {
+
+// The named storages: each held weakly, so a name dies with its storage.
+struct NamedStorage {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::string name;
+};
+
+std::mutex& names_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+std::vector<NamedStorage>& named_storages() {
+  static std::vector<NamedStorage> names;
+  return names;
+}
+
+}  // namespace
+
+// The storages still alive, with their names; the dead ones forgotten.
+detail::NamedStorages detail::live_names() {
+  std::lock_guard<std::mutex> lock(names_mutex());
+  auto& names = named_storages();
+  std::vector<std::pair<c10::Storage, std::string>> alive;
+  std::vector<NamedStorage> kept;
+  for (auto& n : names) {
+    auto strong = n.storage.lock();
+    if (strong) {
+      alive.emplace_back(c10::Storage(std::move(strong)), n.name);
+      kept.push_back(std::move(n));
+    }
+  }
+  names = std::move(kept);
+  return alive;
+}
+
+void name_memory(const torch::Tensor& tensor, const std::string& name) {
+  FRUGAL_CHECK(!name.empty(), "frugal: name_memory needs a name, got an empty one");
+  FRUGAL_CHECK(tensor.defined() && tensor.has_storage(), "frugal: name_memory('", name,
+               "'): the tensor ", tensor.defined() ? "has no storage" : "is undefined");
+  const auto& storage = tensor.storage();
+  std::lock_guard<std::mutex> lock(names_mutex());
+  auto& names = named_storages();
+  for (auto& n : names) {
+    if (n.storage.lock().get() == storage.unsafeGetStorageImpl()) {
+      n.name = name;
+      return;
+    }
+  }
+  names.push_back(NamedStorage{storage.getWeakStorageImpl(), name});
+}
 
 MemoryRecorderOptions& MemoryRecorderOptions::capacity(std::int64_t events) {
   FRUGAL_CHECK(events > 0, "frugal: a memory recorder keeps at least 1 event, got ", events);
@@ -47,6 +101,9 @@ MemoryRecorder::Impl::Impl(MemoryRecorderOptions options) : options_(std::move(o
 void MemoryRecorder::Impl::watch(const torch::nn::Module& module,
                                  const torch::optim::Optimizer* optimizer,
                                  const std::string& prefix) {
+  // Taken before the lock and let go after it: the last reference to a storage may free it,
+  // which this recorder records.
+  const auto names = detail::live_names();
   std::lock_guard<std::mutex> lock(mutex);
   for (const auto& item : module.named_modules(prefix)) {
     const auto* m = item.value().get();
@@ -60,17 +117,18 @@ void MemoryRecorder::Impl::watch(const torch::nn::Module& module,
     }
   }
   watched_.push_back({&module, optimizer});
-  classify_locked();
+  classify_locked(names);
 }
 
 void MemoryRecorder::Impl::classify() {
+  const auto names = detail::live_names();  // let go after the lock, as in watch()
   std::lock_guard<std::mutex> lock(mutex);
   if (recording_) {
-    classify_locked();
+    classify_locked(names);
   }
 }
 
-void MemoryRecorder::Impl::classify_locked() {
+void MemoryRecorder::Impl::classify_locked(const detail::NamedStorages& names) {
   std::unordered_set<std::uintptr_t> seen;
   auto to_category = [](detail::LedgerPart part) {
     switch (part) {
@@ -86,9 +144,7 @@ void MemoryRecorder::Impl::classify_locked() {
     detail::for_each_ledger_tensor(
         w.module->parameters(), w.module->buffers(), w.optimizer,
         [&](const torch::Tensor& t, detail::LedgerPart part) {
-          if (!t.defined() || !t.has_storage() ||
-              (device_ < 0 ? !t.device().is_cpu()
-                           : !t.device().is_cuda() || t.device().index() != device_)) {
+          if (!t.defined() || !t.has_storage() || !recorded_device(t.device())) {
             return;
           }
           const auto& ptr = t.storage().data_ptr();
@@ -99,35 +155,84 @@ void MemoryRecorder::Impl::classify_locked() {
           const auto category = to_category(part);
           auto it = live_.find(address);
           if (it == live_.end()) {
-            const auto bytes = block_bytes(t);
+            const auto bytes = block_bytes(t.storage());
             if (bytes < 0) {
               return;  // not the recorded allocator's
             }
             unattributed_ -= bytes;  // alive since before the recording: identified now
-            live_[address] = detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, category};
+            live_[address] = detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, category, -1};
             return;
           }
           if (it->second.category == MemoryCategory::MaterialisedWeights) {
             return;  // a unit's parameter while it is whole: its store holds the weights
           }
           it->second.category = category;
+          it->second.label = -1;
           const auto seq = it->second.seq;
           if (kept(seq)) {
             event(seq).category = category;
+            event(seq).label = -1;
           }
         });
   }
+  name_blocks_locked(names);
 }
 
-std::int64_t MemoryRecorder::Impl::block_bytes(const torch::Tensor& t) const {
+bool MemoryRecorder::Impl::recorded_device(const c10::Device& device) const {
+  return device_ < 0 ? device.is_cpu() : device.is_cuda() && device.index() == device_;
+}
+
+std::int64_t MemoryRecorder::Impl::block_bytes(const c10::Storage& storage) const {
   if (device_ < 0) {
-    return detail::counted_bytes(t.storage().data_ptr());
+    return detail::counted_bytes(storage.data_ptr());
   }
 #ifdef FRUGAL_WITH_CUDA
-  return compat::cuda_block_bytes(static_cast<std::int64_t>(t.storage().nbytes()));
+  return compat::cuda_block_bytes(static_cast<std::int64_t>(storage.nbytes()));
 #else
   return -1;
 #endif
+}
+
+std::int32_t MemoryRecorder::Impl::label_index(const std::string& name) {
+  const auto it = std::find(labels_.begin(), labels_.end(), name);
+  if (it != labels_.end()) {
+    return static_cast<std::int32_t>(it - labels_.begin());
+  }
+  labels_.push_back(name);
+  return static_cast<std::int32_t>(labels_.size() - 1);
+}
+
+void MemoryRecorder::Impl::name_blocks_locked(const detail::NamedStorages& names) {
+  for (const auto& [storage, name] : names) {
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data_ptr().get());
+    if (address == 0 || !recorded_device(storage.device())) {
+      continue;
+    }
+    const auto label = label_index(name);
+    auto it = live_.find(address);
+    if (it == live_.end()) {
+      const auto bytes = block_bytes(storage);
+      if (bytes < 0) {
+        continue;  // not the recorded allocator's
+      }
+      unattributed_ -= bytes;  // alive since before the recording: named now
+      live_[address] =
+          detail::LiveBlock{bytes, -1, -1, MemoryPhase::Other, MemoryCategory::Other, label};
+      continue;
+    }
+    auto& block = it->second;
+    if (block.category == MemoryCategory::Weights || block.category == MemoryCategory::Gradients ||
+        block.category == MemoryCategory::OptimizerState ||
+        block.category == MemoryCategory::MaterialisedWeights) {
+      continue;  // a watched tensor keeps its part
+    }
+    block.category = MemoryCategory::Other;
+    block.label = label;
+    if (kept(block.seq)) {
+      event(block.seq).category = MemoryCategory::Other;
+      event(block.seq).label = label;
+    }
+  }
 }
 
 MemoryPeak MemoryRecorder::Impl::peak_locked() const {
@@ -142,7 +247,7 @@ MemoryPeak MemoryRecorder::Impl::peak_locked() const {
       live.erase(e.address);
     } else if (e.action == detail::EventAction::Free) {
       if (e.known) {
-        live[e.address] = detail::LiveBlock{e.bytes, -2, e.unit, e.phase, e.category};
+        live[e.address] = detail::LiveBlock{e.bytes, -2, e.unit, e.phase, e.category, e.label};
       } else {
         unattributed += e.bytes;
       }
@@ -163,7 +268,13 @@ MemoryPeak MemoryRecorder::Impl::peak_locked() const {
     peak.bytes += bytes;
   };
   for (const auto& [address, block] : live) {
-    add(block.category, block.unit, block.bytes);
+    if (block.label >= 0) {  // a named block: its name for a unit
+      add(MemoryCategory::Other, -3 - block.label, block.bytes);
+      groups[{MemoryCategory::Other, -3 - block.label}].module =
+          "(" + labels_[static_cast<std::size_t>(block.label)] + ")";
+    } else {
+      add(block.category, block.unit, block.bytes);
+    }
   }
   if (unattributed != 0) {
     add(MemoryCategory::Other, -2, unattributed);
@@ -191,6 +302,7 @@ detail::Recording MemoryRecorder::Impl::recording() const {
   }
   r.dropped = dropped_;
   r.units = units_;
+  r.labels = labels_;
   r.live = live_;
   r.unattributed = unattributed_;
   r.start_bytes = start_bytes_;

@@ -115,7 +115,7 @@ void MemoryRecorder::Impl::on_device(const detail::DeviceEvent& e) {
 void MemoryRecorder::Impl::alloc_locked(const void* data, std::int64_t bytes,
                                         std::int64_t allocated) {
   const auto& e = push(detail::EventAction::Alloc, data, bytes, allocated);
-  live_[e.address] = detail::LiveBlock{bytes, e.seq, e.unit, e.phase, e.category};
+  live_[e.address] = detail::LiveBlock{bytes, e.seq, e.unit, e.phase, e.category, -1};
   end_bytes_ = allocated;
   if (allocated > peak_bytes_) {
     peak_bytes_ = allocated;
@@ -134,6 +134,7 @@ void MemoryRecorder::Impl::free_locked(const void* data, std::int64_t bytes,
     e.phase = it->second.phase;
     e.category = it->second.category;
     e.unit = it->second.unit;
+    e.label = it->second.label;
     live_.erase(it);
   }
   end_bytes_ = allocated;
@@ -179,20 +180,23 @@ void MemoryRecorder::Impl::start() {
                  ": this LibTorch was built without CUDA");
 #endif
   }
+  const auto names = detail::live_names();  // let go after the lock (see watch)
   std::lock_guard<std::mutex> lock(mutex);
   detail::set_allocation_observer(this);  // one at a time: an error if one records already
   start_ = std::chrono::steady_clock::now();
   start_bytes_ = end_bytes_ = peak_bytes_ = unattributed_ = device_allocated_ = allocated;
   recording_ = true;
+  name_blocks_locked(names);
 }
 
 void MemoryRecorder::Impl::stop() {
   {
+    const auto names = detail::live_names();  // let go after the lock (see watch)
     std::lock_guard<std::mutex> lock(mutex);
     if (!recording_) {
       return;
     }
-    classify_locked();
+    classify_locked(names);
     recording_ = false;
   }
   detail::set_allocation_observer(nullptr);  // waits for calls in flight

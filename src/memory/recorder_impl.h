@@ -32,6 +32,7 @@ struct MemoryEvent {
   MemoryPhase at = MemoryPhase::Other;     // the thread's when the event happened
   MemoryCategory category = MemoryCategory::Other;
   bool known = true;  // a free of a block the recording knew (not one alive before it, unseen)
+  std::int32_t label = -1;  // index into the names (name_memory); -1: none
 };
 
 /// A block alive now that the recording knows: allocated while it ran (seq >= 0) or alive
@@ -42,6 +43,7 @@ struct LiveBlock {
   std::int32_t unit = -1;
   MemoryPhase phase = MemoryPhase::Other;
   MemoryCategory category = MemoryCategory::Other;
+  std::int32_t label = -1;  // index into the names; -1: none
 };
 
 /// The recording as the writers read it: taken under the recorder's lock.
@@ -49,6 +51,7 @@ struct Recording {
   std::vector<MemoryEvent> events;  // oldest first
   std::int64_t dropped = 0;
   std::vector<std::string> units;
+  std::vector<std::string> labels;                     // the names of named blocks (name_memory)
   std::unordered_map<std::uintptr_t, LiveBlock> live;  // at the end
   std::int64_t unattributed = 0;  // bytes alive before the recording and never identified
   std::int64_t start_bytes = 0;
@@ -56,6 +59,10 @@ struct Recording {
   MemoryPeak peak;
   int device = -1;  // the CUDA device recorded; -1: the CPU
 };
+
+/// The storages name_memory named that are still alive, with their names.
+using NamedStorages = std::vector<std::pair<c10::Storage, std::string>>;
+NamedStorages live_names();
 
 /// The recording written as PyTorch's snapshot dictionary, pickled (protocol 2).
 void write_snapshot(const Recording& recording, std::ostream& out);
@@ -117,9 +124,14 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   void alloc_locked(const void* data, std::int64_t bytes, std::int64_t allocated);
   void free_locked(const void* data, std::int64_t bytes, std::int64_t allocated);
   void refused(std::int64_t requested, std::int64_t allocated, std::int64_t cap);
-  // The bytes of a watched tensor's block alive since before the recording, or -1 when the
-  // recorded allocator did not make it.
-  std::int64_t block_bytes(const torch::Tensor& tensor) const;
+  // The bytes of a watched or named storage's block alive since before the recording, or -1
+  // when the recorded allocator did not make it.
+  std::int64_t block_bytes(const c10::Storage& storage) const;
+  // Whether a storage is the recorded device's.
+  bool recorded_device(const c10::Device& device) const;
+  // The named storages' blocks: labelled (and counted under their name).
+  void name_blocks_locked(const detail::NamedStorages& names);
+  std::int32_t label_index(const std::string& name);
   // Event `seq`'s slot in the ring; whether it still holds event `seq` (seq >= 0).
   detail::MemoryEvent& event(std::int64_t seq) {
     return ring_[static_cast<std::size_t>(seq % options_.capacity())];
@@ -130,7 +142,7 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   bool kept(std::int64_t seq) const { return seq >= 0 && seq >= next_seq_ - size_; }
   // Whether every event after the peak is still in the ring (the peak can be rebuilt).
   bool peak_kept() const { return next_seq_ - peak_seq_ - 1 <= size_; }
-  void classify_locked();
+  void classify_locked(const detail::NamedStorages& names);
   MemoryPeak peak_locked() const;
 
   struct Watched {
@@ -148,6 +160,7 @@ class MemoryRecorder::Impl final : public detail::AllocationObserver {
   std::int64_t unattributed_ = 0;
   std::int64_t end_bytes_ = 0;
   std::vector<std::string> units_;
+  std::vector<std::string> labels_;
   std::unordered_map<const torch::nn::Module*, std::int32_t> unit_of_;
   std::vector<Watched> watched_;
 };

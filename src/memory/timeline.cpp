@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -24,16 +25,26 @@ std::size_t index_of(MemoryCategory c) { return static_cast<std::size_t>(c); }
 std::vector<TimelinePoint> timeline_points(const Recording& r) {
   // The bytes of each category before the first event kept: the blocks alive at the end
   // with every kept event undone, and the bytes alive before the recording unidentified.
+  // The first kNamed names are counted apart too, as part of `Other`.
   std::array<std::int64_t, kCategories> totals{};
+  std::array<std::int64_t, kNamed> named{};
+  auto add_named = [&named](std::int32_t label, std::int64_t bytes) {
+    if (label >= 0 && static_cast<std::size_t>(label) < kNamed) {
+      named[static_cast<std::size_t>(label)] += bytes;
+    }
+  };
   for (const auto& [address, block] : r.live) {
     totals[index_of(block.category)] += block.bytes;
+    add_named(block.label, block.bytes);
   }
   totals[index_of(MemoryCategory::Other)] += r.unattributed;
   for (auto it = r.events.rbegin(); it != r.events.rend(); ++it) {
     if (it->action == EventAction::Alloc) {
       totals[index_of(it->category)] -= it->bytes;
+      add_named(it->label, -it->bytes);
     } else if (it->action == EventAction::Free) {
       totals[index_of(it->known ? it->category : MemoryCategory::Other)] += it->bytes;
+      add_named(it->label, it->bytes);
     }
   }
   std::vector<TimelinePoint> points;
@@ -42,10 +53,12 @@ std::vector<TimelinePoint> timeline_points(const Recording& r) {
     const auto& e = r.events[i];
     if (e.action == EventAction::Alloc) {
       totals[index_of(e.category)] += e.bytes;
+      add_named(e.label, e.bytes);
     } else if (e.action == EventAction::Free) {
       totals[index_of(e.known ? e.category : MemoryCategory::Other)] -= e.bytes;
+      add_named(e.label, -e.bytes);
     }
-    points.push_back({i, totals});
+    points.push_back({i, totals, named});
   }
   return points;
 }
@@ -75,17 +88,29 @@ std::vector<TimelinePoint> thin(const std::vector<TimelinePoint>& points, std::s
 
 void write_timeline_html(const Recording& r, std::ostream& out) {
   const auto points = thin(timeline_points(r), kMostPoints);
+  // The page's parts: the categories, then the first names, each out of `Other`.
   auto categories = nlohmann::json::array();
   for (std::size_t c = 0; c < kCategories; ++c) {
     categories.push_back(to_string(static_cast<MemoryCategory>(c)));
   }
+  const auto names = std::min(kNamed, r.labels.size());
+  for (std::size_t n = 0; n < names; ++n) {
+    categories.push_back(r.labels[n]);
+  }
   auto rows = nlohmann::json::array();
   for (const auto& p : points) {
     const auto& e = r.events[p.event];
+    std::vector<std::int64_t> parts(p.bytes.begin(), p.bytes.end());
+    for (std::size_t n = 0; n < names; ++n) {
+      parts[index_of(MemoryCategory::Other)] -= p.named[n];
+      parts.push_back(p.named[n]);
+    }
     const char* action = e.action == EventAction::Alloc  ? "alloc"
                          : e.action == EventAction::Free ? "free"
                                                          : "refused";
-    rows.push_back({e.seq, e.time_us, p.bytes, action, e.bytes, to_string(e.category),
+    rows.push_back({e.seq, e.time_us, parts, action, e.bytes,
+                    e.label >= 0 ? r.labels[static_cast<std::size_t>(e.label)]
+                                 : std::string(to_string(e.category)),
                     e.unit < 0 ? "" : r.units[static_cast<std::size_t>(e.unit)], to_string(e.phase),
                     to_string(e.at)});
   }

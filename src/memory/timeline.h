@@ -14,9 +14,13 @@ namespace frugal::detail {
 /// MemoryCategory's values.
 inline constexpr std::size_t kCategories = 6;
 
+/// The names (name_memory) that have a column of their own; the rest stay in `Other`.
+inline constexpr std::size_t kNamed = 4;
+
 struct TimelinePoint {
   std::size_t event = 0;                          // index into Recording::events
   std::array<std::int64_t, kCategories> bytes{};  // by MemoryCategory, after the event
+  std::array<std::int64_t, kNamed> named{};       // the first names' bytes, part of `Other`
   std::int64_t total() const {
     return std::accumulate(bytes.begin(), bytes.end(), std::int64_t{0});
   }

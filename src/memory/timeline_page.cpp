@@ -39,7 +39,8 @@ body { font: 14px sans-serif; margin: 16px; color: #222; }
 const char* timeline_page_script() {
   return R"js(
 (function () {
-  const colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac", "#76b7b2"];
+  const colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#bab0ac", "#76b7b2",
+                  "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];  // the parts, then the names
   const phaseColors = {"forward": "#9ecae1", "backward": "#fdae6b", "recompute": "#c7e9c0",
                        "optimizer step": "#bcbddc", "zeroing": "#fdd0a2", "evaluation": "#d9d9d9",
                        "other": "#f0f0f0"};
