@@ -9,8 +9,8 @@ programs print, so that refreshing a number is a run, not an edit.
   scripts/bench_doc.py --check          exit 1 if the pages differ from what --render writes
 
 `make bench-doc` is `--run` on every entry. The README's speed and memory tables are written
-from the same results, each with the machine, date and LibTorch beside it. Run it on a quiet machine: each result records the
-load average when the runs began, and the page shows it.
+from the same results, each with the machine, date and LibTorch beside it. Run it on a quiet
+machine: each result records the load average when the runs began, and the page shows it.
 """
 import argparse
 import datetime
@@ -30,7 +30,8 @@ README = os.path.join(ROOT, "README.md")
 SPEED_BEGIN = "<!-- bench-doc: engine -->"
 MEMORY_BEGIN = "<!-- bench-doc: memory -->"
 BLOCK_END = "<!-- /bench-doc -->"
-# The memory tour's rows the README shows (the page shows them all).
+# The memory tour's rows the README shows, by policy name less its note in parentheses (the
+# page shows them all).
 README_POLICIES = ["baseline", "micro-batching", "autocast bf16", "checkpointing every block",
                    "set_to_none", "all together", "evaluation with grad",
                    "evaluation under no_grad"]
@@ -164,8 +165,7 @@ def memory_table(manifest):
     rows = ["| policy | peak | x | allocated after the step | x |", "|---|---|---|---|---|"]
     for line in result["table"][2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if any(cells[0].startswith(p) for p in README_POLICIES) and not cells[0].startswith(
-                "all together +"):
+        if re.sub(r" \(.*\)$", "", cells[0]) in README_POLICIES:
             rows.append("| " + " | ".join(cells[:5]) + " |")
     return "\n".join(rows + ["", provenance([result])])
 

@@ -27,8 +27,7 @@ def figures(text):
 
 
 def blocks(readme):
-    """The README's tables and paragraphs outside code and generated blocks, each with the
-    lines that come right before it (a table's introduction)."""
+    """The README's tables and paragraphs, in order, outside code and generated blocks."""
     text = re.sub(r"^```.*?^```", "", readme, flags=re.S | re.M)
     text = re.sub(r"<!-- bench-doc: \w+ -->.*?<!-- /bench-doc -->", "", text, flags=re.S)
     return [b for b in re.split(r"\n\s*\n", text) if b.strip()]

@@ -43,11 +43,11 @@ std::vector<NamedStorage>& named_storages() {
 detail::NamedStorages detail::live_names() {
   std::lock_guard<std::mutex> lock(names_mutex());
   auto& names = named_storages();
-  std::vector<std::pair<c10::Storage, std::string>> alive;
+  detail::NamedStorages alive;
   std::vector<NamedStorage> kept;
   for (auto& n : names) {
-    auto strong = n.storage.lock();
-    if (strong) {
+    // Locked once: a storage another thread lets go of between a check and a lock is gone.
+    if (auto strong = n.storage.lock()) {
       alive.emplace_back(c10::Storage(std::move(strong)), n.name);
       kept.push_back(std::move(n));
     }
@@ -221,10 +221,8 @@ void MemoryRecorder::Impl::name_blocks_locked(const detail::NamedStorages& names
       continue;
     }
     auto& block = it->second;
-    if (block.category == MemoryCategory::Weights || block.category == MemoryCategory::Gradients ||
-        block.category == MemoryCategory::OptimizerState ||
-        block.category == MemoryCategory::MaterialisedWeights) {
-      continue;  // a watched tensor keeps its part
+    if (block.category != MemoryCategory::Activations && block.category != MemoryCategory::Other) {
+      continue;  // a watched tensor (or a unit's whole weights) keeps its part
     }
     block.category = MemoryCategory::Other;
     block.label = label;

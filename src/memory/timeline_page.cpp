@@ -92,7 +92,7 @@ const char* timeline_page_script() {
   });
 
   let byTime = true;
-  let x = () => left;
+  let x;  // the x of point i: set by draw() for the axis chosen
   const draw = () => {
     while (svg.firstChild) svg.removeChild(svg.firstChild);
     const el = (name, attrs) => {
